@@ -1,0 +1,438 @@
+"""AttentionConfig: the attention keys of a DeepSeek-V4.1 ``config.json``, validated, and the
+per-layer roles derived from them (SPEC §1, §8).
+
+One source of truth: every shape, role, RoPE table and weight name elsewhere in the package is
+derived from an ``AttentionConfig`` and a layer id.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+SEMANTICS = ("fixed", "reference")
+
+
+class ConfigError(ValueError):
+    """An inconsistent or incomplete attention config; the message names the field."""
+
+
+class Role(str, enum.Enum):
+    """The CSA2 layer mode (SPEC §1.2)."""
+
+    SWA = "SWA"  # ratio 0: window attention only
+    FULL = "Full"  # KV source: compressor, index keys, own indexer
+    REINDEX = "Reindex"  # index source, not a KV source: own indexer over its source's keys
+    REUSE = "Reuse"  # ratio > 0, neither: source's compressed rows and top-k
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Everything about layer ``layer`` that follows from the config (no weights, no state).
+
+    ``kv_source``/``index_source`` are the layers whose compressed rows / top-k this layer uses
+    (itself for sources; None for SWA). ``weight_prefix`` is the checkpoint name prefix.
+    """
+
+    layer: int
+    role: Role
+    ratio: int
+    kv_source: int | None
+    index_source: int | None
+    is_candidate_source: bool
+    is_candidate_consumer: bool
+    rope_base: float
+    yarn: bool
+    is_draft: bool
+    weight_prefix: str
+
+    @property
+    def is_kv_source(self) -> bool:
+        return self.role is Role.FULL
+
+    @property
+    def is_index_source(self) -> bool:
+        return self.role in (Role.FULL, Role.REINDEX)
+
+    @property
+    def has_gate(self) -> bool:
+        """KV sources with ratio > 1 pool their groups with a learned per-channel gate."""
+        return self.is_kv_source and self.ratio > 1
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """The V4.1 attention hyper-parameters, with inference-code names (HF names in SPEC §8).
+
+    ``compress_ratios`` has ``n_layers + n_mtp_layers`` entries (draft layers last, ratio 0).
+    ``max_seq_len`` bounds positions (HF ``max_position_embeddings``); results do not depend on
+    it. ``index_semantics`` picks the §10.1 behaviour: "fixed" (default: a KV source publishes
+    its own index keys before scoring) or "reference" (DeepSeek's code as it is).
+    """
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    window_size: int
+    compress_ratios: tuple[int, ...]
+    kv_source_layers: tuple[int, ...]
+    index_source_layers: tuple[int, ...]
+    candidate_source_layer: int
+    candidate_topk_blocks: int
+    candidate_block_size: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    n_mtp_layers: int = 0
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_factor: float = 16.0
+    original_seq_len: int = 65536
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    norm_eps: float = 1e-20
+    max_seq_len: int = 4096
+    weight_block_size: int = 32
+    index_semantics: str = "fixed"
+    layer_specs: tuple[LayerSpec, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("compress_ratios", "kv_source_layers", "index_source_layers"):
+            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+        self._validate()
+        specs = tuple(self._derive(layer) for layer in range(self.n_layers + self.n_mtp_layers))
+        object.__setattr__(self, "layer_specs", specs)
+
+    # ---- derived quantities -------------------------------------------------------------
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    @property
+    def index_weight_scale(self) -> float:
+        """``index_head_dim^-0.5 · index_n_heads^-0.5`` (1/64 for V4.1-Flash, exact)."""
+        return self.index_head_dim ** -0.5 * self.index_n_heads ** -0.5
+
+    @property
+    def candidates_enabled(self) -> bool:
+        return self.candidate_source_layer >= 0
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.n_heads // self.o_groups
+
+    def layer(self, layer: int) -> LayerSpec:
+        """The spec of backbone layer ``layer`` (0..n_layers-1) or draft layer (n_layers..)."""
+        if not 0 <= layer < len(self.layer_specs):
+            raise ConfigError(
+                f"layer {layer} out of range: this config has layers 0..{len(self.layer_specs) - 1}"
+            )
+        return self.layer_specs[layer]
+
+    def kv_src(self, layer: int) -> int | None:
+        """The largest KV source <= layer (None if there is none)."""
+        return max((s for s in self.kv_source_layers if s <= layer), default=None)
+
+    def idx_src(self, layer: int) -> int | None:
+        """The largest index source <= layer (None if there is none)."""
+        return max((s for s in self.index_source_layers if s <= layer), default=None)
+
+    def replace(self, **changes: Any) -> "AttentionConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, source: "str | os.PathLike | Mapping[str, Any]", **overrides: Any) -> "AttentionConfig":
+        """Build from a HF ``config.json``: a path to the file, a checkpoint directory holding
+        it, or the parsed dict. V4.1 keeps the text model under ``text_config``; a flat dict
+        (as in the fixtures) is accepted too. ``overrides`` use inference names."""
+        if isinstance(source, Mapping):
+            raw = dict(source)
+        else:
+            path = os.fspath(source)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise ConfigError(f"config file not found: {path}")
+            with open(path) as f:
+                raw = json.load(f)
+        text = dict(raw.get("text_config", raw))
+        return cls(**{**_from_hf_keys(text), **overrides})
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF ``config.json`` dict (text model under ``text_config``) that round-trips."""
+        text = {
+            "hidden_size": self.dim,
+            "num_hidden_layers": self.n_layers,
+            "num_nextn_predict_layers": self.n_mtp_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": 1,
+            "head_dim": self.head_dim,
+            "qk_rope_head_dim": self.rope_head_dim,
+            "q_lora_rank": self.q_lora_rank,
+            "o_groups": self.o_groups,
+            "o_lora_rank": self.o_lora_rank,
+            "sliding_window": self.window_size,
+            "compress_ratios": list(self.compress_ratios),
+            "kv_source_layer_ids": list(self.kv_source_layers),
+            "index_source_layer_ids": list(self.index_source_layers),
+            "candidate_source_layer_id": self.candidate_source_layer,
+            "candidate_topk_blocks": self.candidate_topk_blocks,
+            "candidate_block_size": self.candidate_block_size,
+            "index_n_heads": self.index_n_heads,
+            "index_head_dim": self.index_head_dim,
+            "index_topk": self.index_topk,
+            "rope_theta": self.rope_theta,
+            "compress_rope_theta": self.compress_rope_theta,
+            "rope_scaling": {
+                "type": "yarn",
+                "rope_type": "yarn",
+                "factor": self.rope_factor,
+                "original_max_position_embeddings": self.original_seq_len,
+                "beta_fast": self.beta_fast,
+                "beta_slow": self.beta_slow,
+            },
+            "rms_norm_eps": self.norm_eps,
+            "max_position_embeddings": self.max_seq_len,
+            "quantization_config": {
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "scale_fmt": "ue8m0",
+                "weight_block_size": [self.weight_block_size, self.weight_block_size],
+            },
+        }
+        return {"model_type": "deepseek_v41", "text_config": text}
+
+    # ---- internals -------------------------------------------------------------------------
+    def _derive(self, layer: int) -> LayerSpec:
+        ratio = self.compress_ratios[layer]
+        is_draft = layer >= self.n_layers
+        if ratio == 0:
+            role = Role.SWA
+        elif layer in self.kv_source_layers:
+            role = Role.FULL
+        elif layer in self.index_source_layers:
+            role = Role.REINDEX
+        else:
+            role = Role.REUSE
+        cand = self.candidates_enabled
+        prefix = f"mtp.{layer - self.n_layers}.attn." if is_draft else f"layers.{layer}.attn."
+        return LayerSpec(
+            layer=layer,
+            role=role,
+            ratio=ratio,
+            kv_source=None if ratio == 0 else self.kv_src(layer),
+            index_source=None if ratio == 0 else self.idx_src(layer),
+            is_candidate_source=cand and layer == self.candidate_source_layer,
+            is_candidate_consumer=cand
+            and layer in self.index_source_layers
+            and layer > self.candidate_source_layer,
+            rope_base=self.compress_rope_theta if ratio > 0 else self.rope_theta,
+            yarn=ratio > 0,
+            is_draft=is_draft,
+            weight_prefix=prefix,
+        )
+
+    def _validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        for name in (
+            "dim", "n_layers", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_groups",
+            "o_lora_rank", "window_size", "index_n_heads", "index_head_dim", "index_topk",
+            "max_seq_len", "weight_block_size",
+        ):
+            v = getattr(self, name)
+            need(isinstance(v, int) and v >= 1, f"{name} must be a positive integer, got {v!r}")
+        need(self.n_mtp_layers >= 0, f"n_mtp_layers must be >= 0, got {self.n_mtp_layers}")
+        blk = self.weight_block_size
+        need(blk == 32, f"weight_block_size must be 32 (V4.1 fp8 32x32 blocks), got {blk}")
+        need(self.index_semantics in SEMANTICS,
+             f"index_semantics must be one of {SEMANTICS}, got {self.index_semantics!r}")
+        need(self.n_heads % self.o_groups == 0,
+             f"n_heads={self.n_heads} is not divisible by o_groups={self.o_groups}")
+        need(self.rope_head_dim % 2 == 0,
+             f"rope_head_dim={self.rope_head_dim} must be even (interleaved pairs)")
+        need(self.rope_head_dim <= self.head_dim,
+             f"rope_head_dim={self.rope_head_dim} exceeds head_dim={self.head_dim}")
+        need(self.rope_head_dim <= self.index_head_dim,
+             f"rope_head_dim={self.rope_head_dim} exceeds index_head_dim={self.index_head_dim}")
+        # Quantisation blocks: fp8 act-quant (32) on every fp8 GEMM input and on the window KV;
+        # fp4 blocks of 16 on compressed latents and 32 on index q/k.
+        for name, v in (("dim", self.dim), ("q_lora_rank", self.q_lora_rank),
+                        ("head_dim", self.head_dim), ("index_head_dim", self.index_head_dim),
+                        ("o_groups*o_lora_rank", self.o_groups * self.o_lora_rank)):
+            need(v % 32 == 0, f"{name}={v} must be a multiple of 32 (the fp8/fp4 quant block)")
+        n_all = self.n_layers + self.n_mtp_layers
+        need(len(self.compress_ratios) == n_all,
+             f"compress_ratios has {len(self.compress_ratios)} entries, expected n_layers + "
+             f"n_mtp_layers = {self.n_layers} + {self.n_mtp_layers} = {n_all}")
+        for i, r in enumerate(self.compress_ratios):
+            need(isinstance(r, int) and r >= 0, f"compress_ratios[{i}]={r!r} must be an integer >= 0")
+            if i >= self.n_layers:
+                need(r == 0, f"compress_ratios[{i}]={r}: draft layers run window attention only (ratio 0)")
+        for name in ("kv_source_layers", "index_source_layers"):
+            ids = getattr(self, name)
+            need(list(ids) == sorted(set(ids)), f"{name}={list(ids)} must be sorted and unique")
+            for s in ids:
+                need(0 <= s < self.n_layers, f"{name} entry {s} is not a backbone layer 0..{self.n_layers - 1}")
+                need(self.compress_ratios[s] > 0,
+                     f"{name} entry {s} has compress ratio 0; a source must compress (ratio > 0)")
+        for s in self.kv_source_layers:
+            need(s in self.index_source_layers,
+                 f"KV source layer {s} is not in index_source_layers={list(self.index_source_layers)}: "
+                 "a KV source makes index keys and must run its indexer")
+        for layer in range(self.n_layers):
+            r = self.compress_ratios[layer]
+            if r == 0:
+                continue
+            src = self.kv_src(layer)
+            need(src is not None,
+                 f"layer {layer} has compress ratio {r} but no KV source at or before it "
+                 f"(kv_source_layers={list(self.kv_source_layers)})")
+            need(self.compress_ratios[src] == r,
+                 f"layer {layer} has ratio {r} but its KV source {src} has ratio "
+                 f"{self.compress_ratios[src]}: a KV-sharing group must share one ratio")
+        c = self.candidate_source_layer
+        if c >= 0:
+            need(c < self.n_layers, f"candidate_source_layer={c} is not a backbone layer")
+            need(c in self.index_source_layers,
+                 f"candidate_source_layer={c} is not in index_source_layers={list(self.index_source_layers)}")
+            need(self.candidate_topk_blocks >= 1 and self.candidate_block_size >= 1,
+                 f"candidate_topk_blocks={self.candidate_topk_blocks} and candidate_block_size="
+                 f"{self.candidate_block_size} must be >= 1")
+            need(self.candidate_topk_blocks * self.candidate_block_size >= self.index_topk,
+                 f"candidate_topk_blocks*candidate_block_size = {self.candidate_topk_blocks}*"
+                 f"{self.candidate_block_size} < index_topk={self.index_topk}: consumers could "
+                 "select fewer than index_topk visible rows")
+            for s in self.index_source_layers:
+                if s > c:
+                    need(self.compress_ratios[s] == self.compress_ratios[c],
+                         f"candidate consumer {s} has ratio {self.compress_ratios[s]} but the "
+                         f"candidate source {c} has ratio {self.compress_ratios[c]}: the mask "
+                         "widths would differ")
+
+
+def _from_hf_keys(text: Mapping[str, Any]) -> dict[str, Any]:
+    """Map HF ``text_config`` keys to inference names; missing required keys are an error."""
+    required = {
+        "hidden_size": "dim",
+        "num_hidden_layers": "n_layers",
+        "num_attention_heads": "n_heads",
+        "head_dim": "head_dim",
+        "qk_rope_head_dim": "rope_head_dim",
+        "q_lora_rank": "q_lora_rank",
+        "o_groups": "o_groups",
+        "o_lora_rank": "o_lora_rank",
+        "sliding_window": "window_size",
+        "compress_ratios": "compress_ratios",
+        "kv_source_layer_ids": "kv_source_layers",
+        "index_source_layer_ids": "index_source_layers",
+        "index_n_heads": "index_n_heads",
+        "index_head_dim": "index_head_dim",
+        "index_topk": "index_topk",
+    }
+    missing = [k for k in required if k not in text]
+    if missing:
+        raise ConfigError(f"config.json lacks required attention keys: {', '.join(missing)}")
+    out: dict[str, Any] = {name: text[key] for key, name in required.items()}
+    kv_heads = text.get("num_key_value_heads", 1)
+    if kv_heads != 1:
+        raise ConfigError(f"num_key_value_heads={kv_heads}: V4.1 attention has one shared KV head (1)")
+    out["candidate_source_layer"] = int(text.get("candidate_source_layer_id", -1))
+    out["candidate_topk_blocks"] = int(text.get("candidate_topk_blocks", 0))
+    out["candidate_block_size"] = int(text.get("candidate_block_size", 1))
+    n_ratios = len(text["compress_ratios"])
+    out["n_mtp_layers"] = int(text.get("num_nextn_predict_layers", n_ratios - text["num_hidden_layers"]))
+    for key, name in (("rope_theta", "rope_theta"), ("compress_rope_theta", "compress_rope_theta")):
+        if key in text:
+            out[name] = float(text[key])
+    if "rms_norm_eps" in text:
+        out["norm_eps"] = float(text["rms_norm_eps"])
+    if "max_position_embeddings" in text:
+        out["max_seq_len"] = int(text["max_position_embeddings"])
+    scaling = text.get("rope_scaling") or {}
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type", "yarn"))
+        if kind != "yarn":
+            raise ConfigError(f"rope_scaling type {kind!r} is not supported; V4.1 uses 'yarn'")
+        out["rope_factor"] = float(scaling.get("factor", 16.0))
+        out["original_seq_len"] = int(scaling.get("original_max_position_embeddings", 65536))
+        out["beta_fast"] = float(scaling.get("beta_fast", 32.0))
+        out["beta_slow"] = float(scaling.get("beta_slow", 1.0))
+    quant = text.get("quantization_config") or {}
+    if quant:
+        block = list(quant.get("weight_block_size", [32, 32]))
+        if block[0] != block[1]:
+            raise ConfigError(f"quantization_config.weight_block_size={block} must be square")
+        out["weight_block_size"] = int(block[0])
+        fmt = quant.get("scale_fmt", "ue8m0")
+        if fmt != "ue8m0":
+            raise ConfigError(f"quantization_config.scale_fmt={fmt!r}: expected 'ue8m0'")
+    return out
+
+
+def _v41_flash() -> AttentionConfig:
+    return AttentionConfig(
+        dim=5120, n_layers=40, n_mtp_layers=3, n_heads=64, head_dim=512, rope_head_dim=64,
+        q_lora_rank=1280, o_groups=8, o_lora_rank=1024, window_size=128,
+        compress_ratios=(0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0),
+        kv_source_layers=(2, 8, 14, 20), index_source_layers=(2, 8, 14, 20, 24, 28, 32, 36),
+        candidate_source_layer=20, candidate_topk_blocks=2048, candidate_block_size=8,
+        index_n_heads=32, index_head_dim=128, index_topk=512, max_seq_len=1048576,
+    )
+
+
+def _tiny() -> AttentionConfig:
+    # Every role: 0 SWA, 1 Full r2, 2 Reuse r2, 3 Full r1 + candidate source, 4 Reuse r1,
+    # 5 Reindex (candidate consumer), 6 Reuse, 7 Reindex, 8 draft (SWA).
+    return AttentionConfig(
+        dim=64, n_layers=8, n_mtp_layers=1, n_heads=8, head_dim=32, rope_head_dim=8,
+        q_lora_rank=32, o_groups=2, o_lora_rank=16, window_size=8,
+        compress_ratios=(0, 2, 2, 1, 1, 1, 1, 1, 0),
+        kv_source_layers=(1, 3), index_source_layers=(1, 3, 5, 7),
+        candidate_source_layer=3, candidate_topk_blocks=3, candidate_block_size=2,
+        index_n_heads=4, index_head_dim=32, index_topk=4, max_seq_len=4096,
+    )
+
+
+PRESETS = {"v41-flash": _v41_flash, "tiny": _tiny}
+
+
+def preset(name: str, **overrides: Any) -> AttentionConfig:
+    """A built-in config: ``v41-flash`` (the real V4.1-Flash values) or ``tiny``."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    cfg = PRESETS[name]()
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def load_config(source: str, **overrides: Any) -> AttentionConfig:
+    """A preset name, a ``config.json`` path or a checkpoint directory."""
+    if source in PRESETS:
+        return preset(source, **overrides)
+    return AttentionConfig.from_hf(source, **overrides)
+
+
+def yarn_correction_range(cfg: AttentionConfig, base: float) -> tuple[int, int]:
+    """(low, high) frequency-pair indices of the YaRN ramp (SPEC §2.5): (15, 25) for V4.1."""
+    dim = cfg.rope_head_dim
+
+    def corr(rotations: float) -> float:
+        return dim * math.log(cfg.original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    return max(math.floor(corr(cfg.beta_fast)), 0), min(math.ceil(corr(cfg.beta_slow)), dim - 1)
