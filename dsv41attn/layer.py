@@ -1,0 +1,230 @@
+"""One V4.1 attention layer's forward (SPEC §4), readable top to bottom.
+
+The layer holds only its config, spec and weights; every cache lives in the caller's
+``AttentionState`` and everything published between layers of one forward step lives in the
+``Step`` (``stack.py``). The flow mirrors the reference ``Attention.forward``:
+
+  query path -> window K/V and the ring -> [compressor -> indexer] -> sparse attention with
+  sink -> inverse RoPE -> grouped wo_a -> wo_b
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .cache import AttentionState, StateError
+from .checkpoint import LayerWeights, expected_tensors
+from .config import AttentionConfig
+from .ops.common.norm import rms_norm
+from .ops.common.quant import fp8_fake_quant, index_fp4_fake_quant, latent_fp4_fake_quant
+from .ops.common.rope import apply_rope, rope_frequencies, rope_rotations
+from .ops.common.window import (ring_write, window_indices_chunk, window_indices_decode,
+                                window_indices_prefill)
+from .ops.compressor.reference import compress
+from .ops.indexer.reference import (index_scores, mask_invisible, select_candidate_blocks,
+                                    select_topk)
+from .ops.linear.reference import fp8_linear, linear
+from .ops.sparse_attn.reference import sparse_attn
+
+if TYPE_CHECKING:
+    from .stack import Step
+
+
+class AttentionLayer:
+    """Layer ``weights.layer`` of ``cfg`` with its weights; stateless between calls."""
+
+    def __init__(self, cfg: AttentionConfig, weights: LayerWeights):
+        self.cfg = cfg
+        self.spec = cfg.layer(weights.layer)
+        self.weights = weights
+        _check_weights(cfg, weights)
+        self.freqs = rope_frequencies(cfg, self.spec)  # [rope_head_dim/2] fp32
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.attn_sink.device
+
+    def forward(self, x: torch.Tensor, state: AttentionState, step: "Step") -> torch.Tensor:
+        """x: [b, m, dim] bf16, the inputs of the sequences ``step.rows`` of ``state`` at
+        positions ``step.start_pos ..``; returns [b, m, dim] bf16. Updates this layer's ring
+        (and, for a KV source, its compressed rows, index keys and open group) and publishes
+        what later layers of the step need. Bad input raises before any state changes."""
+        cfg, spec, w = self.cfg, self.spec, self.weights
+        self._check_call(x, state, step)
+        b, m, _ = x.shape
+        p0, rows = step.start_pos, step.rows
+        pos = p0 + torch.arange(m, device=x.device)  # [m]
+        rot = rope_rotations(self.freqs, pos)  # [m, R/2] complex64
+
+        # Query path (§4.1).
+        qr = rms_norm(fp8_linear(x, w.wq_a.weight, w.wq_a.scale), w.q_norm, cfg.norm_eps)
+        q = fp8_linear(qr, w.wq_b.weight, w.wq_b.scale).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+        q = apply_rope(q, rot.unsqueeze(1))  # [b, m, H, D]
+
+        # Window K/V (§4.2): norm -> RoPE -> fp8 fake quant, then the ring.
+        kv = rms_norm(fp8_linear(x, w.wkv.weight, w.wkv.scale), w.kv_norm, cfg.norm_eps)
+        kv = fp8_fake_quant(apply_rope(kv, rot))  # [b, m, D]
+        layer_state = state.layers[spec.layer]
+        ring = layer_state.window[rows]  # [b, W, D]
+        new_ring = ring_write(ring, kv, p0)
+        kv_rows, idx = self._window(kv, ring, new_ring, p0, m)
+
+        if spec.ratio > 0:
+            offset = kv_rows.shape[1]
+            compressed, selected = self._compressed(x, qr, state, step)
+            kv_rows = torch.cat([kv_rows, compressed], dim=1)
+            idx = torch.cat([idx, torch.where(selected >= 0, selected + offset, -1)], dim=-1)
+
+        o = sparse_attn(q, kv_rows, w.attn_sink, idx, cfg.softmax_scale)  # [b, m, H, D]
+
+        # Inverse RoPE and the grouped output projection (§4.6).
+        o = apply_rope(o, rot.unsqueeze(1), inverse=True)
+        wo_a = w.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
+        u = torch.einsum("bmgd,grd->bmgr", o.reshape(b, m, cfg.o_groups, -1), wo_a)
+        y = fp8_linear(u.flatten(2), w.wo_b.weight, w.wo_b.scale)
+
+        layer_state.window[rows] = new_ring
+        layer_state.positions[rows] = p0 + m
+        step.mark_done(spec.layer)
+        return y
+
+    __call__ = forward
+
+    # ---- the window part -----------------------------------------------------------------
+    def _window(self, kv, ring, new_ring, p0: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(KV rows [b, n_win, D], window indices [b, m, w_win] int32) for the three call kinds."""
+        win, b = self.cfg.window_size, kv.shape[0]
+        if p0 == 0:
+            idx = window_indices_prefill(m, win, kv.device)
+            return kv, idx.expand(b, -1, -1)
+        if m == 1:
+            pos = torch.full((b,), p0, device=kv.device)
+            return new_ring, window_indices_decode(pos, win).unsqueeze(1)
+        idx = window_indices_chunk(p0, m, win, kv.device)
+        return torch.cat([ring, kv], dim=1), idx.expand(b, -1, -1)
+
+    # ---- compressed rows and their selection (§4.3, §4.4) --------------------------------
+    def _compressed(self, x, qr, state: AttentionState, step: "Step"):
+        """Compressed rows [b, n_total, D] and the selected row numbers [b, m, k] (-1 pad)."""
+        cfg, spec, w = self.cfg, self.spec, self.weights
+        b, m, _ = x.shape
+        p0, rows, r = step.start_pos, step.rows, spec.ratio
+        n_total = (p0 + m) // r
+        if spec.is_kv_source:
+            self._run_compressor(x, state, step)
+        source = state.sources[spec.kv_source]
+        compressed = source.rows[rows, :n_total]
+
+        if not spec.is_index_source:
+            return compressed, step.topk(spec.index_source)
+        if n_total == 0:
+            selected = torch.empty(b, m, 0, dtype=torch.int32, device=x.device)
+            step.publish_topk(spec.layer, selected)
+            return compressed, selected
+
+        pos = p0 + torch.arange(m, device=x.device)
+        rot = rope_rotations(self.freqs, pos)
+        q_index = fp8_linear(qr, w.index_wq_b.weight, w.index_wq_b.scale)
+        q_index = q_index.unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+        q_index = index_fp4_fake_quant(apply_rope(q_index, rot.unsqueeze(1)))
+        head_weights = linear(x, w.index_weights_proj) * cfg.index_weight_scale  # [b, m, I]
+        keys = state.sources[step.index_key_layer(spec)].index_keys[rows, :n_total]
+        scores = index_scores(q_index, head_weights, keys)  # [b, m, n_total] bf16
+        visible = ((pos + 1) // r).expand(b, m)
+        scores = mask_invisible(scores, visible)
+        if spec.is_candidate_source:
+            step.publish_candidates(select_candidate_blocks(
+                scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size))
+        if spec.is_candidate_consumer:
+            scores = scores.masked_fill(~step.candidates(n_total), float("-inf"))
+        selected = select_topk(scores, visible, cfg.index_topk)
+        step.publish_topk(spec.layer, selected)
+        return compressed, selected
+
+    def _run_compressor(self, x, state: AttentionState, step: "Step") -> None:
+        """KV source: pool completed groups, then index keys from the pre-RoPE latent, then
+        the rotated, fp4-quantised latent into the compressed rows (SPEC §10.10)."""
+        cfg, spec, w = self.cfg, self.spec, self.weights
+        p0, rows, r = step.start_pos, step.rows, spec.ratio
+        source = state.sources[spec.layer]
+        latent, open_kv, open_score = compress(
+            x, p0, r, w.compressor_wkv, w.compressor_wgate, w.compressor_norm, cfg.norm_eps,
+            None if source.open_kv is None else source.open_kv[rows],
+            None if source.open_score is None else source.open_score[rows])
+        if open_kv is not None:
+            source.open_kv[rows] = open_kv
+            source.open_score[rows] = open_score
+        if latent is not None:
+            g0 = p0 // r
+            g = g0 + torch.arange(latent.shape[1], device=x.device)
+            rot = rope_rotations(self.freqs, g * r)  # a group stands for its first token
+            keys = rms_norm(linear(latent, w.index_wk), w.index_k_norm, cfg.norm_eps)
+            keys = index_fp4_fake_quant(apply_rope(keys, rot))
+            source.index_keys[rows[:, None], g[None, :]] = keys
+            source.rows[rows[:, None], g[None, :]] = latent_fp4_fake_quant(apply_rope(latent, rot))
+        step.publish_index_keys(spec.layer, produced=latent is not None)
+
+    # ---- validation, before anything is written ------------------------------------------
+    def _check_call(self, x: torch.Tensor, state: AttentionState, step: "Step") -> None:
+        cfg, spec = self.cfg, self.spec
+        if state.config is not cfg and state.config != cfg:
+            raise StateError("the state was allocated for a different AttentionConfig")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"x must be bfloat16, got {x.dtype}")
+        if x.dim() != 3 or x.shape[0] != step.rows.numel() or x.shape[2] != cfg.dim:
+            raise ValueError(f"x must have shape [b={step.rows.numel()}, m, dim={cfg.dim}], "
+                             f"got {list(x.shape)}")
+        if x.device != state.device or x.device != self.device:
+            raise ValueError(f"x is on {x.device}, the state on {state.device} and the "
+                             f"weights on {self.device}: they must agree")
+        if spec.layer not in state.layers:
+            raise StateError(f"layer {spec.layer} has no caches in this state "
+                             f"(allocated for layers {sorted(state.layers)})")
+        if spec.kv_source is not None and spec.kv_source not in state.sources:
+            raise StateError(f"layer {spec.layer} needs KV source {spec.kv_source}, which has "
+                             "no caches in this state")
+        m = x.shape[1]
+        if not 1 <= m <= state.max_tokens_per_call:
+            raise ValueError(f"m={m} tokens outside 1..{state.max_tokens_per_call}")
+        if m != step.tokens:
+            raise ValueError(f"x has m={m} tokens but the step was opened for {step.tokens}")
+        seen = state.layers[spec.layer].positions[step.rows]
+        if bool((seen != step.start_pos).any()):
+            raise StateError(
+                f"layer {spec.layer}: sequences {step.rows.tolist()} are at positions "
+                f"{seen.tolist()}, but this step starts at {step.start_pos}: positions must "
+                "neither skip nor repeat")
+        if step.start_pos + m > state.capacity:
+            raise StateError(f"positions {step.start_pos}..{step.start_pos + m - 1} exceed the "
+                             f"cache capacity of {state.capacity} positions")
+        step.check_can_run(spec)
+
+
+def _check_weights(cfg: AttentionConfig, w: LayerWeights) -> None:
+    """Mismatched config and weights: every tensor's shape must be what the config implies."""
+    expected = expected_tensors(cfg, w.layer)
+    found = {
+        "wq_a.weight": w.wq_a.weight, "wq_b.weight": w.wq_b.weight, "wkv.weight": w.wkv.weight,
+        "wo_b.weight": w.wo_b.weight, "q_norm.weight": w.q_norm, "kv_norm.weight": w.kv_norm,
+        "wo_a.weight": w.wo_a, "attn_sink": w.attn_sink,
+        "compressor.wkv.weight": w.compressor_wkv, "compressor.wgate.weight": w.compressor_wgate,
+        "compressor.norm.weight": w.compressor_norm, "indexer.wk.weight": w.index_wk,
+        "indexer.k_norm.weight": w.index_k_norm,
+        "indexer.wq_b.weight": None if w.index_wq_b is None else w.index_wq_b.weight,
+        "indexer.weights_proj.weight": w.index_weights_proj,
+    }
+    prefix = cfg.layer(w.layer).weight_prefix
+    for name, tensor in found.items():
+        want = expected.get(name)
+        if want is None and tensor is not None:
+            raise ValueError(f"{prefix}{name}: the config gives layer {w.layer} no such tensor "
+                             f"(role {cfg.layer(w.layer).role.value}), but the weights have one")
+        if want is not None:
+            if tensor is None:
+                raise ValueError(f"{prefix}{name}: missing for layer {w.layer}")
+            if tuple(tensor.shape) != tuple(want[1]):
+                raise ValueError(f"{prefix}{name}: the config expects shape {list(want[1])}, "
+                                 f"the weights have {list(tensor.shape)}")

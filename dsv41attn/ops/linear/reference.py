@@ -1,0 +1,54 @@
+"""The linears of the layer (SPEC §2.1): fp8 e4m3 weights with ue8m0 32x32 block scales, fed by
+fp8 act-quantised activations; bf16 and fp32 weights through plain F.linear.
+
+Rounding points of the fp8 GEMM: each 32-wide K block is summed exactly and rounded once to
+fp32, scaled by the activation and weight block scales (powers of two: exact), and the blocks
+are accumulated in fp32 in K order. The output is bf16.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..common.quant import FP8_BLOCK, act_quant
+
+
+def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+             weight_scale: torch.Tensor, max_rows: int = 256) -> torch.Tensor:
+    """Blockwise-scaled fp8 GEMM.
+
+    x_q: [M, K] fp32 holding e4m3 values; x_scale: [M, K/32] fp32; weight: [N, K]
+    float8_e4m3fn; weight_scale: [ceil(N/32), ceil(K/32)] float8_e8m0fnu. Returns [M, N] fp32.
+    """
+    m, k = x_q.shape
+    n = weight.shape[0]
+    blk = FP8_BLOCK
+    w = weight.to(torch.float64)  # e4m3 products are exact in fp64, and so are 32-term sums
+    w_scale = weight_scale.float().repeat_interleave(blk, dim=0)[:n]  # [N, KB]
+    out = torch.empty(m, n, dtype=torch.float32, device=x_q.device)
+    for r0 in range(0, m, max_rows):
+        xs = x_q[r0:r0 + max_rows].to(torch.float64)
+        sx = x_scale[r0:r0 + max_rows]
+        acc = torch.zeros(xs.shape[0], n, dtype=torch.float32, device=x_q.device)
+        for kb in range(k // blk):
+            part = (xs[:, kb * blk:(kb + 1) * blk] @ w[:, kb * blk:(kb + 1) * blk].T).float()
+            acc = acc + part * sx[:, kb:kb + 1] * w_scale[:, kb]
+        out[r0:r0 + max_rows] = acc
+    return out
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """y = x W^T for an fp8 weight: act_quant(x) then the blockwise fp8 GEMM.
+
+    x: [..., K] bf16; weight [N, K] e4m3; weight_scale [ceil(N/32), ceil(K/32)] e8m0.
+    Returns [..., N] bf16.
+    """
+    lead = x.shape[:-1]
+    x_q, s = act_quant(x.reshape(-1, x.shape[-1]))
+    y = fp8_gemm(x_q, s, weight, weight_scale)
+    return y.to(torch.bfloat16).reshape(*lead, weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """bf16 or fp32 weight: plain F.linear in the weight's dtype (fp32 accumulation)."""
+    return F.linear(x.to(weight.dtype), weight)
