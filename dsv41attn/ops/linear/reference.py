@@ -14,7 +14,7 @@ from ..common.quant import FP8_BLOCK, act_quant
 
 
 def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
-             weight_scale: torch.Tensor, max_rows: int = 256) -> torch.Tensor:
+             weight_scale: torch.Tensor, max_rows: int = 64) -> torch.Tensor:
     """Blockwise-scaled fp8 GEMM.
 
     x_q: [M, K] fp32 holding e4m3 values; x_scale: [M, K/32] fp32; weight: [N, K]
@@ -29,11 +29,14 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     for r0 in range(0, m, max_rows):
         xs = x_q[r0:r0 + max_rows].to(torch.float64)
         sx = x_scale[r0:r0 + max_rows]
-        acc = torch.zeros(xs.shape[0], n, dtype=torch.float32, device=x_q.device)
+        acc = out[r0:r0 + max_rows]
         for kb in range(k // blk):
             part = (xs[:, kb * blk:(kb + 1) * blk] @ w[:, kb * blk:(kb + 1) * blk].T).float()
-            acc = acc + part * sx[:, kb:kb + 1] * w_scale[:, kb]
-        out[r0:r0 + max_rows] = acc
+            part.mul_(sx[:, kb:kb + 1]).mul_(w_scale[:, kb])  # powers of two: exact
+            if kb == 0:
+                acc.copy_(part)
+            else:
+                acc.add_(part)
     return out
 
 

@@ -1,0 +1,537 @@
+"""Checkpoint tensors of the attention layers (SPEC §8): what each layer must hold, lazy sharded
+loading with validation, exact fp8 block dequantisation, and a synthetic checkpoint writer.
+
+Names are those of the HF checkpoint: ``layers.{L}.attn.*`` for backbone layers and
+``mtp.{S}.attn.*`` for draft layers (``LayerSpec.weight_prefix``). FP8 matrices are
+``float8_e4m3fn`` with a sibling ``.scale`` in ``float8_e8m0fnu``, one power of two per 32x32
+block: ``W[n, k] = fp8[n, k] * scale[n // 32, k // 32]``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+from contextlib import ExitStack
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Iterable, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import AttentionConfig, LayerSpec
+
+FP8 = torch.float8_e4m3fn
+SCALE = torch.float8_e8m0fnu
+FP8_MAX = 448.0
+BLOCK = 32  # fp8 weight block edge (AttentionConfig requires weight_block_size == 32)
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+PROGRESS_AUTO_BYTES = 256 * 2**20
+
+# safetensors header dtype names -> torch dtypes (read-only).
+_ST_DTYPES = MappingProxyType({
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "U8": torch.uint8, "BOOL": torch.bool,
+})
+
+Meta = tuple  # (torch.dtype | str, tuple[int, ...])
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not hold what the config says; the message names the tensor."""
+
+
+@dataclass(frozen=True, eq=False)  # tensors have no single truth value: identity equality
+class Fp8Weight:
+    """A block-quantised matrix as stored in the checkpoint.
+
+    ``weight``: float8_e4m3fn [N, K]. ``scale``: float8_e8m0fnu [ceil(N/32), ceil(K/32)], the
+    power-of-two scale of each 32x32 block (the last row/column of blocks may be partial).
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.weight.dtype != FP8 or self.scale.dtype != SCALE or self.weight.dim() != 2:
+            raise CheckpointError(
+                f"Fp8Weight needs a 2-D float8_e4m3fn weight and a float8_e8m0fnu scale, got "
+                f"{_fmt(self.weight.dtype, self.weight.shape)} and {_fmt(self.scale.dtype, self.scale.shape)}"
+            )
+        n, k = self.weight.shape
+        blocks = (-(-n // BLOCK), -(-k // BLOCK))
+        if tuple(self.scale.shape) != blocks:
+            raise CheckpointError(f"Fp8Weight scale for a [{n}, {k}] weight must be "
+                                  f"{_fmt(SCALE, blocks)}, got {_fmt(SCALE, self.scale.shape)}")
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.weight) + _nbytes(self.scale)
+
+    def dequantize(self) -> torch.Tensor:
+        """bf16 [N, K]: ``fp8 * scale`` per 32x32 block. Exact: an e4m3 value times a power of
+        two has at most 4 significant bits, which bf16 holds."""
+        n, k = self.weight.shape
+        full = self.scale.float().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:n, :k]
+        return (self.weight.float() * full).to(torch.bfloat16)
+
+    def to(self, device: torch.device | str) -> "Fp8Weight":
+        return Fp8Weight(self.weight.to(device), self.scale.to(device))
+
+
+def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
+    """Quantise ``w`` (float [N, K]) to e4m3 with ue8m0 block scales, as the fixtures were made:
+    per block ``scale = 2^ceil(log2(max(amax, 1e-30) / 448))``, ``q = clamp(w / scale, ±448)``."""
+    block_size = BLOCK
+    w = w.float()
+    n, k = w.shape
+    nb, kb = -(-n // block_size), -(-k // block_size)
+    padded = w.new_zeros(nb * block_size, kb * block_size)
+    padded[:n, :k] = w.abs()
+    amax = padded.view(nb, block_size, kb, block_size).amax(dim=(1, 3)).clamp_min(1e-30)
+    exponent = torch.ceil(torch.log2(amax / FP8_MAX)).to(torch.int32).clamp(-127, 127)
+    # ue8m0 bits are the biased exponent; building them directly avoids any cast rounding.
+    scale = (exponent + 127).to(torch.uint8).view(SCALE)
+    full = torch.exp2(exponent.float()).repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
+    q = (w / full[:n, :k]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return Fp8Weight(q, scale)
+
+
+def expected_tensors(cfg: AttentionConfig, layer: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Name (relative to the layer's ``weight_prefix``) -> (dtype, shape) of every tensor the
+    checkpoint holds for ``layer``, given its role (SPEC §8). With H heads, D head_dim,
+    Q q_lora_rank, G o_groups, R o_lora_rank, X dim, I index_n_heads, d index_head_dim:
+
+    every layer: ``wq_a`` fp8 [Q, X], ``q_norm`` bf16 [Q], ``wq_b`` fp8 [H*D, Q], ``wkv`` fp8
+    [D, X], ``kv_norm`` bf16 [D], ``wo_a`` fp8 [G*R, H*D/G], ``wo_b`` fp8 [X, G*R], ``attn_sink``
+    f32 [H]; KV sources: ``compressor.wkv`` bf16 [D, X], ``compressor.wgate`` bf16 [D, X] (ratio
+    > 1 only), ``compressor.norm`` bf16 [D], ``indexer.wk`` bf16 [d, D], ``indexer.k_norm`` bf16
+    [d]; index sources: ``indexer.wq_b`` fp8 [I*d, Q], ``indexer.weights_proj`` bf16 [I, X].
+    Each fp8 ``X.weight`` [N, K] has ``X.scale`` float8_e8m0fnu [ceil(N/32), ceil(K/32)].
+    """
+    spec = cfg.layer(layer)
+    H, D, Q, G, R = cfg.n_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
+    X, I, d, b = cfg.dim, cfg.index_n_heads, cfg.index_head_dim, cfg.weight_block_size
+    bf16 = torch.bfloat16
+    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+
+    def fp8(name: str, n: int, k: int) -> None:
+        out[f"{name}.weight"] = (FP8, (n, k))
+        out[f"{name}.scale"] = (SCALE, (-(-n // b), -(-k // b)))
+
+    fp8("wq_a", Q, X)
+    out["q_norm.weight"] = (bf16, (Q,))
+    fp8("wq_b", H * D, Q)
+    fp8("wkv", D, X)
+    out["kv_norm.weight"] = (bf16, (D,))
+    fp8("wo_a", G * R, H * D // G)
+    fp8("wo_b", X, G * R)
+    out["attn_sink"] = (torch.float32, (H,))
+    if spec.is_kv_source:
+        out["compressor.wkv.weight"] = (bf16, (D, X))
+        if spec.has_gate:
+            out["compressor.wgate.weight"] = (bf16, (D, X))
+        out["compressor.norm.weight"] = (bf16, (D,))
+        out["indexer.wk.weight"] = (bf16, (d, D))
+        out["indexer.k_norm.weight"] = (bf16, (d,))
+    if spec.is_index_source:
+        fp8("indexer.wq_b", I * d, Q)
+        out["indexer.weights_proj.weight"] = (bf16, (I, X))
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class LayerWeights:
+    """One attention layer's weights as the forward uses them (Q, D, ... as in
+    ``expected_tensors``). Optional fields are None when the layer's role lacks them.
+
+    ``wq_a`` Fp8Weight [Q, X]; ``q_norm`` bf16 [Q]; ``wq_b`` Fp8Weight [H*D, Q]; ``wkv``
+    Fp8Weight [D, X]; ``kv_norm`` bf16 [D]; ``wo_a`` bf16 [G*R, H*D/G] (dequantised exactly, as
+    the reference holds it); ``wo_b`` Fp8Weight [X, G*R]; ``attn_sink`` f32 [H].
+    KV sources: ``compressor_wkv`` [D, X] (bf16 at ratio 1, f32 at ratio > 1 as the reference
+    promotes it), ``compressor_wgate`` f32 [D, X] (ratio > 1 only), ``compressor_norm`` bf16 [D],
+    ``index_wk`` bf16 [d, D], ``index_k_norm`` bf16 [d]. Index sources: ``index_wq_b``
+    Fp8Weight [I*d, Q], ``index_weights_proj`` bf16 [I, X].
+    """
+
+    layer: int
+    wq_a: Fp8Weight
+    q_norm: torch.Tensor
+    wq_b: Fp8Weight
+    wkv: Fp8Weight
+    kv_norm: torch.Tensor
+    wo_a: torch.Tensor
+    wo_b: Fp8Weight
+    attn_sink: torch.Tensor
+    compressor_wkv: torch.Tensor | None = None
+    compressor_wgate: torch.Tensor | None = None
+    compressor_norm: torch.Tensor | None = None
+    index_wk: torch.Tensor | None = None
+    index_k_norm: torch.Tensor | None = None
+    index_wq_b: Fp8Weight | None = None
+    index_weights_proj: torch.Tensor | None = None
+
+    def _weights(self) -> Iterable[tuple[str, torch.Tensor | Fp8Weight]]:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (torch.Tensor, Fp8Weight)):
+                yield f.name, v
+
+    def to(self, device: torch.device | str) -> "LayerWeights":
+        """A copy with every tensor on ``device``."""
+        return dataclasses.replace(self, **{name: v.to(device) for name, v in self._weights()})
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors as this object holds them (fp8 + scales, bf16 wo_a, f32 compressor
+        weights at ratio > 1)."""
+        return sum(v.nbytes if isinstance(v, Fp8Weight) else _nbytes(v) for _, v in self._weights())
+
+
+def layer_weights_from_tensors(
+    cfg: AttentionConfig, layer: int, tensors: Mapping[str, torch.Tensor]
+) -> LayerWeights:
+    """Validate and assemble layer ``layer`` from ``tensors`` (full checkpoint names -> tensors
+    in checkpoint dtypes; other layers' tensors are ignored). Raises CheckpointError listing every
+    missing, unexpected, or wrongly typed/shaped tensor before anything is built. ``wo_a`` may be
+    stored fp8 + scale or, as in some re-exported checkpoints (SPEC §10.7), bf16 with no scale."""
+    spec = cfg.layer(layer)
+    p = spec.weight_prefix
+    own = {name[len(p):]: t for name, t in tensors.items() if name.startswith(p)}
+    problems = _name_problems(cfg, spec, own)
+    problems += _meta_problems(cfg, spec, {n: (t.dtype, tuple(t.shape)) for n, t in own.items()})
+    _raise(problems, f"layer {layer}")
+    return _build(spec, own)
+
+
+def load_layer_weights(
+    path: str | os.PathLike,
+    cfg: AttentionConfig,
+    layers: int | Iterable[int] | None = None,
+    device: torch.device | str = "cpu",
+    progress: bool | None = None,
+) -> dict[int, LayerWeights]:
+    """Load the attention weights of ``layers`` (None: every layer of ``cfg``, backbone and
+    draft) from ``path``: a HF checkpoint directory with ``model.safetensors.index.json`` and its
+    shards, a directory with one ``model.safetensors``, or a single ``.safetensors`` file.
+
+    Lazy: only the selected layers' tensors are read, each needed shard is opened once, and
+    names, dtypes and shapes are all checked against ``expected_tensors`` (from the index / file
+    headers) before any tensor data is read. ``progress``: True prints a one-line progress bar to
+    stderr, None does so when more than 256 MiB are to be read. Returns {layer: LayerWeights} on
+    ``device``, in the order of ``layers``.
+    """
+    ids = _layer_ids(cfg, layers)
+    specs = [cfg.layer(L) for L in ids]
+    root, weight_map, single = _resolve(path)
+    with ExitStack() as stack:
+        handles: dict[str, tuple[object, set[str]]] = {}  # shard file -> (open handle, its keys)
+
+        def shard(fname: str) -> tuple[object, set[str]]:
+            if fname not in handles:
+                full = os.path.join(root, fname)
+                if not os.path.isfile(full):
+                    raise CheckpointError(
+                        f"shard {fname} named by {os.path.join(root, INDEX_FILE)} does not exist")
+                h = stack.enter_context(safe_open(full, framework="pt", device="cpu"))
+                handles[fname] = (h, set(h.keys()))
+            return handles[fname]
+
+        if weight_map is None:
+            weight_map = dict.fromkeys(shard(single)[1], single)
+        # 1. names, from the index / header key list only (one pass over all names).
+        per_layer: dict[int, dict[str, str]] = {spec.layer: {} for spec in specs}
+        layer_of = {spec.weight_prefix: spec.layer for spec in specs}
+        for name in weight_map:
+            cut = name.find(".attn.") + len(".attn.")
+            if cut >= len(".attn.") and name[:cut] in layer_of:
+                per_layer[layer_of[name[:cut]]][name[cut:]] = name
+        problems: list[str] = []
+        for spec in specs:
+            problems += _name_problems(cfg, spec, per_layer[spec.layer])
+        _raise(problems, "checkpoint " + os.fspath(path))
+        # 2. dtypes and shapes, from the shard headers.
+        metas: dict[int, dict[str, Meta]] = {}
+        for spec in specs:
+            metas[spec.layer] = meta = {}
+            for rel, full in per_layer[spec.layer].items():
+                fname = weight_map[full]
+                h, keys = shard(fname)
+                if full not in keys:
+                    problems.append(
+                        f"{full}: listed in the index under {fname}, but that shard does not hold it")
+                    continue
+                sl = h.get_slice(full)
+                meta[rel] = (_ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()), tuple(sl.get_shape()))
+            problems += _meta_problems(cfg, spec, meta)
+        _raise(problems, "checkpoint " + os.fspath(path))
+        # 3. data.
+        total_bytes = sum(_meta_nbytes(m) for meta in metas.values() for m in meta.values())
+        total_count = sum(len(meta) for meta in metas.values())
+        show = progress if progress is not None else total_bytes > PROGRESS_AUTO_BYTES
+        bar = _Progress(total_count, total_bytes) if show else None
+        if bar is not None:
+            stack.callback(bar.close)
+        out: dict[int, LayerWeights] = {}
+        for spec in specs:
+            own: dict[str, torch.Tensor] = {}
+            for rel, full in per_layer[spec.layer].items():
+                t = shard(weight_map[full])[0].get_tensor(full)
+                own[rel] = t.to(device)
+                if bar is not None:
+                    bar.step(_nbytes(t))
+            out[spec.layer] = _build(spec, own)
+    return out
+
+
+def random_checkpoint_tensors(
+    cfg: AttentionConfig, layers: int | Iterable[int] | None = None, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random checkpoint tensors (full names, checkpoint dtypes, CPU) for ``layers`` (None: all),
+    drawn like the fixtures: fp8 matrices normal(0, 1/sqrt(fan_in)) quantised with ue8m0 32x32
+    block scales (``quantize_fp8``); bf16 matrices normal(0, 1/sqrt(fan_in)); norm weights
+    uniform(0.7, 1.3) bf16; ``attn_sink`` normal(0, 1) f32. Each layer has its own generator
+    seeded from (seed, layer), so a layer's weights do not depend on which others are drawn."""
+    out: dict[str, torch.Tensor] = {}
+    for L in _layer_ids(cfg, layers):
+        prefix = cfg.layer(L).weight_prefix
+        digest = hashlib.sha256(f"dsv41attn:{seed}:{L}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        for name, (dtype, shape) in expected_tensors(cfg, L).items():
+            if name.endswith(".scale"):
+                continue  # drawn with its weight
+            if dtype == FP8:
+                w = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+                q = quantize_fp8(w)
+                base = name[: -len(".weight")]
+                out[prefix + name], out[prefix + base + ".scale"] = q.weight, q.scale
+            elif name == "attn_sink":
+                out[prefix + name] = torch.randn(shape, generator=gen)
+            elif len(shape) == 1:  # norm weights
+                out[prefix + name] = (torch.rand(shape, generator=gen) * 0.6 + 0.7).to(dtype)
+            else:
+                out[prefix + name] = (torch.randn(shape, generator=gen) / math.sqrt(shape[1])).to(dtype)
+    return out
+
+
+def random_layer_weights(
+    cfg: AttentionConfig, layer: int, seed: int = 0, device: torch.device | str = "cpu"
+) -> LayerWeights:
+    """The LayerWeights of ``random_checkpoint_tensors(cfg, [layer], seed)``, on ``device``."""
+    lw = layer_weights_from_tensors(cfg, layer, random_checkpoint_tensors(cfg, [layer], seed))
+    return lw.to(device)
+
+
+def write_synthetic_checkpoint(
+    path: str | os.PathLike,
+    cfg: AttentionConfig,
+    seed: int = 0,
+    layers: int | Iterable[int] | None = None,
+    max_shard_bytes: int = 2**30,
+) -> None:
+    """Write a HF-style checkpoint of random attention weights (``random_checkpoint_tensors``)
+    to directory ``path`` (created): ``config.json`` (``cfg.to_hf()``), shards
+    ``model-0000i-of-0000N.safetensors`` filled in layer order up to ``max_shard_bytes`` each
+    (a tensor larger than that gets a shard of its own), and ``model.safetensors.index.json``.
+    Layers are drawn one at a time, so memory stays near one shard plus one layer."""
+    ids = _layer_ids(cfg, layers)
+    if not ids:
+        raise CheckpointError("write_synthetic_checkpoint: no layers selected")
+    # Plan the shards from the expected sizes, before drawing anything.
+    plan: list[list[str]] = [[]]
+    used = total = 0
+    for L in ids:
+        prefix = cfg.layer(L).weight_prefix
+        for name, (dtype, shape) in expected_tensors(cfg, L).items():
+            size = _meta_nbytes((dtype, shape))
+            if plan[-1] and used + size > max_shard_bytes:
+                plan.append([])
+                used = 0
+            plan[-1].append(prefix + name)
+            used += size
+            total += size
+    n = len(plan)
+    files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf(), f, indent=2)
+    weight_map = {name: files[i] for i, names in enumerate(plan) for name in names}
+    pending: dict[str, torch.Tensor] = {}
+    shard_idx = 0
+    for L in ids:
+        pending.update(random_checkpoint_tensors(cfg, [L], seed))
+        while shard_idx < n and all(name in pending for name in plan[shard_idx]):
+            part = {name: pending.pop(name).contiguous() for name in plan[shard_idx]}
+            save_file(part, os.path.join(path, files[shard_idx]), metadata={"format": "pt"})
+            shard_idx += 1
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump(index, f, indent=2)
+
+
+# ---- internals ------------------------------------------------------------------------------
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _meta_nbytes(meta: Meta) -> int:
+    dtype, shape = meta
+    itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 1
+    return math.prod(shape) * itemsize
+
+
+def _fmt(dtype: torch.dtype | str, shape: Iterable[int]) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return f"{name} [{', '.join(str(int(s)) for s in shape)}]"
+
+
+def _describe(spec: LayerSpec) -> str:
+    return f"layer {spec.layer} is a {spec.role.value} layer (ratio {spec.ratio})"
+
+
+def _layer_ids(cfg: AttentionConfig, layers: int | Iterable[int] | None) -> list[int]:
+    if layers is None:
+        return list(range(len(cfg.layer_specs)))
+    ids = [int(L) for L in layers] if isinstance(layers, Iterable) else [int(layers)]
+    for L in ids:
+        cfg.layer(L)  # raises ConfigError naming the valid range
+    return list(dict.fromkeys(ids))
+
+
+def _name_problems(cfg: AttentionConfig, spec: LayerSpec, found: Iterable[str]) -> list[str]:
+    """Missing and unexpected names (relative) for ``spec``. ``wo_a.scale`` may be absent (bf16
+    wo_a); whether that is allowed depends on wo_a's dtype, checked in ``_meta_problems``."""
+    expected = expected_tensors(cfg, spec.layer)
+    found = set(found)
+    p = spec.weight_prefix
+    problems = [f"{p}{n}: missing; {_describe(spec)}, which needs it"
+                for n in expected if n not in found and n != "wo_a.scale"]
+    problems += [f"{p}{n}: unexpected tensor; {_describe(spec)}, which should not have it"
+                 for n in sorted(found) if n not in expected]
+    return problems
+
+
+def _meta_problems(cfg: AttentionConfig, spec: LayerSpec, meta: Mapping[str, Meta]) -> list[str]:
+    """Dtype/shape mismatches among the expected names present in ``meta`` (relative names)."""
+    expected = dict(expected_tensors(cfg, spec.layer))
+    p = spec.weight_prefix
+    problems: list[str] = []
+    wo_a = meta.get("wo_a.weight")
+    if wo_a is not None and wo_a[0] == torch.bfloat16:
+        # A re-exported checkpoint may hold wo_a already dequantised (SPEC §10.7): no scale then.
+        expected["wo_a.weight"] = (torch.bfloat16, expected["wo_a.weight"][1])
+        if "wo_a.scale" in meta:
+            problems.append(f"{p}wo_a.scale: unexpected; {p}wo_a.weight is bfloat16 (already "
+                            f"dequantised), so it must not have a scale (found {_fmt(*meta['wo_a.scale'])})")
+        expected.pop("wo_a.scale")
+    elif wo_a is not None and "wo_a.scale" not in meta:
+        problems.append(f"{p}wo_a.scale: missing; {p}wo_a.weight is {_fmt(*wo_a)}, which needs a "
+                        f"block scale {_fmt(*expected['wo_a.scale'])} (only a bfloat16 wo_a may lack it)")
+    for name, (dtype, shape) in expected.items():
+        if name not in meta:
+            continue
+        got_dtype, got_shape = meta[name]
+        if got_dtype != dtype or tuple(got_shape) != tuple(shape):
+            problems.append(f"{p}{name}: expected {_fmt(dtype, shape)}, found {_fmt(got_dtype, got_shape)}")
+    return problems
+
+
+def _raise(problems: list[str], where: str) -> None:
+    if not problems:
+        return
+    shown = problems[:20]
+    more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+    raise CheckpointError(f"{where}: {len(problems)} problem(s):\n  " + "\n  ".join(shown) + more)
+
+
+def _build(spec: LayerSpec, t: Mapping[str, torch.Tensor]) -> LayerWeights:
+    """Assemble from validated relative-name tensors (checkpoint dtypes)."""
+
+    def fp8(name: str) -> Fp8Weight:
+        return Fp8Weight(t[f"{name}.weight"], t[f"{name}.scale"])
+
+    wo_a = t["wo_a.weight"]
+    wo_a = wo_a if wo_a.dtype == torch.bfloat16 else fp8("wo_a").dequantize()
+    extra: dict[str, object] = {}
+    if spec.is_kv_source:
+        wkv = t["compressor.wkv.weight"]
+        extra.update(
+            compressor_wkv=wkv.float() if spec.has_gate else wkv,
+            compressor_wgate=t["compressor.wgate.weight"].float() if spec.has_gate else None,
+            compressor_norm=t["compressor.norm.weight"],
+            index_wk=t["indexer.wk.weight"],
+            index_k_norm=t["indexer.k_norm.weight"],
+        )
+    if spec.is_index_source:
+        extra.update(index_wq_b=fp8("indexer.wq_b"),
+                     index_weights_proj=t["indexer.weights_proj.weight"])
+    return LayerWeights(
+        layer=spec.layer, wq_a=fp8("wq_a"), q_norm=t["q_norm.weight"], wq_b=fp8("wq_b"),
+        wkv=fp8("wkv"), kv_norm=t["kv_norm.weight"], wo_a=wo_a, wo_b=fp8("wo_b"),
+        attn_sink=t["attn_sink"], **extra,
+    )
+
+
+def _resolve(path: str | os.PathLike) -> tuple[str, dict[str, str] | None, str | None]:
+    """(directory, weight_map or None, single file name or None) for a checkpoint path."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return os.path.dirname(path) or ".", None, os.path.basename(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint path {path} does not exist")
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({e!r})") from e
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard files")
+        return path, {str(k): str(v) for k, v in weight_map.items()}, None
+    if os.path.isfile(os.path.join(path, SINGLE_FILE)):
+        return path, None, SINGLE_FILE
+    raise CheckpointError(f"{path} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+
+
+class _Progress:
+    """A one-line stderr progress bar: tensors read / total and MB read / total."""
+
+    def __init__(self, total_count: int, total_bytes: int, width: int = 30) -> None:
+        self.total_count, self.total_bytes, self.width = total_count, total_bytes, width
+        self.count = self.bytes = 0
+        self.percent = -1
+        self.step(0, count=0)
+
+    def step(self, nbytes: int, count: int = 1) -> None:
+        self.count += count
+        self.bytes += nbytes
+        frac = self.bytes / self.total_bytes if self.total_bytes else 1.0
+        if int(frac * 100) == self.percent and self.count < self.total_count:
+            return  # redraw once per percent: logs that are not a terminal stay short
+        self.percent = int(frac * 100)
+        filled = int(round(frac * self.width))
+        sys.stderr.write(f"\rloading attention weights [{'#' * filled}{'.' * (self.width - filled)}] "
+                         f"{self.count}/{self.total_count} tensors, "
+                         f"{self.bytes / 1e6:.1f}/{self.total_bytes / 1e6:.1f} MB")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
