@@ -18,11 +18,12 @@ capacity (positions per sequence), r = the source's compress ratio.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
 
-from .config import AttentionConfig, Role
+from .config import AttentionConfig
 
 # Packed sizes per row (SPEC §0.4): fp8 + ue8m0/32, fp4 + e4m3/16, fp4 + ue8m0/32.
 
@@ -117,6 +118,10 @@ class AttentionState:
         return cls(cfg, batch_size, capacity, device, layer_states, sources,
                    max_tokens_per_call=capacity if max_tokens_per_call is None else max_tokens_per_call)
 
+    def clone(self) -> "AttentionState":
+        """A deep copy of every cache (to fork a sequence batch or a replay)."""
+        return copy.deepcopy(self)
+
     def positions(self, layer: int) -> torch.Tensor:
         """[B] int64: tokens layer ``layer`` has processed per sequence."""
         return self.layers[layer].positions
@@ -132,8 +137,3 @@ class AttentionState:
                         for s in self.sources.values())
         window = len(self.layers) * cfg.window_size * window_row_bytes(cfg)
         return {"compressed": per_token, "window_per_sequence": float(window)}
-
-
-def layer_roles(cfg: AttentionConfig) -> list[tuple[int, Role, int]]:
-    """(layer, role, ratio) for every layer of the config, draft layers last."""
-    return [(s.layer, s.role, s.ratio) for s in cfg.layer_specs]

@@ -1,0 +1,185 @@
+"""Golden fixtures (``dsv41-attn-fixture/1``, see ``shared/fixtures/README.md``): load one, replay
+its schedule through the library, and compare with the recorded outputs.
+
+A fixture holds the weights of a stack of layers, every layer's own input at every step, and
+the outputs (and index-source top-k) of DeepSeek's reference under one or both semantics.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from .checkpoint import layer_weights_from_tensors
+from .config import AttentionConfig
+from .stack import AttentionStack
+
+FORMAT = "dsv41-attn-fixture/1"
+
+
+@dataclass
+class Fixture:
+    """A loaded fixture: config, schedule [(start_pos, tokens)], batch, tensors by name."""
+
+    path: str
+    config: AttentionConfig
+    schedule: list[tuple[int, int]]
+    batch: int
+    semantics: list[str]
+    tensors: dict[str, torch.Tensor]
+
+    @classmethod
+    def load(cls, path: str) -> "Fixture":
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+        cfg = AttentionConfig.from_hf(json.loads(meta["config"]))
+        schedule = [(int(s["start_pos"]), int(s["tokens"])) for s in json.loads(meta["schedule"])]
+        return cls(path, cfg, schedule, int(meta["batch"]), json.loads(meta["semantics"]),
+                   load_file(path))
+
+    @property
+    def layers(self) -> list[int]:
+        return list(range(self.config.n_layers))
+
+    def stack(self, device: str | torch.device = "cpu") -> AttentionStack:
+        weights = {L: layer_weights_from_tensors(self.config, L, self.tensors).to(device)
+                   for L in self.layers}
+        return AttentionStack(self.config, weights)
+
+    def inputs(self, step: int, device="cpu") -> dict[int, torch.Tensor]:
+        return {L: self.tensors[f"x.s{step}.l{L}"].to(device) for L in self.layers}
+
+    def expected(self, semantics: str, layer: int) -> torch.Tensor:
+        """[batch, all tokens, hidden] bf16, the steps concatenated in position order."""
+        return torch.cat([self.tensors[f"out.{semantics}.s{s}.l{layer}"]
+                          for s in range(len(self.schedule))], dim=1)
+
+    def expected_topk(self, semantics: str, layer: int) -> list[torch.Tensor | None]:
+        """Per step: [batch, tokens, k] int32 compressed-row numbers g (-1 pad), or None if the
+        layer selected nothing in that step. The fixture stores g + window offset."""
+        out = []
+        for s, (start, tokens) in enumerate(self.schedule):
+            t = self.tensors.get(f"topk.{semantics}.s{s}.l{layer}")
+            if t is None:
+                out.append(None)
+                continue
+            offset = tokens if start == 0 else self.config.window_size
+            out.append(torch.where(t >= 0, t - offset, -1))
+        return out
+
+
+def _latent_every_source(cfg: AttentionConfig, start: int, tokens: int) -> bool:
+    """True if every KV source completes a group in this step: then both semantics publish
+    the same index keys and the states stay identical."""
+    return all((start + tokens) // cfg.compress_ratios[s] > start // cfg.compress_ratios[s]
+               for s in cfg.kv_source_layers)
+
+
+def replay(fixture: Fixture, semantics: Iterable[str] = ("fixed",), device="cpu",
+           stack: AttentionStack | None = None,
+           ) -> dict[str, dict[str, torch.Tensor]]:
+    """Run the fixture's schedule through the library under each of ``semantics``.
+
+    Returns {semantics: {"out.{sem}.l{L}": [batch, tokens, hidden] bf16, "topk.{sem}.l{L}":
+    [batch, tokens, kmax] int32 compressed-row numbers right-padded with -1 (index sources)}}.
+    Leading steps on which the semantics provably agree are run once and the state forked.
+    """
+    semantics = list(semantics)
+    stack = stack or fixture.stack(device)
+    cfg = fixture.config
+    state = stack.new_state(fixture.batch, capacity=cfg.max_seq_len, device=device)
+    outs: dict[str, dict[int, list]] = {s: {} for s in semantics}
+    topks: dict[str, dict[int, list]] = {s: {} for s in semantics}
+    states = {s: state for s in semantics}
+    shared = True
+    for step, (start, tokens) in enumerate(fixture.schedule):
+        shared = shared and _latent_every_source(cfg, start, tokens)
+        if not shared and len({id(st) for st in states.values()}) == 1 and len(semantics) > 1:
+            states = {s: state.clone() for s in semantics}
+        runs = [semantics[0]] if shared else semantics
+        for sem in runs:
+            st = states[sem]
+            stp = stack.step(st, tokens, semantics=sem)
+            if stp.start_pos != start:
+                raise ValueError(f"step {step}: state at position {stp.start_pos}, fixture {start}")
+            xs = fixture.inputs(step, device)
+            for layer in fixture.layers:
+                y = stack.layers[layer](xs[layer], st, stp)
+                for s in (semantics if shared else [sem]):
+                    outs[s].setdefault(layer, []).append(y.cpu())
+                    if cfg.layer(layer).is_index_source:
+                        topks[s].setdefault(layer, []).append(stp.topk(layer).cpu())
+    result = {}
+    for sem in semantics:
+        r = {f"out.{sem}.l{L}": torch.cat(v, dim=1) for L, v in outs[sem].items()}
+        for L, v in topks[sem].items():
+            width = max(t.shape[-1] for t in v)
+            r[f"topk.{sem}.l{L}"] = torch.cat(
+                [torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=-1) for t in v], dim=1)
+        result[sem] = r
+    return result
+
+
+def rel_err(got: torch.Tensor, exp: torch.Tensor) -> float:
+    """||got - exp||_F / ||exp||_F in float64."""
+    g, e = got.double(), exp.double()
+    return float((g - e).norm() / e.norm().clamp_min(1e-300))
+
+
+def topk_row_mismatches(got: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
+    """[batch, tokens] bool: rows whose selected sets differ (-1 entries ignored)."""
+    width = max(got.shape[-1], exp.shape[-1])
+    g = torch.nn.functional.pad(got, (0, width - got.shape[-1]), value=-1).sort(-1).values
+    e = torch.nn.functional.pad(exp, (0, width - exp.shape[-1]), value=-1).sort(-1).values
+    return (g != e).any(-1)
+
+
+def compare(fixture: Fixture, result: dict[str, torch.Tensor], semantics: str) -> dict:
+    """Errors of a replay against the fixture, in the terms of its README's tolerances.
+
+    Returns {"topk_rows": (mismatching, total), "per_output": [(step, layer, err)],
+    "per_layer": {L: err}}; token rows whose top-k differs (in the layer or its index source)
+    are left out of the output errors, as the README recommends.
+    """
+    cfg = fixture.config
+    bounds, pos = [], 0
+    for start, tokens in fixture.schedule:
+        bounds.append((pos, pos + tokens))
+        pos += tokens
+    bad_rows: dict[int, torch.Tensor] = {}
+    mismatching = total = 0
+    for L in fixture.layers:
+        if not cfg.layer(L).is_index_source:
+            continue
+        got = result[f"topk.{semantics}.l{L}"]
+        bad = torch.zeros(got.shape[:2], dtype=torch.bool)
+        for s, exp in enumerate(fixture.expected_topk(semantics, L)):
+            a, b = bounds[s]
+            if exp is None:
+                bad[:, a:b] = (got[:, a:b] >= 0).any(-1)
+            else:
+                bad[:, a:b] = topk_row_mismatches(got[:, a:b], exp)
+        bad_rows[L] = bad
+        mismatching += int(bad.sum())
+        total += bad.numel()
+    per_output, per_layer = [], {}
+    for L in fixture.layers:
+        src = cfg.layer(L).index_source
+        keep = ~bad_rows[src] if src is not None else None
+        full_got, full_exp = result[f"out.{semantics}.l{L}"], fixture.expected(semantics, L)
+        got, exp = (full_got[keep], full_exp[keep]) if keep is not None else (full_got, full_exp)
+        per_layer[L] = rel_err(got, exp)
+        for s, (a, b) in enumerate(bounds):
+            g, e = full_got[:, a:b], full_exp[:, a:b]
+            if keep is not None:
+                k = keep[:, a:b]
+                g, e = g[k], e[k]
+            if e.numel():
+                per_output.append((s, L, rel_err(g, e)))
+    return {"topk_rows": (mismatching, total), "per_output": per_output, "per_layer": per_layer}
