@@ -74,54 +74,91 @@ class Fixture:
         return out
 
 
-def _latent_every_source(cfg: AttentionConfig, start: int, tokens: int) -> bool:
-    """True if every KV source completes a group in this step: then both semantics publish
-    the same index keys and the states stay identical."""
-    return all((start + tokens) // cfg.compress_ratios[s] > start // cfg.compress_ratios[s]
-               for s in cfg.kv_source_layers)
+def _latent_every_source(cfg: AttentionConfig, starts: list[int], tokens: list[int]) -> bool:
+    """True if every KV source completes a group for every sequence in this step: then both
+    semantics publish the same index keys and the states stay identical."""
+    return all((p + t) // cfg.compress_ratios[s] > p // cfg.compress_ratios[s]
+               for s in cfg.kv_source_layers for p, t in zip(starts, tokens))
+
+
+def parse_schedule(text: str) -> list[list[int]]:
+    """"13,1,1,4;7,6,1,1,1" -> [[13, 1, 1, 4], [7, 6, 1, 1, 1]]: per-sequence chunk lengths."""
+    try:
+        seqs = [[int(c) for c in part.split(",")] for part in text.split(";")]
+    except ValueError:
+        raise ValueError(f"schedule {text!r}: expected chunk lengths like '13,1,1,4;7,6,1,1,1'")
+    if any(c < 1 for seq in seqs for c in seq):
+        raise ValueError(f"schedule {text!r}: chunk lengths must be >= 1")
+    return seqs
 
 
 def replay(fixture: Fixture, semantics: Iterable[str] = ("fixed",), device="cpu",
-           stack: AttentionStack | None = None,
+           stack: AttentionStack | None = None, schedule: list[list[int]] | None = None,
            ) -> dict[str, dict[str, torch.Tensor]]:
-    """Run the fixture's schedule through the library under each of ``semantics``.
+    """Run the fixture through the library under each of ``semantics``.
 
-    Returns {semantics: {"out.{sem}.l{L}": [batch, tokens, hidden] bf16, "topk.{sem}.l{L}":
-    [batch, tokens, kmax] int32 compressed-row numbers right-padded with -1 (index sources)}}.
-    Leading steps on which the semantics provably agree are run once and the state forked.
+    ``schedule``: per-sequence chunk lengths (each list covers that sequence's tokens); batch
+    step k runs every sequence's k-th chunk together (idle when it has none), so sequences sit
+    at different positions in one call. Default: the fixture's own schedule.
+
+    Returns {semantics: {"out.{sem}.l{L}": [batch, tokens, hidden] bf16 in position order,
+    "topk.{sem}.l{L}": [batch, tokens, kmax] int32 compressed-row numbers right-padded with -1
+    (index sources)}}. Leading steps on which the semantics provably agree run once.
     """
     semantics = list(semantics)
-    stack = stack or fixture.stack(device)
     cfg = fixture.config
+    total = sum(t for _, t in fixture.schedule)
+    own = schedule is None
+    if own:
+        schedule = [[t for _, t in fixture.schedule] for _ in range(fixture.batch)]
+    if len(schedule) != fixture.batch or any(sum(seq) != total for seq in schedule):
+        raise ValueError(f"schedule {schedule}: expected {fixture.batch} sequences of chunk "
+                         f"lengths each summing to the fixture's {total} tokens")
+    if "reference" in semantics and not own and any(
+            seq != [t for _, t in fixture.schedule] for seq in schedule):
+        raise ValueError("reference semantics replays the fixture's own schedule only")
+    stack = stack or fixture.stack(device)
+    n_steps = max(len(seq) for seq in schedule)
+    steps = [[seq[k] if k < len(seq) else 0 for seq in schedule] for k in range(n_steps)]
+    # Every layer's input for every position: [batch, total, hidden].
+    inputs = {L: torch.cat([fixture.tensors[f"x.s{s}.l{L}"] for s in range(len(fixture.schedule))],
+                           dim=1).to(device) for L in fixture.layers}
+    hidden = cfg.dim
+    outs = {s: {L: torch.zeros(fixture.batch, total, hidden, dtype=torch.bfloat16)
+                for L in fixture.layers} for s in semantics}
+    index_layers = [L for L in fixture.layers if cfg.layer(L).is_index_source]
+    topks: dict[str, dict[int, list]] = {s: {L: [[] for _ in range(fixture.batch)]
+                                             for L in index_layers} for s in semantics}
     state = stack.new_state(fixture.batch, capacity=cfg.max_seq_len, device=device)
-    outs: dict[str, dict[int, list]] = {s: {} for s in semantics}
-    topks: dict[str, dict[int, list]] = {s: {} for s in semantics}
     states = {s: state for s in semantics}
-    shared = True
-    for step, (start, tokens) in enumerate(fixture.schedule):
-        shared = shared and _latent_every_source(cfg, start, tokens)
-        if not shared and len({id(st) for st in states.values()}) == 1 and len(semantics) > 1:
+    shared, pos = True, [0] * fixture.batch
+    for counts in steps:
+        shared = shared and _latent_every_source(cfg, pos, counts)
+        if not shared and len(semantics) > 1 and len({id(v) for v in states.values()}) == 1:
             states = {s: state.clone() for s in semantics}
-        runs = [semantics[0]] if shared else semantics
-        for sem in runs:
+        for sem in ([semantics[0]] if shared else semantics):
             st = states[sem]
-            stp = stack.step(st, tokens, semantics=sem)
-            if stp.start_pos != start:
-                raise ValueError(f"step {step}: state at position {stp.start_pos}, fixture {start}")
-            xs = fixture.inputs(step, device)
-            for layer in fixture.layers:
-                y = stack.layers[layer](xs[layer], st, stp)
+            step = stack.step(st, counts, semantics=sem)
+            for L in fixture.layers:
+                x = torch.cat([inputs[L][b, p:p + c] for b, (p, c) in enumerate(zip(pos, counts))])
+                y = stack.layers[L](x, st, step).cpu()
+                sel = step.topk(L).cpu() if L in topks[sem] else None
                 for s in (semantics if shared else [sem]):
-                    outs[s].setdefault(layer, []).append(y.cpu())
-                    if cfg.layer(layer).is_index_source:
-                        topks[s].setdefault(layer, []).append(stp.topk(layer).cpu())
+                    for b, (p, c) in enumerate(zip(pos, counts)):
+                        a = step.cu_seqlens[b]
+                        outs[s][L][b, p:p + c] = y[a:a + c]
+                        if sel is not None:
+                            topks[s][L][b].extend(sel[a:a + c])
+        pos = [p + c for p, c in zip(pos, counts)]
     result = {}
     for sem in semantics:
-        r = {f"out.{sem}.l{L}": torch.cat(v, dim=1) for L, v in outs[sem].items()}
-        for L, v in topks[sem].items():
-            width = max(t.shape[-1] for t in v)
-            r[f"topk.{sem}.l{L}"] = torch.cat(
-                [torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=-1) for t in v], dim=1)
+        r = {f"out.{sem}.l{L}": outs[sem][L] for L in fixture.layers}
+        for L in index_layers:
+            rows = [t for seq in topks[sem][L] for t in seq]
+            width = max(t.numel() for t in rows)
+            r[f"topk.{sem}.l{L}"] = torch.stack(
+                [torch.nn.functional.pad(t, (0, width - t.numel()), value=-1) for t in rows]
+            ).view(fixture.batch, total, width)
         result[sem] = r
     return result
 

@@ -28,7 +28,7 @@ from .ops.linear.reference import fp8_linear, linear
 from .ops.sparse_attn.reference import sparse_attn
 
 if TYPE_CHECKING:
-    from .stack import Step
+    from .stack import Group, Step
 
 
 class AttentionLayer:
@@ -46,12 +46,30 @@ class AttentionLayer:
         return self.weights.attn_sink.device
 
     def forward(self, x: torch.Tensor, state: AttentionState, step: "Step") -> torch.Tensor:
-        """x: [b, m, dim] bf16, the inputs of the sequences ``step.rows`` of ``state`` at
-        positions ``step.start_pos ..``; returns [b, m, dim] bf16. Updates this layer's ring
-        (and, for a KV source, its compressed rows, index keys and open group) and publishes
-        what later layers of the step need. Bad input raises before any state changes."""
-        cfg, spec, w = self.cfg, self.spec, self.weights
+        """One step of this layer.
+
+        x: bf16, [b, m, dim] when every sequence of the step is at one position with one token
+        count (``step.uniform``), else packed [sum(tokens), dim] in ``step.cu_seqlens`` order.
+        Returns the output in x's layout. Updates this layer's ring and cursor (and, for a KV
+        source, its compressed rows, index keys and open group) and publishes what later
+        layers of the step need. Bad input raises before any state changes.
+        """
         self._check_call(x, state, step)
+        if x.dim() == 3:
+            y = self._forward_group(x, state, step.groups[0])
+        else:
+            y = torch.empty_like(x)
+            for g in step.groups:
+                xg = x[g.token_index].view(g.rows.numel(), g.tokens, -1)
+                y[g.token_index] = self._forward_group(xg, state, g).flatten(0, 1)
+        step.mark_done(self.spec.layer)
+        return y
+
+    __call__ = forward
+
+    def _forward_group(self, x: torch.Tensor, state: AttentionState, step: "Group") -> torch.Tensor:
+        """x: [b, m, dim] for the sequences ``step.rows``, all at ``step.start_pos``."""
+        cfg, spec, w = self.cfg, self.spec, self.weights
         b, m, _ = x.shape
         p0, rows = step.start_pos, step.rows
         pos = p0 + torch.arange(m, device=x.device)  # [m]
@@ -86,10 +104,7 @@ class AttentionLayer:
 
         layer_state.window[rows] = new_ring
         layer_state.positions[rows] = p0 + m
-        step.mark_done(spec.layer)
         return y
-
-    __call__ = forward
 
     # ---- the window part -----------------------------------------------------------------
     def _window(self, kv, ring, new_ring, p0: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +120,7 @@ class AttentionLayer:
         return torch.cat([ring, kv], dim=1), idx.expand(b, -1, -1)
 
     # ---- compressed rows and their selection (§4.3, §4.4) --------------------------------
-    def _compressed(self, x, qr, state: AttentionState, step: "Step"):
+    def _compressed(self, x, qr, state: AttentionState, step: "Group"):
         """Compressed rows [b, n_total, D] and the selected row numbers [b, m, k] (-1 pad)."""
         cfg, spec, w = self.cfg, self.spec, self.weights
         b, m, _ = x.shape
@@ -142,7 +157,7 @@ class AttentionLayer:
         step.publish_topk(spec.layer, selected)
         return compressed, selected
 
-    def _run_compressor(self, x, state: AttentionState, step: "Step") -> None:
+    def _run_compressor(self, x, state: AttentionState, step: "Group") -> None:
         """KV source: pool completed groups, then index keys from the pre-RoPE latent, then
         the rotated, fp4-quantised latent into the compressed rows (SPEC §10.10)."""
         cfg, spec, w = self.cfg, self.spec, self.weights
@@ -168,15 +183,26 @@ class AttentionLayer:
     # ---- validation, before anything is written ------------------------------------------
     def _check_call(self, x: torch.Tensor, state: AttentionState, step: "Step") -> None:
         cfg, spec = self.cfg, self.spec
+        if step.state is not state:
+            raise StateError("the step was opened on a different state")
         if state.config is not cfg and state.config != cfg:
             raise StateError("the state was allocated for a different AttentionConfig")
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype != torch.bfloat16:
             raise TypeError(f"x must be bfloat16, got {x.dtype}")
-        if x.dim() != 3 or x.shape[0] != step.rows.numel() or x.shape[2] != cfg.dim:
-            raise ValueError(f"x must have shape [b={step.rows.numel()}, m, dim={cfg.dim}], "
-                             f"got {list(x.shape)}")
+        if x.dim() == 3:
+            if not step.uniform or x.shape[0] != step.rows.numel() or x.shape[2] != cfg.dim:
+                raise ValueError(
+                    f"x has shape {list(x.shape)}; a [b, m, dim] input needs every sequence at "
+                    f"one position with one token count and b={step.rows.numel()}, "
+                    f"dim={cfg.dim}; otherwise pack x as [sum(tokens)={step.total_tokens}, dim]")
+            if x.shape[1] != step.tokens[0]:
+                raise ValueError(f"x has m={x.shape[1]} tokens but the step was opened for "
+                                 f"{step.tokens[0]}")
+        elif x.dim() != 2 or x.shape[0] != step.total_tokens or x.shape[1] != cfg.dim:
+            raise ValueError(f"x must have shape [sum(tokens)={step.total_tokens}, dim={cfg.dim}] "
+                             f"(or [b, m, dim] for a uniform step), got {list(x.shape)}")
         if x.device != state.device or x.device != self.device:
             raise ValueError(f"x is on {x.device}, the state on {state.device} and the "
                              f"weights on {self.device}: they must agree")
@@ -186,20 +212,17 @@ class AttentionLayer:
         if spec.kv_source is not None and spec.kv_source not in state.sources:
             raise StateError(f"layer {spec.layer} needs KV source {spec.kv_source}, which has "
                              "no caches in this state")
-        m = x.shape[1]
-        if not 1 <= m <= state.max_tokens_per_call:
-            raise ValueError(f"m={m} tokens outside 1..{state.max_tokens_per_call}")
-        if m != step.tokens:
-            raise ValueError(f"x has m={m} tokens but the step was opened for {step.tokens}")
-        seen = state.layers[spec.layer].positions[step.rows]
-        if bool((seen != step.start_pos).any()):
-            raise StateError(
-                f"layer {spec.layer}: sequences {step.rows.tolist()} are at positions "
-                f"{seen.tolist()}, but this step starts at {step.start_pos}: positions must "
-                "neither skip nor repeat")
-        if step.start_pos + m > state.capacity:
-            raise StateError(f"positions {step.start_pos}..{step.start_pos + m - 1} exceed the "
-                             f"cache capacity of {state.capacity} positions")
+        seen = state.layers[spec.layer].positions[step.rows].tolist()
+        for row, p, m, have in zip(step.rows.tolist(), step.starts, step.tokens, seen):
+            if have != p:
+                raise StateError(
+                    f"layer {spec.layer}: sequence {row} is at position {have}, but this step "
+                    f"continues it from {p}: positions must neither skip nor repeat")
+            if m > state.max_tokens_per_call:
+                raise ValueError(f"sequence {row}: m={m} tokens outside 1..{state.max_tokens_per_call}")
+            if p + m > state.capacity:
+                raise StateError(f"sequence {row}: positions {p}..{p + m - 1} exceed the cache "
+                                 f"capacity of {state.capacity} positions")
         step.check_can_run(spec)
 
 

@@ -1,8 +1,9 @@
 """Layers 0..L-1 in order, and what sources publish for the layers after them (SPEC §1.2).
 
 A ``Step`` is one forward call of the model over some sequences of a state: it fixes the
-sequence rows, their start position and token count, the index-key semantics, and carries
-what this step's sources publish: the top-k of each index source and the candidate blocks.
+sequence rows, each one's start position and token count, and the index-key semantics; its
+``Group``s (sequences at one position with one token count) carry what this step's sources
+publish: the top-k of each index source and the candidate blocks.
 Compressed rows and index keys are read from the source's caches in the state; which index
 keys the shared slot holds is ``AttentionState.index_key_slot`` (it persists across steps,
 which is exactly DeepSeek's stale-key behaviour in "reference" semantics, SPEC §10.1).
@@ -19,21 +20,98 @@ from .config import SEMANTICS, AttentionConfig, LayerSpec
 from .layer import AttentionLayer
 
 
-class Step:
-    """One forward step over ``rows`` of a state: ``tokens`` new tokens per sequence."""
+class Group:
+    """Sequences of one step at the same start position with the same number of new tokens:
+    the unit a layer computes batched. Holds what this step's sources publish for them."""
 
-    def __init__(self, cfg: AttentionConfig, state: AttentionState, rows: torch.Tensor,
-                 start_pos: int, tokens: int, semantics: str):
-        self.cfg, self.state = cfg, state
-        self.rows, self.start_pos, self.tokens = rows, start_pos, tokens
+    def __init__(self, state: AttentionState, rows: torch.Tensor, start_pos: int, tokens: int,
+                 token_index: torch.Tensor, semantics: str):
+        self.state = state
+        self.rows = rows  # [g] int64 state rows
+        self.start_pos, self.tokens = start_pos, tokens
+        self.token_index = token_index  # [g * tokens] int64 rows of the packed x, sequence-major
         self.semantics = semantics
         self._topk: dict[int, torch.Tensor] = {}
         self._candidates: torch.Tensor | None = None
+
+    def publish_index_keys(self, layer: int, produced: bool) -> None:
+        """A KV source publishes its index keys: always in "fixed" semantics, only when it
+        produced a latent in "reference" semantics (DeepSeek's code)."""
+        if produced or self.semantics == "fixed":
+            self.state.index_key_slot = layer
+
+    def index_key_layer(self, spec: LayerSpec) -> int:
+        """The KV source whose index keys an index source scores against."""
+        slot = self.state.index_key_slot
+        if slot is None:
+            raise StateError(f"layer {spec.layer}: no KV source has published index keys")
+        return slot
+
+    def publish_topk(self, layer: int, selected: torch.Tensor) -> None:
+        self._topk[layer] = selected
+
+    def topk(self, index_source: int) -> torch.Tensor:
+        """[g, m, k] int32 compressed-row numbers (-1 pad) that ``index_source`` selected."""
+        return self._topk[index_source]
+
+    def publish_candidates(self, candidates: torch.Tensor) -> None:
+        self._candidates = candidates
+
+    def candidates(self, n_total: int) -> torch.Tensor:
+        """[g, m, n_total] bool candidate mask of the candidate source."""
+        c = self._candidates
+        if c is None or c.shape[-1] != n_total:
+            raise StateError("no candidate mask of matching width was published in this step")
+        return c
+
+
+class Step:
+    """One forward step: ``tokens[i]`` new tokens for the sequence in state row ``rows[i]``,
+    starting at that sequence's position (0 tokens: idle). Inputs are packed sequence-major as
+    [sum(tokens), dim] with offsets ``cu_seqlens`` (flash-attn style), or [b, m, dim] when
+    every sequence is at the same position with the same m.
+
+    Sequences sharing (start position, tokens) form one ``Group`` computed batched; layers run
+    in increasing order, each once, after the sources they read.
+    """
+
+    def __init__(self, cfg: AttentionConfig, state: AttentionState, rows: torch.Tensor,
+                 starts: list[int], tokens: list[int], semantics: str):
+        self.cfg, self.state, self.semantics = cfg, state, semantics
+        self.rows, self.starts, self.tokens = rows, starts, tokens
+        self.cu_seqlens = [0]
+        for t in tokens:
+            self.cu_seqlens.append(self.cu_seqlens[-1] + t)
+        keyed: dict[tuple[int, int], list[int]] = {}
+        for i, (p, t) in enumerate(zip(starts, tokens)):
+            if t > 0:
+                keyed.setdefault((p, t), []).append(i)
+        dev = state.device
+        self.groups = [
+            Group(state, rows[members], p, t,
+                  torch.cat([torch.arange(self.cu_seqlens[i], self.cu_seqlens[i + 1])
+                             for i in members]).to(dev), semantics)
+            for (p, t), members in keyed.items()
+        ]
+        self._members = list(keyed.values())
         self._done: list[int] = []
 
-    # ---- ordering ---------------------------------------------------------------------
+    @property
+    def total_tokens(self) -> int:
+        return self.cu_seqlens[-1]
+
+    @property
+    def uniform(self) -> bool:
+        """One group holding every sequence in order: x may be [b, m, dim]."""
+        return len(self.groups) == 1 and len(self._members[0]) == len(self.tokens)
+
+    @property
+    def start_pos(self) -> int:
+        if len(set(self.starts)) != 1:
+            raise StateError(f"sequences are at different positions {self.starts}")
+        return self.starts[0]
+
     def check_can_run(self, spec: LayerSpec) -> None:
-        """Backbone layers run in increasing order, each once, after the sources they read."""
         layer = spec.layer
         if spec.is_draft:
             if layer in self._done:
@@ -54,40 +132,20 @@ class Step:
     def mark_done(self, layer: int) -> None:
         self._done.append(layer)
 
-    # ---- publication ------------------------------------------------------------------
-    def publish_index_keys(self, layer: int, produced: bool) -> None:
-        """A KV source publishes its index keys: always in "fixed" semantics, only when it
-        produced a latent in "reference" semantics (DeepSeek's code)."""
-        if produced or self.semantics == "fixed":
-            self.state.index_key_slot = layer
-
-    def index_key_layer(self, spec: LayerSpec) -> int:
-        """The KV source whose index keys an index source scores against."""
-        slot = self.state.index_key_slot
-        if slot is None:
-            raise StateError(f"layer {spec.layer}: no KV source has published index keys")
-        return slot
-
-    def publish_topk(self, layer: int, selected: torch.Tensor) -> None:
-        self._topk[layer] = selected
-
-    def topk(self, index_source: int) -> torch.Tensor:
-        """[b, m, k] int32 compressed-row numbers (-1 pad) that ``index_source`` selected."""
-        return self._topk[index_source]
-
-    def publish_candidates(self, candidates: torch.Tensor) -> None:
-        self._candidates = candidates
-
-    def candidates(self, n_total: int) -> torch.Tensor:
-        """[b, m, n_total] bool candidate mask of the candidate source."""
-        c = self._candidates
-        if c is None or c.shape[-1] != n_total:
-            raise StateError("no candidate mask of matching width was published in this step")
-        return c
-
     @property
     def done(self) -> list[int]:
         return list(self._done)
+
+    def topk(self, index_source: int) -> torch.Tensor:
+        """[sum(tokens), kmax] int32: the compressed rows each token's query selected in
+        ``index_source``, packed like x; each sequence's width is min(index_topk, its
+        compressed rows), padded with -1 to the widest in the step."""
+        parts = [g.topk(index_source) for g in self.groups]
+        width = max((t.shape[-1] for t in parts), default=0)
+        out = torch.full((self.total_tokens, width), -1, dtype=torch.int32, device=self.state.device)
+        for g, t in zip(self.groups, parts):
+            out[g.token_index, : t.shape[-1]] = t.flatten(0, 1)
+        return out
 
 
 class AttentionStack:
@@ -105,10 +163,12 @@ class AttentionStack:
         return AttentionState.allocate(self.cfg, batch_size, capacity, layers=list(self.layers),
                                        device=device, **kw)
 
-    def step(self, state: AttentionState, tokens: int, rows: Sequence[int] | torch.Tensor | None = None,
+    def step(self, state: AttentionState, tokens: int | Sequence[int],
+             rows: Sequence[int] | torch.Tensor | None = None,
              semantics: str | None = None) -> Step:
-        """Open a forward step of ``tokens`` tokens for the sequences ``rows`` (default: all
-        rows of the state), which must all be at the same position."""
+        """Open a forward step: ``tokens`` new tokens (one int for all, or one per sequence,
+        0 = idle) for the sequences in state rows ``rows`` (default: all), each continuing
+        from its own position."""
         semantics = semantics or self.cfg.index_semantics
         if semantics not in SEMANTICS:
             raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
@@ -121,12 +181,17 @@ class AttentionStack:
             raise IndexError(f"rows {rows.tolist()} out of range 0..{state.batch_size - 1}")
         if rows.unique().numel() != rows.numel():
             raise ValueError(f"rows {rows.tolist()} repeat a sequence")
-        first = min(state.layers)
-        start = state.layers[first].positions[rows]
-        if bool((start != start[0]).any()):
-            raise StateError(f"sequences {rows.tolist()} are at different positions "
-                             f"{start.tolist()}; one step needs equal positions")
-        return Step(self.cfg, state, rows, int(start[0]), int(tokens), semantics)
+        counts = [int(tokens)] * rows.numel() if isinstance(tokens, int) else [int(t) for t in tokens]
+        if len(counts) != rows.numel():
+            raise ValueError(f"{len(counts)} token counts for {rows.numel()} sequences")
+        if any(t < 0 for t in counts) or not any(counts):
+            raise ValueError(f"token counts {counts}: each must be >= 0 and one at least >= 1")
+        starts = state.layers[min(state.layers)].positions[rows].tolist()
+        step = Step(self.cfg, state, rows, starts, counts, semantics)
+        if semantics == "reference" and len(step.groups) > 1:
+            raise ValueError("reference semantics reproduces DeepSeek's schedule only: every "
+                             "sequence at the same position with the same token count")
+        return step
 
     def forward(self, xs: Mapping[int, torch.Tensor] | Callable[[int], torch.Tensor],
                 state: AttentionState, rows=None, semantics: str | None = None,
@@ -140,4 +205,12 @@ class AttentionStack:
         get = xs if callable(xs) else xs.__getitem__
         first = get(order[0])
         step = self.step(state, first.shape[1], rows, semantics)
+        return self.run(step, xs, layers=order)
+
+    def run(self, step: Step, xs: Mapping[int, torch.Tensor] | Callable[[int], torch.Tensor],
+            layers: Iterable[int] | None = None) -> dict[int, torch.Tensor]:
+        """Run an opened step through ``layers`` (default: all) in order; xs as in forward,
+        [b, m, dim] for a uniform step or packed [sum(tokens), dim]."""
+        order = sorted(self.layers if layers is None else layers)
+        get = xs if callable(xs) else xs.__getitem__
         return {layer: self.layers[layer](get(layer), state, step) for layer in order}
