@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from .checkpoint import load_layer_weights, write_synthetic_checkpoint
 from .config import SEMANTICS, load_config
-from .fixtures import Fixture, compare, replay
+from .fixtures import Fixture, compare, parse_schedule, replay
 from .stack import AttentionStack
 
 BACKENDS = ("reference",)
@@ -114,10 +114,13 @@ def replay_cmd(args: argparse.Namespace) -> int:
     if args.backend not in BACKENDS:
         raise SystemExit(f"--backend {args.backend!r}: available {', '.join(BACKENDS)}")
     fixture = Fixture.load(args.fixture)
-    result = replay(fixture, [args.semantics], device=args.device)[args.semantics]
+    schedule = parse_schedule(args.schedule) if args.schedule else None
+    result = replay(fixture, [args.semantics], device=args.device,
+                    schedule=schedule)[args.semantics]
     save_file({k: v.contiguous() for k, v in result.items()}, args.out,
               metadata={"fixture": os.path.basename(args.fixture), "semantics": args.semantics,
-                        "backend": args.backend, "device": str(args.device)})
+                        "backend": args.backend, "device": str(args.device),
+                        "schedule": args.schedule or "fixture"})
     if args.semantics in fixture.semantics:
         c = compare(fixture, result, args.semantics)
         bad, total = c["topk_rows"]
@@ -149,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--semantics", choices=SEMANTICS, default="fixed")
     r.add_argument("--device", default="cpu")
     r.add_argument("--backend", default="reference")
+    r.add_argument("--schedule", help="per-sequence chunk lengths, sequences separated by ';', "
+                   "chunks by ',' (e.g. '13,1,1,4;7,6,1,1,1'); default: the fixture's own")
     r.set_defaults(func=replay_cmd)
     args = p.parse_args(argv)
     return args.func(args)

@@ -17,7 +17,9 @@ from .cache import AttentionState, StateError
 from .checkpoint import LayerWeights, expected_tensors
 from .config import AttentionConfig
 from .ops.common.norm import rms_norm
-from .ops.common.quant import fp8_fake_quant, index_fp4_fake_quant, latent_fp4_fake_quant
+from .ops.common.packing import (quantize_compressed_rows, quantize_index_keys,
+                                 quantize_window_rows)
+from .ops.common.quant import index_fp4_fake_quant
 from .ops.common.rope import apply_rope, rope_frequencies, rope_rotations
 from .ops.common.window import (ring_write, window_indices_chunk, window_indices_decode,
                                 window_indices_prefill)
@@ -82,11 +84,10 @@ class AttentionLayer:
 
         # Window K/V (§4.2): norm -> RoPE -> fp8 fake quant, then the ring.
         kv = rms_norm(fp8_linear(x, w.wkv.weight, w.wkv.scale), w.kv_norm, cfg.norm_eps)
-        kv = fp8_fake_quant(apply_rope(kv, rot))  # [b, m, D]
+        kv, kv_packed = quantize_window_rows(apply_rope(kv, rot))  # [b, m, D], [b, m, 528]
         layer_state = state.layers[spec.layer]
-        ring = layer_state.window[rows]  # [b, W, D]
-        new_ring = ring_write(ring, kv, p0)
-        kv_rows, idx = self._window(kv, ring, new_ring, p0, m)
+        ring = layer_state.read_window(rows)  # [b, W + R, D]
+        kv_rows, idx = self._window(kv, ring, p0, m)
 
         if spec.ratio > 0:
             offset = kv_rows.shape[1]
@@ -102,21 +103,23 @@ class AttentionLayer:
         u = torch.einsum("bmgd,grd->bmgr", o.reshape(b, m, cfg.o_groups, -1), wo_a)
         y = fp8_linear(u.flatten(2), w.wo_b.weight, w.wo_b.scale)
 
-        layer_state.window[rows] = new_ring
+        layer_state.window[rows] = ring_write(layer_state.window[rows], kv_packed, p0)
         layer_state.positions[rows] = p0 + m
         return y
 
     # ---- the window part -----------------------------------------------------------------
-    def _window(self, kv, ring, new_ring, p0: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(KV rows [b, n_win, D], window indices [b, m, w_win] int32) for the three call kinds."""
-        win, b = self.cfg.window_size, kv.shape[0]
+    def _window(self, kv, ring, p0: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(KV rows [b, n_win, D], window indices [b, m, w_win] int32) for the three call
+        kinds; ``ring`` [b, S, D] is the ring before this call's write."""
+        win, b, slots = self.cfg.window_size, kv.shape[0], ring.shape[1]
         if p0 == 0:
             idx = window_indices_prefill(m, win, kv.device)
             return kv, idx.expand(b, -1, -1)
         if m == 1:
             pos = torch.full((b,), p0, device=kv.device)
-            return new_ring, window_indices_decode(pos, win).unsqueeze(1)
-        idx = window_indices_chunk(p0, m, win, kv.device)
+            idx = window_indices_decode(pos, win, slots).unsqueeze(1)
+            return ring_write(ring, kv, p0), idx
+        idx = window_indices_chunk(p0, m, win, slots, kv.device)
         return torch.cat([ring, kv], dim=1), idx.expand(b, -1, -1)
 
     # ---- compressed rows and their selection (§4.3, §4.4) --------------------------------
@@ -128,8 +131,7 @@ class AttentionLayer:
         n_total = (p0 + m) // r
         if spec.is_kv_source:
             self._run_compressor(x, state, step)
-        source = state.sources[spec.kv_source]
-        compressed = source.rows[rows, :n_total]
+        compressed = state.read_compressed(spec.kv_source, rows, n_total)  # [b, n_total, D]
 
         if not spec.is_index_source:
             return compressed, step.topk(spec.index_source)
@@ -144,7 +146,7 @@ class AttentionLayer:
         q_index = q_index.unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
         q_index = index_fp4_fake_quant(apply_rope(q_index, rot.unsqueeze(1)))
         head_weights = linear(x, w.index_weights_proj) * cfg.index_weight_scale  # [b, m, I]
-        keys = state.sources[step.index_key_layer(spec)].index_keys[rows, :n_total]
+        keys = state.read_index_keys(step.index_key_layer(spec), rows, n_total)
         scores = index_scores(q_index, head_weights, keys)  # [b, m, n_total] bf16
         visible = ((pos + 1) // r).expand(b, m)
         scores = mask_invisible(scores, visible)
@@ -163,21 +165,23 @@ class AttentionLayer:
         cfg, spec, w = self.cfg, self.spec, self.weights
         p0, rows, r = step.start_pos, step.rows, spec.ratio
         source = state.sources[spec.layer]
-        latent, open_kv, open_score = compress(
-            x, p0, r, w.compressor_wkv, w.compressor_wgate, w.compressor_norm, cfg.norm_eps,
-            None if source.open_kv is None else source.open_kv[rows],
-            None if source.open_score is None else source.open_score[rows])
-        if open_kv is not None:
-            source.open_kv[rows] = open_kv
-            source.open_score[rows] = open_score
+        open_kv = open_score = None
+        if source.recent_kv is not None:  # the open group's tokens, from the recent ring
+            held = torch.arange(p0 - p0 % r, p0, device=x.device) % source.recent_kv.shape[1]
+            open_kv = source.recent_kv[rows[:, None], held[None, :]]
+            open_score = source.recent_score[rows[:, None], held[None, :]]
+        latent, kv, score = compress(x, p0, r, w.compressor_wkv, w.compressor_wgate,
+                                     w.compressor_norm, cfg.norm_eps, open_kv, open_score)
+        if kv is not None:
+            source.recent_kv[rows] = ring_write(source.recent_kv[rows], kv, p0)
+            source.recent_score[rows] = ring_write(source.recent_score[rows], score, p0)
         if latent is not None:
-            g0 = p0 // r
-            g = g0 + torch.arange(latent.shape[1], device=x.device)
+            g = p0 // r + torch.arange(latent.shape[1], device=x.device)
             rot = rope_rotations(self.freqs, g * r)  # a group stands for its first token
             keys = rms_norm(linear(latent, w.index_wk), w.index_k_norm, cfg.norm_eps)
-            keys = index_fp4_fake_quant(apply_rope(keys, rot))
-            source.index_keys[rows[:, None], g[None, :]] = keys
-            source.rows[rows[:, None], g[None, :]] = latent_fp4_fake_quant(apply_rope(latent, rot))
+            _, packed_keys = quantize_index_keys(apply_rope(keys, rot))
+            _, packed_rows = quantize_compressed_rows(apply_rope(latent, rot))
+            state.write_compressed(spec.layer, rows, g, packed_rows, packed_keys)
         step.publish_index_keys(spec.layer, produced=latent is not None)
 
     # ---- validation, before anything is written ------------------------------------------
@@ -218,11 +222,6 @@ class AttentionLayer:
                 raise StateError(
                     f"layer {spec.layer}: sequence {row} is at position {have}, but this step "
                     f"continues it from {p}: positions must neither skip nor repeat")
-            if m > state.max_tokens_per_call:
-                raise ValueError(f"sequence {row}: m={m} tokens outside 1..{state.max_tokens_per_call}")
-            if p + m > state.capacity:
-                raise StateError(f"sequence {row}: positions {p}..{p + m - 1} exceed the cache "
-                                 f"capacity of {state.capacity} positions")
         step.check_can_run(spec)
 
 

@@ -186,11 +186,20 @@ class AttentionStack:
             raise ValueError(f"{len(counts)} token counts for {rows.numel()} sequences")
         if any(t < 0 for t in counts) or not any(counts):
             raise ValueError(f"token counts {counts}: each must be >= 0 and one at least >= 1")
+        state.check_active(rows.tolist())
         starts = state.layers[min(state.layers)].positions[rows].tolist()
+        for row, p, m in zip(rows.tolist(), starts, counts):
+            if m > state.max_tokens_per_call:
+                raise ValueError(f"sequence {row}: m={m} tokens outside "
+                                 f"0..{state.max_tokens_per_call}")
+            if p + m > state.capacity:
+                raise StateError(f"sequence {row}: positions {p}..{p + m - 1} exceed the cache "
+                                 f"capacity of {state.capacity} positions")
         step = Step(self.cfg, state, rows, starts, counts, semantics)
         if semantics == "reference" and len(step.groups) > 1:
             raise ValueError("reference semantics reproduces DeepSeek's schedule only: every "
                              "sequence at the same position with the same token count")
+        state.reserve(rows.tolist(), [p + m for p, m in zip(starts, counts)])
         return step
 
     def forward(self, xs: Mapping[int, torch.Tensor] | Callable[[int], torch.Tensor],

@@ -18,11 +18,10 @@ def compress(x: torch.Tensor, start_pos: int, ratio: int, wkv: torch.Tensor,
     """Latents of the groups that complete in this call.
 
     x: [B, m, X] bf16, tokens at positions start_pos..start_pos+m-1. For ratio > 1,
-    open_kv/open_score: [B, r, D] fp32, slot j holding the wkv/wgate output of position
-    g*r + j of the open group (slots < start_pos % r are valid).
-    Returns (latent [B, n_new, D] bf16 pre-RoPE or None when no group completes, new open_kv,
-    new open_score) — the state tensors are new tensors (the caller stores them), each slot
-    holding the tokens of the group still open after the call.
+    open_kv/open_score: [B, start_pos % r, D] fp32, the wkv/wgate outputs of the tokens of
+    the group still open before the call.
+    Returns (latent [B, n_new, D] bf16 pre-RoPE, or None when no group completes; kv and
+    score [B, m, D] fp32 of the new tokens for the caller to keep, None at ratio 1).
     """
     if ratio == 1:
         return rms_norm(linear(x, wkv), norm_weight, eps), None, None
@@ -31,18 +30,13 @@ def compress(x: torch.Tensor, start_pos: int, ratio: int, wkv: torch.Tensor,
     kv = linear(xf, wkv)  # [B, m, D] fp32
     score = linear(xf, wgate)
     held = start_pos % ratio
-    kv_all = torch.cat([open_kv[:, :held], kv], dim=1)  # [B, held + m, D]
-    score_all = torch.cat([open_score[:, :held], score], dim=1)
     n_new = (held + m) // ratio
-    tail = held + m - n_new * ratio
-    # The open group's tokens sit at slot = position mod r; later slots are never read.
-    new_kv, new_score = open_kv.clone(), open_score.clone()
-    new_kv[:, :tail] = kv_all[:, n_new * ratio:]
-    new_score[:, :tail] = score_all[:, n_new * ratio:]
     if n_new == 0:
-        return None, new_kv, new_score
+        return None, kv, score
     d = kv.shape[-1]
-    groups = kv_all[:, :n_new * ratio].view(b, n_new, ratio, d)
-    gates = score_all[:, :n_new * ratio].view(b, n_new, ratio, d).softmax(dim=2)
+    kv_all = torch.cat([open_kv, kv], dim=1)[:, :n_new * ratio]  # [B, held + m, D]
+    score_all = torch.cat([open_score, score], dim=1)[:, :n_new * ratio]
+    groups = kv_all.view(b, n_new, ratio, d)
+    gates = score_all.view(b, n_new, ratio, d).softmax(dim=2)  # per channel over r tokens
     pooled = (groups * gates).sum(dim=2)  # [B, n_new, D] fp32
-    return rms_norm(pooled.to(x.dtype), norm_weight, eps), new_kv, new_score
+    return rms_norm(pooled.to(x.dtype), norm_weight, eps), kv, score

@@ -1,0 +1,95 @@
+"""Byte layouts of the cached rows (SPEC §0.4). Each packs the (codes, scales) a quantiser
+produced, so unpacking gives back the fake-quantised bf16 values bit for bit.
+
+| row | layout | bytes (V4.1-Flash) |
+|---|---|---|
+| window K=V | D e4m3 codes, then D/32 ue8m0 exponents | 512 + 16 = 528 |
+| compressed row | D/2 bytes of e2m1 pairs (element 2i in the low nibble), then D/16 e4m3 scales | 256 + 32 = 288 |
+| index key | d/2 bytes of e2m1 pairs, then d/32 ue8m0 exponents | 64 + 4 = 68 |
+
+An e2m1 nibble is sign << 3 | index into (0, 0.5, 1, 1.5, 2, 3, 4, 6); a ue8m0 byte is the
+biased exponent of a power-of-two scale.
+"""
+from __future__ import annotations
+
+import torch
+
+from .quant import FP8_BLOCK, INDEX_FP4_BLOCK, LATENT_FP4_BLOCK, act_quant, fp4_quant
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _e8m0_bytes(s: torch.Tensor) -> torch.Tensor:
+    return ((s.float().contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+
+
+def _e8m0_values(b: torch.Tensor) -> torch.Tensor:
+    return (b.to(torch.int32) << 23).view(torch.float32)
+
+
+def _e2m1_nibbles(v: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(E2M1_VALUES, device=v.device)
+    idx = torch.searchsorted(table, v.abs().contiguous())  # exact values: their own index
+    return (idx | (torch.signbit(v).to(torch.int64) << 3)).to(torch.uint8)
+
+
+def _e2m1_values(n: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(E2M1_VALUES, device=n.device)
+    mag = table[(n & 7).long()]
+    return torch.where((n & 8) != 0, -mag, mag)
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] fp32 e2m1 values -> [..., K/2] uint8, element 2i in the low nibble."""
+    nib = _e2m1_nibbles(codes).unflatten(-1, (-1, 2))
+    return nib[..., 0] | (nib[..., 1] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] uint8 -> [..., K] fp32 e2m1 values."""
+    return torch.stack([_e2m1_values(packed & 0xF), _e2m1_values(packed >> 4)], -1).flatten(-2)
+
+
+def quantize_window_rows(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window K=V: bf16 [..., D] -> (fp8 fake-quantised bf16 [..., D], packed uint8 [..., D + D/32])."""
+    codes, s = act_quant(kv, FP8_BLOCK)
+    packed = torch.cat([codes.to(torch.float8_e4m3fn).view(torch.uint8), _e8m0_bytes(s)], -1)
+    return unpack_window_rows(packed), packed
+
+
+def unpack_window_rows(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., D + D/32] -> bf16 [..., D]."""
+    d = packed.shape[-1] * FP8_BLOCK // (FP8_BLOCK + 1)
+    codes = packed[..., :d].contiguous().view(torch.float8_e4m3fn).float()
+    s = _e8m0_values(packed[..., d:])
+    return (codes.unflatten(-1, (-1, FP8_BLOCK)) * s.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+
+
+def quantize_compressed_rows(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latents: bf16 [..., D] -> (fp4 e4m3/16 fake-quantised bf16, packed uint8 [..., D/2 + D/16])."""
+    codes, s = fp4_quant(latent, LATENT_FP4_BLOCK, "e4m3")
+    packed = torch.cat([pack_fp4(codes), s.to(torch.float8_e4m3fn).view(torch.uint8)], -1)
+    return unpack_compressed_rows(packed), packed
+
+
+def unpack_compressed_rows(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., D/2 + D/16] -> bf16 [..., D]."""
+    d = packed.shape[-1] * 16 // 9
+    codes = unpack_fp4(packed[..., : d // 2])
+    s = packed[..., d // 2:].contiguous().view(torch.float8_e4m3fn).float()
+    return (codes.unflatten(-1, (-1, LATENT_FP4_BLOCK)) * s.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+
+
+def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index keys: bf16 [..., d] -> (fp4 ue8m0/32 fake-quantised bf16, packed uint8 [..., d/2 + d/32])."""
+    codes, s = fp4_quant(keys, INDEX_FP4_BLOCK, "ue8m0")
+    packed = torch.cat([pack_fp4(codes), _e8m0_bytes(s)], -1)
+    return unpack_index_keys(packed), packed
+
+
+def unpack_index_keys(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., d/2 + d/32] -> bf16 [..., d]."""
+    d = packed.shape[-1] * 32 // 17
+    codes = unpack_fp4(packed[..., : d // 2])
+    s = _e8m0_values(packed[..., d // 2:])
+    return (codes.unflatten(-1, (-1, INDEX_FP4_BLOCK)) * s.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
