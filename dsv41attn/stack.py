@@ -222,4 +222,4 @@ class AttentionStack:
         [b, m, dim] for a uniform step or packed [sum(tokens), dim]."""
         order = sorted(self.layers if layers is None else layers)
         get = xs if callable(xs) else xs.__getitem__
-        return {layer: self.layers[layer](get(layer), state, step) for layer in order}
+        return {layer: self.layers[layer](get(layer), step.state, step) for layer in order}
