@@ -251,3 +251,30 @@ def test_kv_bytes_per_token_v41_flash():
     b = state.kv_bytes_per_token()
     assert b["compressed"] == 890
     assert b["window_per_sequence"] == 40 * 128 * 528
+
+
+def test_rows_select_and_reorder_sequences():
+    stack = _stack("tiny")
+    cfg = stack.cfg
+    xs = _inputs(cfg, 3, 9, seed=21)
+    a = stack.new_state(3, capacity=64)
+    b = stack.new_state(3, capacity=64)
+    ya = stack.forward({L: xs[L] for L in stack.layers}, a, rows=[0, 1, 2])
+    order = [2, 0, 1]
+    yb = stack.forward({L: xs[L][order] for L in stack.layers}, b, rows=order)
+    for L in stack.layers:
+        assert torch.equal(ya[L][order], yb[L])
+    sub = stack.forward({L: xs[L][1:2, :4] for L in stack.layers}, stack.new_state(3, capacity=64),
+                        rows=[1])
+    for L in stack.layers:
+        assert torch.equal(sub[L][0], ya[L][1, :4])  # causal: a prefix of the same sequence
+
+
+def test_rollback_before_the_start_is_rejected():
+    stack = _stack("tiny")
+    state = stack.new_state(1, capacity=32, rollback=4)
+    stack.forward({L: torch.randn(1, 3, stack.cfg.dim).bfloat16() for L in stack.layers}, state)
+    with pytest.raises(StateError, match="back to -1"):
+        state.truncate(0, -1)
+    state.truncate(0, 0)
+    assert state.position_of(0) == 0
