@@ -71,7 +71,7 @@ def nearest(table: list[tuple[float, int]], v: float) -> float:
     i = bisect.bisect_left(vals, a)
     if vals[i] == a:
         return math.copysign(a, v)
-    (lo, clo), (hi, chi) = table[i - 1], table[i]
+    (lo, clo), (hi, _) = table[i - 1], table[i]
     dlo, dhi = Fraction(a) - Fraction(lo), Fraction(hi) - Fraction(a)
     if dlo < dhi or (dlo == dhi and clo % 2 == 0):
         return math.copysign(lo, v)
