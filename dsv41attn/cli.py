@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 from .checkpoint import load_layer_weights, write_synthetic_checkpoint
 from .config import SEMANTICS, load_config
 from .fixtures import Fixture, compare, parse_schedule, replay
+from .ops.backends import BACKENDS
 from .stack import AttentionStack
 
-BACKENDS = ("reference",)
 
 
 def _parse_layers(text: str | None, n: int) -> list[int] | None:
@@ -59,7 +59,7 @@ def demo(args: argparse.Namespace) -> int:
         weights = load_layer_weights(path, cfg, needed, device=device)
         print(f"loaded {sum(w.nbytes for w in weights.values()) / 2**20:.1f} MiB of attention "
               f"weights in {time.perf_counter() - t0:.2f} s")
-    stack = AttentionStack(cfg, weights)
+    stack = AttentionStack(cfg, weights, backend=args.backend)
     total = args.tokens + args.decode_steps
     state = stack.new_state(args.batch, capacity=total, device=device)
     gen = torch.Generator().manual_seed(args.seed)
@@ -91,7 +91,7 @@ def demo(args: argparse.Namespace) -> int:
             info[L] = (win, n_cmp, sel)
     last = args.tokens + args.decode_steps - 1
     print(f"\n{args.batch} sequence(s): prefill {args.tokens} tokens, then {args.decode_steps} "
-          f"decode steps; rows seen by the token at position {last}, backend reference, {device}")
+          f"decode steps; rows seen by the token at position {last}, backend {args.backend}, {device}")
     print(f"{'layer':>5} {'role':<8} {'ratio':>5} {'window':>6} {'compressed':>10} "
           f"{'top-k':>5} {'prefill ms':>10} {'decode ms':>9}")
     for L in needed:
@@ -111,12 +111,10 @@ def demo(args: argparse.Namespace) -> int:
 
 def replay_cmd(args: argparse.Namespace) -> int:
     """Run a fixture through the library and write its outputs (a stable contract)."""
-    if args.backend not in BACKENDS:
-        raise SystemExit(f"--backend {args.backend!r}: available {', '.join(BACKENDS)}")
     fixture = Fixture.load(args.fixture)
     schedule = parse_schedule(args.schedule) if args.schedule else None
-    result = replay(fixture, [args.semantics], device=args.device,
-                    schedule=schedule)[args.semantics]
+    result = replay(fixture, [args.semantics], device=args.device, schedule=schedule,
+                    backend=args.backend)[args.semantics]
     save_file({k: v.contiguous() for k, v in result.items()}, args.out,
               metadata={"fixture": os.path.basename(args.fixture), "semantics": args.semantics,
                         "backend": args.backend, "device": str(args.device),
@@ -145,13 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--device", default="cpu")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--semantics", choices=SEMANTICS, default="fixed")
+    d.add_argument("--backend", choices=BACKENDS, default="reference")
     d.set_defaults(func=demo)
     r = sub.add_parser("replay", help="run a golden fixture and write out.{sem}.l{L}/topk.{sem}.l{L}")
     r.add_argument("fixture")
     r.add_argument("--out", required=True)
     r.add_argument("--semantics", choices=SEMANTICS, default="fixed")
     r.add_argument("--device", default="cpu")
-    r.add_argument("--backend", default="reference")
+    r.add_argument("--backend", choices=BACKENDS, default="reference")
     r.add_argument("--schedule", help="per-sequence chunk lengths, sequences separated by ';', "
                    "chunks by ',' (e.g. '13,1,1,4;7,6,1,1,1'); default: the fixture's own")
     r.set_defaults(func=replay_cmd)

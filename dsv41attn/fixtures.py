@@ -47,10 +47,10 @@ class Fixture:
     def layers(self) -> list[int]:
         return list(range(self.config.n_layers))
 
-    def stack(self, device: str | torch.device = "cpu") -> AttentionStack:
+    def stack(self, device: str | torch.device = "cpu", backend: str = "reference") -> AttentionStack:
         weights = {L: layer_weights_from_tensors(self.config, L, self.tensors).to(device)
                    for L in self.layers}
-        return AttentionStack(self.config, weights)
+        return AttentionStack(self.config, weights, backend)
 
     def inputs(self, step: int, device="cpu") -> dict[int, torch.Tensor]:
         return {L: self.tensors[f"x.s{step}.l{L}"].to(device) for L in self.layers}
@@ -94,7 +94,7 @@ def parse_schedule(text: str) -> list[list[int]]:
 
 def replay(fixture: Fixture, semantics: Iterable[str] = ("fixed",), device="cpu",
            stack: AttentionStack | None = None, schedule: list[list[int]] | None = None,
-           ) -> dict[str, dict[str, torch.Tensor]]:
+           backend: str = "reference") -> dict[str, dict[str, torch.Tensor]]:
     """Run the fixture through the library under each of ``semantics``.
 
     ``schedule``: per-sequence chunk lengths (each list covers that sequence's tokens); batch
@@ -117,7 +117,7 @@ def replay(fixture: Fixture, semantics: Iterable[str] = ("fixed",), device="cpu"
     if "reference" in semantics and not own and any(
             seq != [t for _, t in fixture.schedule] for seq in schedule):
         raise ValueError("reference semantics replays the fixture's own schedule only")
-    stack = stack or fixture.stack(device)
+    stack = stack or fixture.stack(device, backend)
     n_steps = max(len(seq) for seq in schedule)
     steps = [[seq[k] if k < len(seq) else 0 for seq in schedule] for k in range(n_steps)]
     # Every layer's input for every position: [batch, total, hidden].

@@ -27,17 +27,19 @@ from .ops.compressor.reference import compress
 from .ops.indexer.reference import (index_scores, mask_invisible, select_candidate_blocks,
                                     select_topk)
 from .ops.linear.reference import fp8_linear, linear
-from .ops.sparse_attn.reference import sparse_attn
+from .ops.backends import get_ops
 
 if TYPE_CHECKING:
     from .stack import Group, Step
 
 
 class AttentionLayer:
-    """Layer ``weights.layer`` of ``cfg`` with its weights; stateless between calls."""
+    """Layer ``weights.layer`` of ``cfg`` with its weights; stateless between calls.
+    ``backend``: "reference" (plain torch) or "triton" (Triton kernels where they exist)."""
 
-    def __init__(self, cfg: AttentionConfig, weights: LayerWeights):
+    def __init__(self, cfg: AttentionConfig, weights: LayerWeights, backend: str = "reference"):
         self.cfg = cfg
+        self.ops = get_ops(backend)
         self.spec = cfg.layer(weights.layer)
         self.weights = weights
         _check_weights(cfg, weights)
@@ -95,7 +97,7 @@ class AttentionLayer:
             kv_rows = torch.cat([kv_rows, compressed], dim=1)
             idx = torch.cat([idx, torch.where(selected >= 0, selected + offset, -1)], dim=-1)
 
-        o = sparse_attn(q, kv_rows, w.attn_sink, idx, cfg.softmax_scale)  # [b, m, H, D]
+        o = self.ops.sparse_attn(q, kv_rows, w.attn_sink, idx, cfg.softmax_scale)  # [b, m, H, D]
 
         # Inverse RoPE and the grouped output projection (§4.6).
         o = apply_rope(o, rot.unsqueeze(1), inverse=True)

@@ -151,9 +151,12 @@ class Step:
 class AttentionStack:
     """The attention layers of one model (any subset of its layers), run in layer order."""
 
-    def __init__(self, cfg: AttentionConfig, weights: Mapping[int, LayerWeights]):
+    def __init__(self, cfg: AttentionConfig, weights: Mapping[int, LayerWeights],
+                 backend: str = "reference"):
         self.cfg = cfg
-        self.layers = {layer: AttentionLayer(cfg, weights[layer]) for layer in sorted(weights)}
+        self.backend = backend
+        self.layers = {layer: AttentionLayer(cfg, weights[layer], backend)
+                       for layer in sorted(weights)}
 
     def new_state(self, batch_size: int, capacity: int | None = None,
                   device: str | torch.device | None = None, **kw) -> AttentionState:
