@@ -1,4 +1,4 @@
-"""``python -m dsv41attn`` / ``dsv41attn``: demo | replay."""
+"""``python -m dsv41attn`` / ``dsv41attn``: demo | replay | bench."""
 from __future__ import annotations
 
 import argparse
@@ -130,6 +130,13 @@ def replay_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_cmd(args: argparse.Namespace) -> int:
+    """GPU timings of the Triton kernels against the reference path (needs CUDA + triton)."""
+    from .bench import main as bench_main
+
+    return bench_main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dsv41attn", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -154,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--schedule", help="per-sequence chunk lengths, sequences separated by ';', "
                    "chunks by ',' (e.g. '13,1,1,4;7,6,1,1,1'); default: the fixture's own")
     r.set_defaults(func=replay_cmd)
+    bn = sub.add_parser("bench", help="time the Triton kernels against the reference on a GPU")
+    bn.add_argument("--csv", help="write the rows as CSV")
+    bn.set_defaults(func=bench_cmd)
     args = p.parse_args(argv)
     return args.func(args)
 
