@@ -107,7 +107,7 @@ class AttentionState:
             raise StateError(f"capacity must be in 1..max_seq_len={cfg.max_seq_len}, got {capacity}")
         if rollback < 0:
             raise StateError(f"rollback must be >= 0, got {rollback}")
-        device = torch.device(device)
+        device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors report
         ids = sorted(set(range(len(cfg.layer_specs)) if layers is None else layers))
         for layer in ids:
             cfg.layer(layer)
