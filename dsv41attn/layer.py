@@ -93,7 +93,7 @@ class AttentionLayer:
 
         if spec.ratio > 0:
             offset = kv_rows.shape[1]
-            compressed, selected = self._compressed(x, qr, state, step)
+            compressed, selected = self._compressed(x, qr, pos, rot, state, step)
             kv_rows = torch.cat([kv_rows, compressed], dim=1)
             idx = torch.cat([idx, torch.where(selected >= 0, selected + offset, -1)], dim=-1)
 
@@ -125,8 +125,9 @@ class AttentionLayer:
         return torch.cat([ring, kv], dim=1), idx.expand(b, -1, -1)
 
     # ---- compressed rows and their selection (§4.3, §4.4) --------------------------------
-    def _compressed(self, x, qr, state: AttentionState, step: "Group"):
-        """Compressed rows [b, n_total, D] and the selected row numbers [b, m, k] (-1 pad)."""
+    def _compressed(self, x, qr, pos, rot, state: AttentionState, step: "Group"):
+        """Compressed rows [b, n_total, D] and the selected row numbers [b, m, k] (-1 pad);
+        pos [m] and rot [m, R/2] are the queries' positions and rotations."""
         cfg, spec, w = self.cfg, self.spec, self.weights
         b, m, _ = x.shape
         p0, rows, r = step.start_pos, step.rows, spec.ratio
@@ -142,8 +143,6 @@ class AttentionLayer:
             step.publish_topk(spec.layer, selected)
             return compressed, selected
 
-        pos = p0 + torch.arange(m, device=x.device)
-        rot = rope_rotations(self.freqs, pos)
         q_index = fp8_linear(qr, w.index_wq_b.weight, w.index_wq_b.scale)
         q_index = q_index.unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
         q_index = index_fp4_fake_quant(apply_rope(q_index, rot.unsqueeze(1)))
