@@ -460,32 +460,59 @@ def _raise(problems: list[str], where: str) -> None:
     raise CheckpointError(f"{where}: {len(problems)} problem(s):\n  " + "\n  ".join(shown) + more)
 
 
+# LayerWeights field -> checkpoint name relative to the layer prefix; an fp8 weight is a stem
+# with ".weight" and ".scale". The one place the two namings meet.
+_FIELDS = (
+    ("wq_a", "wq_a"), ("q_norm", "q_norm.weight"), ("wq_b", "wq_b"), ("wkv", "wkv"),
+    ("kv_norm", "kv_norm.weight"), ("wo_a", "wo_a.weight"), ("wo_b", "wo_b"),
+    ("attn_sink", "attn_sink"), ("compressor_wkv", "compressor.wkv.weight"),
+    ("compressor_wgate", "compressor.wgate.weight"), ("compressor_norm", "compressor.norm.weight"),
+    ("index_wk", "indexer.wk.weight"), ("index_k_norm", "indexer.k_norm.weight"),
+    ("index_wq_b", "indexer.wq_b"), ("index_weights_proj", "indexer.weights_proj.weight"),
+)
+_FP8_STEMS = {"wq_a", "wq_b", "wkv", "wo_b", "indexer.wq_b"}
+
+
 def _build(spec: LayerSpec, t: Mapping[str, torch.Tensor]) -> LayerWeights:
-    """Assemble from validated relative-name tensors (checkpoint dtypes)."""
+    """Assemble from validated relative-name tensors (checkpoint dtypes): wo_a dequantised
+    to bf16, the gated compressor's weights promoted to fp32 (as the reference runs them)."""
+    fields: dict[str, object] = {}
+    for field, name in _FIELDS:
+        if name in _FP8_STEMS:
+            if f"{name}.weight" in t:
+                fields[field] = Fp8Weight(t[f"{name}.weight"], t[f"{name}.scale"])
+        elif name in t:
+            fields[field] = t[name]
+    wo_a = fields["wo_a"]
+    if wo_a.dtype != torch.bfloat16:
+        fields["wo_a"] = Fp8Weight(wo_a, t["wo_a.scale"]).dequantize()
+    if spec.has_gate:
+        fields["compressor_wkv"] = fields["compressor_wkv"].float()
+        fields["compressor_wgate"] = fields["compressor_wgate"].float()
+    return LayerWeights(layer=spec.layer, **fields)
 
-    def fp8(name: str) -> Fp8Weight:
-        return Fp8Weight(t[f"{name}.weight"], t[f"{name}.scale"])
 
-    wo_a = t["wo_a.weight"]
-    wo_a = wo_a if wo_a.dtype == torch.bfloat16 else fp8("wo_a").dequantize()
-    extra: dict[str, object] = {}
-    if spec.is_kv_source:
-        wkv = t["compressor.wkv.weight"]
-        extra.update(
-            compressor_wkv=wkv.float() if spec.has_gate else wkv,
-            compressor_wgate=t["compressor.wgate.weight"].float() if spec.has_gate else None,
-            compressor_norm=t["compressor.norm.weight"],
-            index_wk=t["indexer.wk.weight"],
-            index_k_norm=t["indexer.k_norm.weight"],
-        )
-    if spec.is_index_source:
-        extra.update(index_wq_b=fp8("indexer.wq_b"),
-                     index_weights_proj=t["indexer.weights_proj.weight"])
-    return LayerWeights(
-        layer=spec.layer, wq_a=fp8("wq_a"), q_norm=t["q_norm.weight"], wq_b=fp8("wq_b"),
-        wkv=fp8("wkv"), kv_norm=t["kv_norm.weight"], wo_a=wo_a, wo_b=fp8("wo_b"),
-        attn_sink=t["attn_sink"], **extra,
-    )
+def check_layer_weights(cfg: AttentionConfig, w: LayerWeights) -> None:
+    """Raise CheckpointError unless ``w`` holds exactly the weights, with the shapes, that layer
+    ``w.layer`` of ``cfg`` needs (weights built for another config, or hand-made ones)."""
+    spec = cfg.layer(w.layer)
+    expected = expected_tensors(cfg, w.layer)
+    p = spec.weight_prefix
+    for field, name in _FIELDS:
+        v = getattr(w, field)
+        key = f"{name}.weight" if name in _FP8_STEMS else name
+        want = expected.get(key)
+        if want is None and v is not None:
+            raise CheckpointError(f"{p}{key}: the config gives layer {w.layer} no such tensor "
+                                  f"(role {spec.role.value}), but the weights have one")
+        if want is None:
+            continue
+        if v is None:
+            raise CheckpointError(f"{p}{key}: missing for layer {w.layer}")
+        shape = tuple((v.weight if isinstance(v, Fp8Weight) else v).shape)
+        if shape != tuple(want[1]):
+            raise CheckpointError(f"{p}{key}: the config expects shape {list(want[1])}, the "
+                                  f"weights have {list(shape)}")
 
 
 def _resolve(path: str | os.PathLike) -> tuple[str, dict[str, str] | None, str | None]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cache import AttentionState, StateError
-from .checkpoint import LayerWeights, expected_tensors
+from .checkpoint import LayerWeights, check_layer_weights
 from .config import AttentionConfig
 from .ops.common.norm import rms_norm
 from .ops.common.packing import (quantize_compressed_rows, quantize_index_keys,
@@ -42,7 +42,7 @@ class AttentionLayer:
         self.ops = get_ops(backend)
         self.spec = cfg.layer(weights.layer)
         self.weights = weights
-        _check_weights(cfg, weights)
+        check_layer_weights(cfg, weights)
         self.freqs = rope_frequencies(cfg, self.spec)  # [rope_head_dim/2] fp32
 
     @property
@@ -230,29 +230,3 @@ class AttentionLayer:
                     f"continues it from {p}: positions must neither skip nor repeat")
         step.check_can_run(spec)
 
-
-def _check_weights(cfg: AttentionConfig, w: LayerWeights) -> None:
-    """Mismatched config and weights: every tensor's shape must be what the config implies."""
-    expected = expected_tensors(cfg, w.layer)
-    found = {
-        "wq_a.weight": w.wq_a.weight, "wq_b.weight": w.wq_b.weight, "wkv.weight": w.wkv.weight,
-        "wo_b.weight": w.wo_b.weight, "q_norm.weight": w.q_norm, "kv_norm.weight": w.kv_norm,
-        "wo_a.weight": w.wo_a, "attn_sink": w.attn_sink,
-        "compressor.wkv.weight": w.compressor_wkv, "compressor.wgate.weight": w.compressor_wgate,
-        "compressor.norm.weight": w.compressor_norm, "indexer.wk.weight": w.index_wk,
-        "indexer.k_norm.weight": w.index_k_norm,
-        "indexer.wq_b.weight": None if w.index_wq_b is None else w.index_wq_b.weight,
-        "indexer.weights_proj.weight": w.index_weights_proj,
-    }
-    prefix = cfg.layer(w.layer).weight_prefix
-    for name, tensor in found.items():
-        want = expected.get(name)
-        if want is None and tensor is not None:
-            raise ValueError(f"{prefix}{name}: the config gives layer {w.layer} no such tensor "
-                             f"(role {cfg.layer(w.layer).role.value}), but the weights have one")
-        if want is not None:
-            if tensor is None:
-                raise ValueError(f"{prefix}{name}: missing for layer {w.layer}")
-            if tuple(tensor.shape) != tuple(want[1]):
-                raise ValueError(f"{prefix}{name}: the config expects shape {list(want[1])}, "
-                                 f"the weights have {list(tensor.shape)}")

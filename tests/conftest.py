@@ -20,6 +20,18 @@ def fixture_files() -> list[Path]:
     return [found[k] for k in sorted(found)]
 
 
+@pytest.fixture(scope="session")
+def tiny():
+    from dsv41attn import preset
+    return preset("tiny")
+
+
+@pytest.fixture(scope="session")
+def flash():
+    from dsv41attn import preset
+    return preset("v41-flash")
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

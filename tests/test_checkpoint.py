@@ -17,7 +17,7 @@ from dsv41attn.checkpoint import (
     load_layer_weights, quantize_fp8, random_checkpoint_tensors, random_layer_weights,
     write_synthetic_checkpoint,
 )
-from dsv41attn.config import AttentionConfig, Role, preset
+from dsv41attn.config import AttentionConfig, Role
 
 FIXTURES = "/work/shared/fixtures"
 FP8, SCALE, BF16, F32 = torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.bfloat16, torch.float32
@@ -29,16 +29,6 @@ COMMON = {
 KV_SOURCE = {"compressor.wkv.weight", "compressor.norm.weight", "indexer.wk.weight",
              "indexer.k_norm.weight"}
 INDEX_SOURCE = {"indexer.wq_b.weight", "indexer.wq_b.scale", "indexer.weights_proj.weight"}
-
-
-@pytest.fixture(scope="module")
-def tiny() -> AttentionConfig:
-    return preset("tiny")
-
-
-@pytest.fixture(scope="module")
-def flash() -> AttentionConfig:
-    return preset("v41-flash")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

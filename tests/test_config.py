@@ -35,16 +35,6 @@ FIXTURES = _fixture_files()
 S, F, RI, RU = Role.SWA, Role.FULL, Role.REINDEX, Role.REUSE
 
 
-@pytest.fixture(scope="module")
-def flash() -> AttentionConfig:
-    return preset("v41-flash")
-
-
-@pytest.fixture(scope="module")
-def tiny() -> AttentionConfig:
-    return preset("tiny")
-
-
 # ---------------------------------------------------------------------------------------------
 # V4.1-Flash preset: SPEC §1.1 / §1.2, written out independently of the config's own helpers.
 # ---------------------------------------------------------------------------------------------
