@@ -17,8 +17,7 @@ from .cache import AttentionState, StateError
 from .checkpoint import LayerWeights, check_layer_weights
 from .config import AttentionConfig
 from .ops.common.norm import rms_norm
-from .ops.common.packing import (quantize_compressed_rows, quantize_index_keys,
-                                 quantize_window_rows)
+from .ops.common.packing import pack_compressed_rows, pack_index_keys, quantize_window_rows
 from .ops.common.quant import index_fp4_fake_quant
 from .ops.common.rope import apply_rope, rope_frequencies, rope_rotations
 from .ops.common.window import (ring_write, window_indices_chunk, window_indices_decode,
@@ -180,8 +179,8 @@ class AttentionLayer:
             g = p0 // r + torch.arange(latent.shape[1], device=x.device)
             rot = rope_rotations(self.freqs, g * r)  # a group stands for its first token
             keys = rms_norm(linear(latent, w.index_wk), w.index_k_norm, cfg.norm_eps)
-            _, packed_keys = quantize_index_keys(apply_rope(keys, rot))
-            _, packed_rows = quantize_compressed_rows(apply_rope(latent, rot))
+            packed_keys = pack_index_keys(apply_rope(keys, rot))
+            packed_rows = pack_compressed_rows(apply_rope(latent, rot))
             state.write_compressed(spec.layer, rows, g, packed_rows, packed_keys)
         step.publish_index_keys(spec.layer, produced=latent is not None)
 

@@ -50,10 +50,15 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([_e2m1_values(packed & 0xF), _e2m1_values(packed >> 4)], -1).flatten(-2)
 
 
-def quantize_window_rows(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Window K=V: bf16 [..., D] -> (fp8 fake-quantised bf16 [..., D], packed uint8 [..., D + D/32])."""
+def pack_window_rows(kv: torch.Tensor) -> torch.Tensor:
+    """Window K=V: bf16 [..., D] -> fp8 quantised, packed uint8 [..., D + D/32]."""
     codes, s = act_quant(kv, FP8_BLOCK)
-    packed = torch.cat([codes.to(torch.float8_e4m3fn).view(torch.uint8), _e8m0_bytes(s)], -1)
+    return torch.cat([codes.to(torch.float8_e4m3fn).view(torch.uint8), _e8m0_bytes(s)], -1)
+
+
+def quantize_window_rows(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 fake-quantised bf16 [..., D], packed uint8 [..., D + D/32])."""
+    packed = pack_window_rows(kv)
     return unpack_window_rows(packed), packed
 
 
@@ -65,10 +70,15 @@ def unpack_window_rows(packed: torch.Tensor) -> torch.Tensor:
     return (codes.unflatten(-1, (-1, FP8_BLOCK)) * s.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
 
 
-def quantize_compressed_rows(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Latents: bf16 [..., D] -> (fp4 e4m3/16 fake-quantised bf16, packed uint8 [..., D/2 + D/16])."""
+def pack_compressed_rows(latent: torch.Tensor) -> torch.Tensor:
+    """Latents: bf16 [..., D] -> fp4 e4m3/16 quantised, packed uint8 [..., D/2 + D/16]."""
     codes, s = fp4_quant(latent, LATENT_FP4_BLOCK, "e4m3")
-    packed = torch.cat([pack_fp4(codes), s.to(torch.float8_e4m3fn).view(torch.uint8)], -1)
+    return torch.cat([pack_fp4(codes), s.to(torch.float8_e4m3fn).view(torch.uint8)], -1)
+
+
+def quantize_compressed_rows(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp4 e4m3/16 fake-quantised bf16 [..., D], packed uint8 [..., D/2 + D/16])."""
+    packed = pack_compressed_rows(latent)
     return unpack_compressed_rows(packed), packed
 
 
@@ -80,10 +90,15 @@ def unpack_compressed_rows(packed: torch.Tensor) -> torch.Tensor:
     return (codes.unflatten(-1, (-1, LATENT_FP4_BLOCK)) * s.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
 
 
-def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index keys: bf16 [..., d] -> (fp4 ue8m0/32 fake-quantised bf16, packed uint8 [..., d/2 + d/32])."""
+def pack_index_keys(keys: torch.Tensor) -> torch.Tensor:
+    """Index keys: bf16 [..., d] -> fp4 ue8m0/32 quantised, packed uint8 [..., d/2 + d/32]."""
     codes, s = fp4_quant(keys, INDEX_FP4_BLOCK, "ue8m0")
-    packed = torch.cat([pack_fp4(codes), _e8m0_bytes(s)], -1)
+    return torch.cat([pack_fp4(codes), _e8m0_bytes(s)], -1)
+
+
+def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp4 ue8m0/32 fake-quantised bf16 [..., d], packed uint8 [..., d/2 + d/32])."""
+    packed = pack_index_keys(keys)
     return unpack_index_keys(packed), packed
 
 
