@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import AttentionConfig
-from .ops.common.packing import unpack_compressed_rows, unpack_index_keys, unpack_window_rows
+from .ops.common.packing import (paged_rows, unpack_compressed_rows, unpack_index_keys,
+                                 unpack_window_rows)
 
 
 def window_row_bytes(cfg: AttentionConfig) -> int:
@@ -56,7 +57,7 @@ class LayerState:
     positions: torch.Tensor  # [B] int64
 
     def read_window(self, rows: torch.Tensor) -> torch.Tensor:
-        """[b, W + R, D] bf16 ring rows of the sequences ``rows``."""
+        """[b, W + R, D] bf16 ring rows of the sequences ``rows`` (for inspection)."""
         return unpack_window_rows(self.window[rows])
 
 
@@ -150,33 +151,27 @@ class AttentionState:
         """[B] int64: tokens layer ``layer`` has processed per sequence."""
         return self.layers[layer].positions
 
-    def _row_slots(self, src: SourceState, rows: torch.Tensor, g: torch.Tensor):
-        """(page ids [b, n], offsets [n]) of compressed rows ``g`` [n] of sequences ``rows``."""
-        pages = self.block_table[rows][:, g // src.page_rows]
-        return pages, g % src.page_rows
-
     def read_compressed(self, source: int, rows: torch.Tensor, n: int) -> torch.Tensor:
         """[b, n, D] bf16: compressed rows 0..n-1 of the sequences ``rows``."""
-        src = self.sources[source]
-        pages, off = self._row_slots(src, rows, torch.arange(n, device=self.device))
-        return unpack_compressed_rows(src.rows[pages, off])
+        g = torch.arange(n, device=self.device)
+        return unpack_compressed_rows(paged_rows(self.sources[source].rows, self.block_table[rows], g))
 
     def read_index_keys(self, source: int, rows: torch.Tensor, n: int) -> torch.Tensor:
         """[b, n, d] bf16: index keys 0..n-1 of the sequences ``rows`` (rows never written
         read as zeros, as the reference's zero-initialised cache)."""
-        src = self.sources[source]
+        table = self.block_table[rows]
         g = torch.arange(n, device=self.device)
-        pages, off = self._row_slots(src, rows, g)
-        keys = unpack_index_keys(src.index_keys[pages.clamp_min(0), off])
-        return keys.masked_fill((pages < 0).unsqueeze(-1), 0)
+        keys = unpack_index_keys(paged_rows(self.sources[source].index_keys, table, g))
+        unallocated = torch.gather(table, 1, (g // self.sources[source].page_rows).expand(len(rows), -1)) < 0
+        return keys.masked_fill(unallocated.unsqueeze(-1), 0)
 
     def write_compressed(self, source: int, rows: torch.Tensor, g: torch.Tensor,
                          packed_rows: torch.Tensor, packed_keys: torch.Tensor) -> None:
         """Store packed compressed rows / index keys [b, n, bytes] at row numbers ``g`` [n]."""
         src = self.sources[source]
-        pages, off = self._row_slots(src, rows, g)
-        src.rows[pages, off] = packed_rows
-        src.index_keys[pages, off] = packed_keys
+        pages = self.block_table[rows][:, g // src.page_rows]
+        src.rows[pages, g % src.page_rows] = packed_rows
+        src.index_keys[pages, g % src.page_rows] = packed_keys
 
     # ---- pages and sequences ---------------------------------------------------------------
     @property

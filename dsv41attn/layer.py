@@ -17,7 +17,7 @@ from .cache import AttentionState, StateError
 from .checkpoint import LayerWeights, check_layer_weights
 from .config import AttentionConfig
 from .ops.common.norm import rms_norm
-from .ops.common.packing import pack_compressed_rows, pack_index_keys, quantize_window_rows
+from .ops.common.packing import pack_compressed_rows, pack_index_keys, pack_window_rows
 from .ops.common.quant import index_fp4_fake_quant
 from .ops.common.rope import apply_rope, rope_frequencies, rope_rotations
 from .ops.common.window import (ring_write, window_indices_chunk, window_indices_decode,
@@ -83,20 +83,21 @@ class AttentionLayer:
         q = fp8_linear(qr, w.wq_b.weight, w.wq_b.scale).unflatten(-1, (cfg.n_heads, cfg.head_dim))
         q = apply_rope(q, rot.unsqueeze(1))  # [b, m, H, D]
 
-        # Window K/V (§4.2): norm -> RoPE -> fp8 fake quant, then the ring.
+        # Window K/V (§4.2): norm -> RoPE -> fp8 quant, stored packed (528 B rows).
         kv = rms_norm(fp8_linear(x, w.wkv.weight, w.wkv.scale), w.kv_norm, cfg.norm_eps)
-        kv, kv_packed = quantize_window_rows(apply_rope(kv, rot))  # [b, m, D], [b, m, 528]
+        kv_packed = pack_window_rows(apply_rope(kv, rot))  # [b, m, D + D/32] uint8
         layer_state = state.layers[spec.layer]
-        ring = layer_state.read_window(rows)  # [b, W + R, D]
-        kv_rows, idx = self._window(kv, ring, p0, m)
+        ring = layer_state.window[rows]  # [b, W + R, D + D/32] uint8, before this call
+        new_ring = ring_write(ring, kv_packed, p0)
+        window_rows, window_idx = self._window(kv_packed, ring, new_ring, p0, m)
 
+        pool = table = None
+        selected = torch.empty(b, m, 0, dtype=torch.int32, device=x.device)
         if spec.ratio > 0:
-            offset = kv_rows.shape[1]
-            compressed, selected = self._compressed(x, qr, pos, rot, state, step)
-            kv_rows = torch.cat([kv_rows, compressed], dim=1)
-            idx = torch.cat([idx, torch.where(selected >= 0, selected + offset, -1)], dim=-1)
-
-        o = self.ops.sparse_attn(q, kv_rows, w.attn_sink, idx, cfg.softmax_scale)  # [b, m, H, D]
+            selected = self._select_compressed(x, qr, pos, rot, state, step)  # [b, m, k]
+            pool, table = state.sources[spec.kv_source].rows, state.block_table[rows]
+        o = self.ops.sparse_attn_paged(q, w.attn_sink, cfg.softmax_scale, window_rows,
+                                       window_idx, pool, table, selected)  # [b, m, H, D]
 
         # Inverse RoPE and the grouped output projection (§4.6).
         o = apply_rope(o, rot.unsqueeze(1), inverse=True)
@@ -104,43 +105,40 @@ class AttentionLayer:
         u = torch.einsum("bmgd,grd->bmgr", o.reshape(b, m, cfg.o_groups, -1), wo_a)
         y = fp8_linear(u.flatten(2), w.wo_b.weight, w.wo_b.scale)
 
-        layer_state.window[rows] = ring_write(layer_state.window[rows], kv_packed, p0)
+        layer_state.window[rows] = new_ring
         layer_state.positions[rows] = p0 + m
         return y
 
     # ---- the window part -----------------------------------------------------------------
-    def _window(self, kv, ring, p0: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(KV rows [b, n_win, D], window indices [b, m, w_win] int32) for the three call
-        kinds; ``ring`` [b, S, D] is the ring before this call's write."""
+    def _window(self, kv, ring, new_ring, p0: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(window rows [b, n_win, bytes] packed, indices [b, m, w_win] int32) for the three
+        call kinds; ``ring`` is the ring before this call's write, ``new_ring`` after it."""
         win, b, slots = self.cfg.window_size, kv.shape[0], ring.shape[1]
         if p0 == 0:
-            idx = window_indices_prefill(m, win, kv.device)
-            return kv, idx.expand(b, -1, -1)
+            return kv, window_indices_prefill(m, win, kv.device).expand(b, -1, -1)
         if m == 1:
             pos = torch.full((b,), p0, device=kv.device)
-            idx = window_indices_decode(pos, win, slots).unsqueeze(1)
-            return ring_write(ring, kv, p0), idx
+            return new_ring, window_indices_decode(pos, win, slots).unsqueeze(1)
         idx = window_indices_chunk(p0, m, win, slots, kv.device)
         return torch.cat([ring, kv], dim=1), idx.expand(b, -1, -1)
 
     # ---- compressed rows and their selection (§4.3, §4.4) --------------------------------
-    def _compressed(self, x, qr, pos, rot, state: AttentionState, step: "Group"):
-        """Compressed rows [b, n_total, D] and the selected row numbers [b, m, k] (-1 pad);
-        pos [m] and rot [m, R/2] are the queries' positions and rotations."""
+    def _select_compressed(self, x, qr, pos, rot, state: AttentionState, step: "Group"):
+        """The compressed row numbers [b, m, k] each query attends to (-1 pad): this layer's
+        indexer for index sources, its source's top-k otherwise. A KV source first runs its
+        compressor. pos [m] and rot [m, R/2] are the queries' positions and rotations."""
         cfg, spec, w = self.cfg, self.spec, self.weights
         b, m, _ = x.shape
         p0, rows, r = step.start_pos, step.rows, spec.ratio
         n_total = (p0 + m) // r
         if spec.is_kv_source:
             self._run_compressor(x, state, step)
-        compressed = state.read_compressed(spec.kv_source, rows, n_total)  # [b, n_total, D]
-
         if not spec.is_index_source:
-            return compressed, step.topk(spec.index_source)
+            return step.topk(spec.index_source)
         if n_total == 0:
             selected = torch.empty(b, m, 0, dtype=torch.int32, device=x.device)
             step.publish_topk(spec.layer, selected)
-            return compressed, selected
+            return selected
 
         q_index = fp8_linear(qr, w.index_wq_b.weight, w.index_wq_b.scale)
         q_index = q_index.unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
@@ -157,7 +155,7 @@ class AttentionLayer:
             scores = scores.masked_fill(~step.candidates(n_total), float("-inf"))
         selected = select_topk(scores, visible, cfg.index_topk)
         step.publish_topk(spec.layer, selected)
-        return compressed, selected
+        return selected
 
     def _run_compressor(self, x, state: AttentionState, step: "Group") -> None:
         """KV source: pool completed groups, then index keys from the pre-RoPE latent, then

@@ -93,3 +93,20 @@ def test_replay_cli_contract(tmp_path):
         g = torch.where(exp0 >= 0, exp0 - 13, -1)
         assert torch.equal(t[:, :13, : g.shape[-1]].sort(-1).values, g.sort(-1).values)
     assert not any(k.startswith("topk") and k.endswith(("l0", "l2", "l4", "l6")) for k in got)
+
+
+def test_triton_backend_replays_a_fixture(tmp_path):
+    """The whole stack with the Triton backend (CPU interpreter here, compiled on a GPU)."""
+    pytest.importorskip("triton")
+    import os
+    path = next(f for f in FILES if f.stem == "tiny_long_prefill")
+    out = tmp_path / "t.safetensors"
+    env = {**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
+    subprocess.run([sys.executable, "-m", "dsv41attn", "replay", str(path), "--out", str(out),
+                    "--backend", "triton"], check=True, cwd=ROOT, env=env, capture_output=True)
+    fx = Fixture.load(str(path))
+    got = load_file(str(out))
+    c = compare(fx, {k: v for k, v in got.items()}, "fixed")
+    assert c["topk_rows"][0] == 0
+    assert max(e for *_, e in c["per_output"]) <= 1e-1
+    assert max(c["per_layer"].values()) <= 1.5e-2

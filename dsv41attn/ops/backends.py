@@ -17,17 +17,17 @@ class Ops:
     """The op implementations one backend uses."""
 
     name: str
-    sparse_attn: Callable
+    sparse_attn_paged: Callable
 
 
 def get_ops(backend: str) -> Ops:
     if backend == "reference":
-        from .sparse_attn.reference import sparse_attn
+        from .sparse_attn.reference import sparse_attn_paged
     elif backend == "triton":
         try:
-            from .sparse_attn.triton import sparse_attn
+            from .sparse_attn.triton import sparse_attn_paged
         except ImportError as e:  # triton missing
             raise ValueError(f"backend 'triton' needs the triton package: {e}") from e
     else:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return Ops(backend, sparse_attn)
+    return Ops(backend, sparse_attn_paged)

@@ -108,3 +108,11 @@ def unpack_index_keys(packed: torch.Tensor) -> torch.Tensor:
     codes = unpack_fp4(packed[..., : d // 2])
     s = _e8m0_values(packed[..., d // 2:])
     return (codes.unflatten(-1, (-1, INDEX_FP4_BLOCK)) * s.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+
+
+def paged_rows(pool: torch.Tensor, block_table: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Rows ``g`` of a paged pool: pool [P, page_rows, bytes], block_table [B, pages] page ids
+    per sequence, g [n] (or [B, n]) row numbers -> [B, n, bytes]."""
+    page_rows = pool.shape[1]
+    pages = torch.gather(block_table, 1, (g // page_rows).expand(block_table.shape[0], -1))
+    return pool[pages.clamp_min(0), g % page_rows]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..common.packing import paged_rows, unpack_compressed_rows, unpack_window_rows
+
 BLOCK = 64
 NEG_INIT = -1e30
 
@@ -50,3 +52,28 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         run_sum = run_sum + torch.exp(sink - run_max)
         out[:, i0:i0 + max_queries] = (acc / run_sum.unsqueeze(-1)).to(q.dtype)
     return out
+
+
+def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
+                      window_rows: torch.Tensor, window_idx: torch.Tensor,
+                      compressed_pool: torch.Tensor | None, block_table: torch.Tensor | None,
+                      compressed_idx: torch.Tensor) -> torch.Tensor:
+    """Sparse attention over packed caches: the list of each query is its window entries then
+    its compressed entries, walked as one list (``sparse_attn``'s numerics).
+
+    q: [B, M, H, D] bf16; sink: [H] fp32; window_rows: [B, Nw, D + D/32] uint8 packed fp8 rows
+    (ring and/or this call's rows); window_idx: [B, M, Ww] int32 rows of window_rows, -1 skip;
+    compressed_pool: [P, page_rows, D/2 + D/16] uint8 packed fp4 rows (None without any);
+    block_table: [B, pages] int64 page ids of these sequences; compressed_idx: [B, M, K] int32
+    compressed row numbers g, -1 skip. Returns [B, M, H, D] bf16.
+    """
+    window = unpack_window_rows(window_rows)  # [B, Nw, D]
+    kv, idx = window, window_idx
+    if compressed_idx.shape[-1]:
+        n = int(compressed_idx.max()) + 1  # rows 0..n-1 cover every entry
+        g = torch.arange(max(n, 0), device=q.device)
+        compressed = unpack_compressed_rows(paged_rows(compressed_pool, block_table, g))
+        kv = torch.cat([window, compressed], dim=1)
+        shifted = torch.where(compressed_idx >= 0, compressed_idx + window.shape[1], -1)
+        idx = torch.cat([window_idx, shifted.to(torch.int32)], dim=-1)
+    return sparse_attn(q, kv, sink, idx, scale)

@@ -135,3 +135,21 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
                               D=d, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, INTERPRET=_interpreting(),
                               num_warps=4 if d <= 128 else 8)  # 8 warps: less spill at D=512
     return out
+
+
+def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
+                      window_rows: torch.Tensor, window_idx: torch.Tensor,
+                      compressed_pool: torch.Tensor | None, block_table: torch.Tensor | None,
+                      compressed_idx: torch.Tensor) -> torch.Tensor:
+    """``reference.sparse_attn_paged``'s signature: rows unpacked by torch, then the kernel."""
+    from .reference import paged_rows, unpack_compressed_rows, unpack_window_rows
+
+    window = unpack_window_rows(window_rows)
+    kv, idx = window, window_idx
+    if compressed_idx.shape[-1]:
+        g = torch.arange(int(compressed_idx.max()) + 1, device=q.device)
+        compressed = unpack_compressed_rows(paged_rows(compressed_pool, block_table, g))
+        kv = torch.cat([window, compressed], dim=1)
+        shifted = torch.where(compressed_idx >= 0, compressed_idx + window.shape[1], -1)
+        idx = torch.cat([window_idx, shifted.to(torch.int32)], dim=-1)
+    return sparse_attn(q, kv, sink, idx, scale)

@@ -1,0 +1,190 @@
+"""Triton fp8 linear (SPEC §2.1-2.2), same numerics as reference.py and common/quant.py.
+
+act_quant: one program per (row, 16 blocks of 32); amax in fp32 floored at 1e-4, the ue8m0
+scale built from exponent bits, x * (1/s) (exact: s is a power of two) clamped to +-448 and
+rounded to e4m3 in software (ties to even, subnormals step 2^-9); the code byte is built from
+the bits, so no fp8 cast is used (the interpreter's is not RNE). fp8_gemm: one program per
+BLOCK_M x BLOCK_N tile walks K in blocks of 32: partial = a_fp8 . b_fp8 in fp32, scaled by the
+row scale then the e8m0 column-block scale, accumulated in fp32 in K order (the reference's
+rounding points; the GPU mma's internal 32-term sum may round differently: tolerance only).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_BLOCK = 32
+QUANT_BLOCKS = 16  # act_quant: scale blocks per program (512 elements of a row)
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, inv_max, QB: tl.constexpr):
+    """x: [M, K] bf16; q: [M, K] uint8 (e4m3 bytes); s: [M, KB] fp32. Grid (M, cdiv(KB, QB))."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_b = tl.program_id(1) * QB + tl.arange(0, QB)  # scale blocks of this program
+    b_mask = offs_b < KB
+    offs = row * K + offs_b[:, None] * 32 + tl.arange(0, 32)[None, :]  # [QB, 32]
+    x = tl.load(x_ptr + offs, mask=b_mask[:, None], other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-4)
+    t = (amax * inv_max).to(tl.int32, bitcast=True)  # t > 0, normal: amax >= 1e-4
+    e = ((t >> 23) & 0xFF) + ((t & 0x7FFFFF) != 0).to(tl.int32)  # ceil: +1 unless a power of 2
+    s = (e << 23).to(tl.float32, bitcast=True)
+    inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s, exact and normal
+    v = x * inv_s[:, None]  # == x / s exactly
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80  # keeps -0 as torch's cast does
+    a = tl.abs(v)
+    # normal e4m3 (a >= 2^-6): round the fp32 mantissa to 3 bits, ties to even (carry is fine)
+    u = a.to(tl.int32, bitcast=True)
+    u = (u + 0x7FFFF + ((u >> 20) & 1)) >> 20  # (fp32 exponent << 3) | 3-bit mantissa
+    code_n = u - (120 << 3)  # rebias the exponent 127 -> 7
+    # subnormal (a < 2^-6): multiples of 2^-9, ties to even; 8 steps = 2^-6 = code 8
+    w = a * 512.0  # exact, < 8
+    i = w.to(tl.int32)  # truncation
+    f = w - i.to(tl.float32)  # exact
+    code_s = i + ((f > 0.5) | ((f == 0.5) & ((i & 1) == 1))).to(tl.int32)
+    code = tl.where(a >= 0.015625, code_n, code_s) | sign
+    tl.store(q_ptr + offs, code.to(tl.uint8), mask=b_mask[:, None])
+    tl.store(s_ptr + row * KB + offs_b, s, mask=b_mask)
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """a: [M, K] e4m3; sa: [M, KB] fp32; b: [N, K] e4m3; sb: [cdiv(N, 32), KB] uint8 (e8m0
+    bytes); c: [M, N] fp32. All contiguous. Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)).
+    INTERPRET (CPU only) sums each 32-block in fp64, exactly, then rounds once, as the reference.
+    """
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    offs_m64 = offs_m.to(tl.int64)
+    offs_n64 = offs_n.to(tl.int64)
+    offs_k = tl.arange(0, 32)
+    a_ptrs = a_ptr + offs_m64[:, None] * K + offs_k[None, :]  # [BLOCK_M, 32]
+    b_ptrs = b_ptr + offs_n64[None, :] * K + offs_k[:, None]  # [32, BLOCK_N], K-major
+    sa_ptrs = sa_ptr + offs_m64 * KB
+    sb_ptrs = sb_ptr + (offs_n // 32) * KB
+    acc = tl.full([BLOCK_M, BLOCK_N], -0.0, tl.float32)  # -0 + p == p for every p, as copy_
+    for kb in range(0, KB):
+        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+        if INTERPRET:
+            part = tl.dot(a.to(tl.float64), b.to(tl.float64), out_dtype=tl.float64)
+            part = part.to(tl.float32)
+        else:
+            part = tl.dot(a, b, out_dtype=tl.float32)
+        sa = tl.load(sa_ptrs + kb, mask=m_mask, other=1.0)
+        e = tl.load(sb_ptrs + kb, mask=n_mask, other=127).to(tl.int32)
+        sb = tl.where(e == 0, 0x400000, tl.where(e == 255, 0x7FC00000, e << 23))
+        sb = sb.to(tl.float32, bitcast=True)  # e8m0: 2^(e-127); 0 -> 2^-127, 255 -> NaN
+        acc += part * sa[:, None] * sb[None, :]  # powers of two: exact, reference order
+        a_ptrs += 32
+        b_ptrs += 32
+    c_ptrs = c_ptr + offs_m64[:, None] * N + offs_n64[None, :]
+    tl.store(c_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _interpreting() -> bool:
+    """triton.jit picks the interpreter when the kernel is defined, so ask the kernel."""
+    return type(_fp8_gemm_kernel).__name__ == "InterpretedFunction"
+
+
+def _gemm_config(m: int, n: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by M. Small M (decode) is weight-bandwidth
+    bound: narrow column tiles give more programs for the 132 SMs (no split-K: it would change
+    the reference's K-order fp32 accumulation)."""
+    if m <= 16:
+        return (16, 64 if triton.cdiv(n, 64) >= 132 else 32, 4, 4)
+    if m <= 64:
+        return (64, 64, 4, 4)
+    return (128, 128, 8, 3)
+
+
+def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 activation quantisation (SPEC §2.2), bit-exact with common.quant.act_quant.
+
+    x: [M, K] bf16, K a multiple of 32. Returns (codes [M, K] float8_e4m3fn, scales [M, K/32]
+    fp32 powers of two) with x ~= codes * scales per block of 32. Finite inputs only.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"act_quant wants a 2-D [M, K] tensor, got shape {tuple(x.shape)}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"act_quant wants bf16, got {x.dtype}")
+    m, k = x.shape
+    if k % FP8_BLOCK:
+        raise ValueError(f"K = {k} is not a multiple of the quant block {FP8_BLOCK}")
+    kb = k // FP8_BLOCK
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, kb, dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return q, s
+    inv_max = torch.tensor(1.0 / 448.0, dtype=torch.float32).item()  # fp32(1/448)
+    grid = (m, triton.cdiv(kb, QUANT_BLOCKS))
+    _act_quant_kernel[grid](x.contiguous(), q.view(torch.uint8), s, k, kb, inv_max,
+                            QB=QUANT_BLOCKS, num_warps=4)
+    return q, s
+
+
+def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
+             weight_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Blockwise-scaled fp8 GEMM: y[m, n] = sum_kb (x[m, kb] . w[n, kb]) sx[m, kb] sw[n//32, kb].
+
+    x_codes: [M, K] float8_e4m3fn; x_scales: [M, K/32] fp32; weight: [N, K] float8_e4m3fn;
+    weight_scale: [ceil(N/32), K/32] float8_e8m0fnu; out: optional contiguous [M, N] fp32
+    buffer. Returns [M, N] fp32. K must be a multiple of 32.
+    """
+    if x_codes.dim() != 2 or weight.dim() != 2 or x_scales.dim() != 2 or weight_scale.dim() != 2:
+        raise ValueError("fp8_gemm wants 2-D x_codes, x_scales, weight, weight_scale")
+    if x_codes.dtype != torch.float8_e4m3fn or weight.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"x_codes and weight must be float8_e4m3fn, got {x_codes.dtype}, "
+                        f"{weight.dtype}")
+    if x_scales.dtype != torch.float32 or weight_scale.dtype != torch.float8_e8m0fnu:
+        raise TypeError(f"x_scales must be fp32 and weight_scale float8_e8m0fnu, got "
+                        f"{x_scales.dtype}, {weight_scale.dtype}")
+    m, k = x_codes.shape
+    n = weight.shape[0]
+    if k % FP8_BLOCK:
+        raise ValueError(f"K = {k} is not a multiple of the quant block {FP8_BLOCK}")
+    kb = k // FP8_BLOCK
+    if weight.shape[1] != k:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match K = {k}")
+    if tuple(x_scales.shape) != (m, kb):
+        raise ValueError(f"x_scales {tuple(x_scales.shape)} != {(m, kb)}")
+    if tuple(weight_scale.shape) != (triton.cdiv(n, FP8_BLOCK), kb):
+        raise ValueError(f"weight_scale {tuple(weight_scale.shape)} != "
+                         f"{(triton.cdiv(n, FP8_BLOCK), kb)}")
+    if len({t.device for t in (x_codes, x_scales, weight, weight_scale)}) != 1:
+        raise ValueError("x_codes, x_scales, weight, weight_scale must be on one device")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32, device=x_codes.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != torch.float32 \
+            or out.device != x_codes.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 [{m}, {n}] tensor on x's device")
+    if out.numel() == 0:
+        return out
+    if kb == 0:
+        return out.zero_()
+    bm, bn, warps, stages = _gemm_config(m, n)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _fp8_gemm_kernel[grid](x_codes.contiguous(), x_scales.contiguous(), weight.contiguous(),
+                           weight_scale.contiguous().view(torch.uint8), out, m, n, k, kb,
+                           BLOCK_M=bm, BLOCK_N=bn, INTERPRET=_interpreting(),
+                           num_warps=warps, num_stages=stages)
+    return out
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """y = x W^T for an fp8 weight: act_quant(x) then the blockwise fp8 GEMM (SPEC §2.1).
+
+    x: [..., K] bf16; weight [N, K] float8_e4m3fn; weight_scale [ceil(N/32), K/32]
+    float8_e8m0fnu. Returns [..., N] bf16.
+    """
+    if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
+    lead = x.shape[:-1]
+    x_q, s = act_quant(x.reshape(-1, x.shape[-1]))
+    y = fp8_gemm(x_q, s, weight, weight_scale)
+    return y.to(torch.bfloat16).reshape(*lead, weight.shape[0])
