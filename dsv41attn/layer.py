@@ -23,10 +23,12 @@ from .ops.common.rope import apply_rope, rope_frequencies, rope_rotations
 from .ops.common.window import (ring_write, window_indices_chunk, window_indices_decode,
                                 window_indices_prefill)
 from .ops.compressor.reference import compress
-from .ops.indexer.reference import (index_scores, mask_invisible, select_candidate_blocks,
-                                    select_topk)
+from .ops.indexer.reference import (candidate_blocks, expand_blocks, index_scores,
+                                    mask_invisible, select_topk)
 from .ops.linear.reference import fp8_linear, linear
 from .ops.backends import get_ops
+
+INDEX_SCORE_BUDGET = 1 << 30  # bytes of bf16 index scores per query tile
 
 if TYPE_CHECKING:
     from .stack import Group, Step
@@ -145,15 +147,27 @@ class AttentionLayer:
         q_index = index_fp4_fake_quant(apply_rope(q_index, rot.unsqueeze(1)))
         head_weights = linear(x, w.index_weights_proj) * cfg.index_weight_scale  # [b, m, I]
         keys = state.read_index_keys(step.index_key_layer(spec), rows, n_total)
-        scores = index_scores(q_index, head_weights, keys)  # [b, m, n_total] bf16
         visible = ((pos + 1) // r).expand(b, m)
-        scores = mask_invisible(scores, visible)
+        bs = cfg.candidate_block_size
         if spec.is_candidate_source:
-            step.publish_candidates(select_candidate_blocks(
-                scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size))
+            keep = torch.empty(b, m, -(-n_total // bs), dtype=torch.bool, device=x.device)
         if spec.is_candidate_consumer:
-            scores = scores.masked_fill(~step.candidates(n_total), float("-inf"))
-        selected = select_topk(scores, visible, cfg.index_topk)
+            keep = step.candidates(n_total)
+        selected = torch.empty(b, m, min(cfg.index_topk, n_total), dtype=torch.int32,
+                               device=x.device)
+        # Query tiles bound the [tile, I, n_total] score buffer (SPEC §10.5); rows are independent.
+        tile = max(1, min(m, INDEX_SCORE_BUDGET // max(1, b * cfg.index_n_heads * n_total * 2)))
+        for i0 in range(0, m, tile):
+            t = slice(i0, i0 + tile)
+            scores = index_scores(q_index[:, t], head_weights[:, t], keys)  # [b, t, n] bf16
+            scores = mask_invisible(scores, visible[:, t])
+            if spec.is_candidate_source:
+                keep[:, t] = candidate_blocks(scores, visible[:, t], cfg.candidate_topk_blocks, bs)
+            if spec.is_candidate_consumer:
+                scores = scores.masked_fill(~expand_blocks(keep[:, t], bs, n_total), float("-inf"))
+            selected[:, t] = select_topk(scores, visible[:, t], cfg.index_topk)
+        if spec.is_candidate_source:
+            step.publish_candidates(keep)
         step.publish_topk(spec.layer, selected)
         return selected
 

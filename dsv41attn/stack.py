@@ -58,9 +58,9 @@ class Group:
         self._candidates = candidates
 
     def candidates(self, n_total: int) -> torch.Tensor:
-        """[g, m, n_total] bool candidate mask of the candidate source."""
+        """[g, m, ceil(n_total / block)] bool: the blocks the candidate source kept."""
         c = self._candidates
-        if c is None or c.shape[-1] != n_total:
+        if c is None or c.shape[-1] != -(-n_total // self.state.config.candidate_block_size):
             raise StateError("no candidate mask of matching width was published in this step")
         return c
 

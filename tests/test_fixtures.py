@@ -110,3 +110,13 @@ def test_triton_backend_replays_a_fixture(tmp_path):
     assert c["topk_rows"][0] == 0
     assert max(e for *_, e in c["per_output"]) <= 1e-1
     assert max(c["per_layer"].values()) <= 1.5e-2
+
+
+def test_indexer_query_tiles_change_nothing(monkeypatch):
+    """Long prefills score the index in query tiles: one query per tile gives the same bits."""
+    import dsv41attn.layer
+    monkeypatch.setattr(dsv41attn.layer, "INDEX_SCORE_BUDGET", 1)
+    fx = Fixture.load(str(next(f for f in FILES if f.stem == "tiny_long_prefill")))
+    res = replay(fx, ["fixed"])["fixed"]
+    for layer in fx.layers:
+        assert torch.equal(res[f"out.fixed.l{layer}"], fx.expected("fixed", layer)), layer

@@ -33,14 +33,14 @@ def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int,
-                            block_size: int) -> torch.Tensor:
+def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int,
+                     block_size: int) -> torch.Tensor:
     """Level one (candidate source): keep the best ``topk_blocks`` blocks of ``block_size``
     compressed rows per query, the newest visible block always kept.
 
     scores: [B, M, N] bf16, already masked by visibility; visible: [B, M] int64.
-    Returns candidates [B, M, N] bool. A block scoring -inf (nothing visible) is never kept;
-    with visible = 0 no block is pinned.
+    Returns kept blocks [B, M, ceil(N / block_size)] bool. A block scoring -inf (nothing
+    visible) is never kept; with visible = 0 no block is pinned.
     """
     b, m, n = scores.shape
     nblk = -(-n // block_size)
@@ -51,8 +51,19 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_bl
     block_score = block_score.masked_fill(blk == newest.unsqueeze(-1), float("inf"))
     picked = top_indices(block_score, min(topk_blocks, nblk))
     keep = torch.zeros(b, m, nblk, dtype=torch.bool, device=scores.device)
-    keep.scatter_(-1, picked, torch.gather(block_score, -1, picked) > float("-inf"))
+    return keep.scatter_(-1, picked, torch.gather(block_score, -1, picked) > float("-inf"))
+
+
+def expand_blocks(keep: torch.Tensor, block_size: int, n: int) -> torch.Tensor:
+    """Block mask [B, M, nblk] -> position mask [B, M, n] bool."""
     return keep.repeat_interleave(block_size, dim=-1)[..., :n]
+
+
+def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int,
+                            block_size: int) -> torch.Tensor:
+    """``candidate_blocks`` expanded to positions: [B, M, N] bool."""
+    keep = candidate_blocks(scores, visible, topk_blocks, block_size)
+    return expand_blocks(keep, block_size, scores.shape[-1])
 
 
 def select_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:

@@ -72,8 +72,9 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB,
         a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
         b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
         if INTERPRET:
-            part = tl.dot(a.to(tl.float64), b.to(tl.float64), out_dtype=tl.float64)
-            part = part.to(tl.float32)
+            a64 = a.to(tl.float32).to(tl.float64)  # its fp8 -> fp64 cast breaks on zeros
+            b64 = b.to(tl.float32).to(tl.float64)
+            part = tl.dot(a64, b64, out_dtype=tl.float64).to(tl.float32)  # numpy: RNE
         else:
             part = tl.dot(a, b, out_dtype=tl.float32)
         sa = tl.load(sa_ptrs + kb, mask=m_mask, other=1.0)
