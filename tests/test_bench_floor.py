@@ -1,0 +1,33 @@
+"""The floors bench divides by are PERF.md's table (V4.1-Flash, one layer, 4.3 TB/s, 790 TFLOP/s)."""
+import pytest
+
+from dsv41attn import preset
+from dsv41attn.bench import ROLES, layer_floor
+
+CFG = preset("v41-flash")
+ORDER = ["SWA", "Full r=2", "Full r=1 cand", "Reindex", "Reuse"]
+DECODE_US = {  # PERF.md, decode one token per sequence
+    (1, 4096): [29.5, 35.8, 32.1, 30.9, 29.5],
+    (1, 1 << 20): [29.5, 44.0, 48.7, 31.1, 29.5],
+    (8, 65536): [29.6, 40.3, 40.7, 33.3, 29.9],
+    (64, 4096): [30.8, 41.3, 39.7, 38.4, 33.0],
+    (64, 65536): [30.8, 72.3, 101.9, 50.9, 33.0],
+    (256, 4096): [87.5, 121.6, 125.4, 123.6, 109.2],
+    (256, 65536): [87.5, 203.2, 311.4, 156.2, 109.2],
+}
+
+
+@pytest.mark.parametrize("case", list(DECODE_US), ids=lambda c: f"b{c[0]}_ctx{c[1]}")
+def test_decode_floor_matches_perf_table(case):
+    batch, ctx = case
+    for role, want in zip(ORDER, DECODE_US[case]):
+        got = layer_floor(CFG, ROLES[role], batch, ctx, 1, 4.3e12)[2] * 1e6
+        assert got == pytest.approx(want, abs=0.15), role
+
+
+def test_prefill_floor_matches_perf_text():
+    ms = {r: layer_floor(CFG, ROLES[r], 1, 0, 8192, 4.3e12)[2] * 1e3 for r in ORDER}
+    assert ms["SWA"] == pytest.approx(2.8, abs=0.05) and ms["Full r=1 cand"] == pytest.approx(4.0, abs=0.05)
+    ms = {r: layer_floor(CFG, ROLES[r], 1, 0, 65536, 4.3e12)[2] * 1e3 for r in ORDER}
+    for role, want in zip(ORDER, [22, 41, 52, 39, 28]):
+        assert ms[role] == pytest.approx(want, abs=0.6), role
