@@ -25,7 +25,7 @@ from .ops.common.window import (ring_write, window_indices_chunk, window_indices
 from .ops.compressor.reference import compress
 from .ops.indexer.reference import (candidate_blocks, expand_blocks, index_scores,
                                     mask_invisible, select_topk)
-from .ops.linear.reference import fp8_linear, linear
+from .ops.linear.reference import linear
 from .ops.backends import get_ops
 
 INDEX_SCORE_BUDGET = 1 << 30  # bytes of bf16 index scores per query tile
@@ -81,12 +81,13 @@ class AttentionLayer:
         rot = rope_rotations(self.freqs, pos)  # [m, R/2] complex64
 
         # Query path (§4.1).
-        qr = rms_norm(fp8_linear(x, w.wq_a.weight, w.wq_a.scale), w.q_norm, cfg.norm_eps)
-        q = fp8_linear(qr, w.wq_b.weight, w.wq_b.scale).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+        linear8 = self.ops.fp8_linear
+        qr = rms_norm(linear8(x, w.wq_a.weight, w.wq_a.scale), w.q_norm, cfg.norm_eps)
+        q = linear8(qr, w.wq_b.weight, w.wq_b.scale).unflatten(-1, (cfg.n_heads, cfg.head_dim))
         q = apply_rope(q, rot.unsqueeze(1))  # [b, m, H, D]
 
         # Window K/V (§4.2): norm -> RoPE -> fp8 quant, stored packed (528 B rows).
-        kv = rms_norm(fp8_linear(x, w.wkv.weight, w.wkv.scale), w.kv_norm, cfg.norm_eps)
+        kv = rms_norm(linear8(x, w.wkv.weight, w.wkv.scale), w.kv_norm, cfg.norm_eps)
         kv_packed = pack_window_rows(apply_rope(kv, rot))  # [b, m, D + D/32] uint8
         layer_state = state.layers[spec.layer]
         ring = layer_state.window[rows]  # [b, W + R, D + D/32] uint8, before this call
@@ -105,7 +106,7 @@ class AttentionLayer:
         o = apply_rope(o, rot.unsqueeze(1), inverse=True)
         wo_a = w.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
         u = torch.einsum("bmgd,grd->bmgr", o.reshape(b, m, cfg.o_groups, -1), wo_a)
-        y = fp8_linear(u.flatten(2), w.wo_b.weight, w.wo_b.scale)
+        y = linear8(u.flatten(2), w.wo_b.weight, w.wo_b.scale)
 
         layer_state.window[rows] = new_ring
         layer_state.positions[rows] = p0 + m
@@ -142,7 +143,7 @@ class AttentionLayer:
             step.publish_topk(spec.layer, selected)
             return selected
 
-        q_index = fp8_linear(qr, w.index_wq_b.weight, w.index_wq_b.scale)
+        q_index = self.ops.fp8_linear(qr, w.index_wq_b.weight, w.index_wq_b.scale)
         q_index = q_index.unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
         q_index = index_fp4_fake_quant(apply_rope(q_index, rot.unsqueeze(1)))
         head_weights = linear(x, w.index_weights_proj) * cfg.index_weight_scale  # [b, m, I]

@@ -6,7 +6,8 @@ rounded to e4m3 in software (ties to even, subnormals step 2^-9); the code byte 
 the bits, so no fp8 cast is used (the interpreter's is not RNE). fp8_gemm: one program per
 BLOCK_M x BLOCK_N tile walks K in blocks of 32: partial = a_fp8 . b_fp8 in fp32, scaled by the
 row scale then the e8m0 column-block scale, accumulated in fp32 in K order (the reference's
-rounding points; the GPU mma's internal 32-term sum may round differently: tolerance only).
+rounding points; the GPU mma's internal 32-term sum may round differently: tolerance only;
+see PRECISE_DOT). Under TRITON_INTERPRET the block sums are exact (fp64), so all is bit-exact.
 """
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ import triton.language as tl
 
 FP8_BLOCK = 32
 QUANT_BLOCKS = 16  # act_quant: scale blocks per program (512 elements of a row)
+_INV_FP8_MAX = torch.tensor(1.0 / 448.0, dtype=torch.float32).item()  # fp32(1/448)
+# GPU only: widen the e4m3 operands to fp16 (exact) before tl.dot. The fp8 wgmma (BLOCK_M >= 64)
+# sums its 32 products less precisely (seen on an H200: ~5e-5 of max|y| off the exact fp32
+# block sums, ~1e-7 with fp16) but is ~1.4x faster at large M. Small M is ~1e-7 either way.
+PRECISE_DOT = False
 
 
 @triton.jit
@@ -51,7 +57,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, inv_max, QB: tl.constexpr):
 
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KSUB: tl.constexpr,
+                     DOT_F16: tl.constexpr, INTERPRET: tl.constexpr):
     """a: [M, K] e4m3; sa: [M, KB] fp32; b: [N, K] e4m3; sb: [cdiv(N, 32), KB] uint8 (e8m0
     bytes); c: [M, N] fp32. All contiguous. Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)).
     INTERPRET (CPU only) sums each 32-block in fp64, exactly, then rounds once, as the reference.
@@ -68,22 +75,25 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB,
     sa_ptrs = sa_ptr + offs_m64 * KB
     sb_ptrs = sb_ptr + (offs_n // 32) * KB
     acc = tl.full([BLOCK_M, BLOCK_N], -0.0, tl.float32)  # -0 + p == p for every p, as copy_
-    for kb in range(0, KB):
-        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-        b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
-        if INTERPRET:
-            a64 = a.to(tl.float32).to(tl.float64)  # its fp8 -> fp64 cast breaks on zeros
-            b64 = b.to(tl.float32).to(tl.float64)
-            part = tl.dot(a64, b64, out_dtype=tl.float64).to(tl.float32)  # numpy: RNE
-        else:
-            part = tl.dot(a, b, out_dtype=tl.float32)
-        sa = tl.load(sa_ptrs + kb, mask=m_mask, other=1.0)
-        e = tl.load(sb_ptrs + kb, mask=n_mask, other=127).to(tl.int32)
-        sb = tl.where(e == 0, 0x400000, tl.where(e == 255, 0x7FC00000, e << 23))
-        sb = sb.to(tl.float32, bitcast=True)  # e8m0: 2^(e-127); 0 -> 2^-127, 255 -> NaN
-        acc += part * sa[:, None] * sb[None, :]  # powers of two: exact, reference order
-        a_ptrs += 32
-        b_ptrs += 32
+    for kb0 in range(0, KB, KSUB):  # KSUB divides KB: consecutive 32-blocks, in K order
+        for j in tl.static_range(KSUB):
+            a = tl.load(a_ptrs + j * 32, mask=m_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs + j * 32, mask=n_mask[None, :], other=0.0)
+            if INTERPRET:
+                a64 = a.to(tl.float32).to(tl.float64)  # its fp8 -> fp64 cast breaks on zeros
+                b64 = b.to(tl.float32).to(tl.float64)
+                part = tl.dot(a64, b64, out_dtype=tl.float64).to(tl.float32)  # numpy: RNE
+            elif DOT_F16:  # e4m3 -> fp16 is exact; fp16 mma accumulates more precisely
+                part = tl.dot(a.to(tl.float16), b.to(tl.float16), out_dtype=tl.float32)
+            else:
+                part = tl.dot(a, b, out_dtype=tl.float32)
+            sa = tl.load(sa_ptrs + kb0 + j, mask=m_mask, other=1.0)
+            e = tl.load(sb_ptrs + kb0 + j, mask=n_mask, other=127).to(tl.int32)
+            sb = tl.where(e == 0, 0x400000, tl.where(e == 255, 0x7FC00000, e << 23))
+            sb = sb.to(tl.float32, bitcast=True)  # e8m0: 2^(e-127); 0 -> 2^-127, 255 -> NaN
+            acc += part * sa[:, None] * sb[None, :]  # powers of two: exact, reference order
+        a_ptrs += 32 * KSUB
+        b_ptrs += 32 * KSUB
     c_ptrs = c_ptr + offs_m64[:, None] * N + offs_n64[None, :]
     tl.store(c_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
 
@@ -93,15 +103,26 @@ def _interpreting() -> bool:
     return type(_fp8_gemm_kernel).__name__ == "InterpretedFunction"
 
 
-def _gemm_config(m: int, n: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by M. Small M (decode) is weight-bandwidth
+def _check_device(*ts: torch.Tensor) -> None:
+    if len({t.device for t in ts}) != 1:
+        raise ValueError(f"tensors on several devices: {[str(t.device) for t in ts]}")
+    if not ts[0].is_cuda and not _interpreting():
+        raise ValueError(f"compiled Triton needs CUDA tensors, got {ts[0].device} "
+                         "(set TRITON_INTERPRET=1 before importing triton for the CPU)")
+
+
+def _gemm_config(m: int, n: int, kb: int) -> tuple[int, int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, KSUB, DOT_F16) by M. Small M (decode) is weight-bandwidth
     bound: narrow column tiles give more programs for the 132 SMs (no split-K: it would change
     the reference's K-order fp32 accumulation)."""
     if m <= 16:
-        return (16, 64 if triton.cdiv(n, 64) >= 132 else 32, 4, 4)
-    if m <= 64:
-        return (64, 64, 4, 4)
-    return (128, 128, 8, 3)
+        cfg = (16, 64 if triton.cdiv(n, 64) >= 132 else 32, 4, 4)
+    elif m <= 64:
+        cfg = (64, 64, 4, 4)
+    else:
+        cfg = (128, 128, 8, 3)
+    ksub = next(d for d in (4, 2, 1) if kb % d == 0) if m <= 64 else 1  # H200 timings
+    return cfg + (ksub, PRECISE_DOT)
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +135,7 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"act_quant wants a 2-D [M, K] tensor, got shape {tuple(x.shape)}")
     if x.dtype != torch.bfloat16:
         raise TypeError(f"act_quant wants bf16, got {x.dtype}")
+    _check_device(x)
     m, k = x.shape
     if k % FP8_BLOCK:
         raise ValueError(f"K = {k} is not a multiple of the quant block {FP8_BLOCK}")
@@ -122,9 +144,8 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(m, kb, dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return q, s
-    inv_max = torch.tensor(1.0 / 448.0, dtype=torch.float32).item()  # fp32(1/448)
     grid = (m, triton.cdiv(kb, QUANT_BLOCKS))
-    _act_quant_kernel[grid](x.contiguous(), q.view(torch.uint8), s, k, kb, inv_max,
+    _act_quant_kernel[grid](x.contiguous(), q.view(torch.uint8), s, k, kb, _INV_FP8_MAX,
                             QB=QUANT_BLOCKS, num_warps=4)
     return q, s
 
@@ -157,8 +178,7 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
     if tuple(weight_scale.shape) != (triton.cdiv(n, FP8_BLOCK), kb):
         raise ValueError(f"weight_scale {tuple(weight_scale.shape)} != "
                          f"{(triton.cdiv(n, FP8_BLOCK), kb)}")
-    if len({t.device for t in (x_codes, x_scales, weight, weight_scale)}) != 1:
-        raise ValueError("x_codes, x_scales, weight, weight_scale must be on one device")
+    _check_device(x_codes, x_scales, weight, weight_scale)
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32, device=x_codes.device)
     elif tuple(out.shape) != (m, n) or out.dtype != torch.float32 \
@@ -168,11 +188,11 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
         return out
     if kb == 0:
         return out.zero_()
-    bm, bn, warps, stages = _gemm_config(m, n)
+    bm, bn, warps, stages, ksub, f16 = _gemm_config(m, n, kb)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _fp8_gemm_kernel[grid](x_codes.contiguous(), x_scales.contiguous(), weight.contiguous(),
                            weight_scale.contiguous().view(torch.uint8), out, m, n, k, kb,
-                           BLOCK_M=bm, BLOCK_N=bn, INTERPRET=_interpreting(),
+                           BLOCK_M=bm, BLOCK_N=bn, KSUB=ksub, DOT_F16=f16, INTERPRET=_interpreting(),
                            num_warps=warps, num_stages=stages)
     return out
 
