@@ -101,3 +101,153 @@ def test_empty_row_with_minus_inf_sink_is_zero():
     assert not torch.isnan(got).any() and torch.equal(got[0, 1], torch.zeros_like(got[0, 1]))
     ref = ref_attn(q, kv, sink, idx, 32 ** -0.5).float()
     assert (got[0, 0] - ref[0, 0]).abs().max() <= 2e-2
+
+
+# ---- sparse_attn_paged: rows decoded in the kernel from the packed caches ---------------------
+
+from dsv41attn.ops.common.packing import (pack_compressed_rows, pack_window_rows,  # noqa: E402
+                                          unpack_compressed_rows, unpack_window_rows)
+from dsv41attn.ops.sparse_attn.reference import sparse_attn_paged as ref_paged  # noqa: E402
+from dsv41attn.ops.sparse_attn.triton import _pick_splits  # noqa: E402
+from dsv41attn.ops.sparse_attn.triton import sparse_attn_paged as tri_paged  # noqa: E402
+
+
+def make_paged(b, m, h, d, nw, ww, k, page_rows, sink_kind="rand", seed=0):
+    """Packed window rows, a paged pool with a shuffled block table, lists with -1 holes and
+    one all -1 row (query m-1 of sequence 0)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, m, h, d, generator=g).bfloat16()
+    sink = {"rand": torch.randn(h, generator=g), "mixed": torch.tensor(
+        [(80.0, -80.0, 0.5)[j % 3] for j in range(h)])}[sink_kind].float()
+    window = pack_window_rows(torch.randn(b, nw, d, generator=g).bfloat16())
+    pages = max(1, -(-max(k, 1) * 2 // page_rows))  # rows 0 .. 2k-1 of each sequence
+    n_pool = b * pages + 3  # a few pages no sequence holds
+    pool = pack_compressed_rows(torch.randn(n_pool * page_rows, d, generator=g).bfloat16())
+    pool = pool.view(n_pool, page_rows, -1)
+    perm = torch.randperm(n_pool, generator=g)
+    table = torch.cat([perm[: b * pages].view(b, pages), torch.full((b, 1), -1)], 1)  # -1: none
+    widx = torch.randint(0, nw, (b, m, ww), generator=g, dtype=torch.int32)
+    widx[torch.rand(b, m, ww, generator=g) < 0.2] = -1
+    cidx = torch.randint(0, pages * page_rows, (b, m, k), generator=g, dtype=torch.int32)
+    cidx[torch.rand(b, m, k, generator=g) < 0.2] = -1
+    widx[0, m - 1] = -1
+    cidx[0, m - 1] = -1
+    if not k:
+        pool = table = None
+    return [t if t is None else t.to(DEV) for t in (q, sink, window, widx, pool, table, cidx)]
+
+
+# (B, M, H, D, Nw, Ww, K, page_rows, splits): 64-blocks that mix window and compressed rows
+PAGED_CASES = [
+    (2, 3, 8, 32, 20, 70, 30, 4, 1),
+    (2, 3, 8, 32, 20, 70, 30, 4, 2),
+    (2, 3, 8, 32, 20, 70, 30, 4, 3),
+    (1, 2, 17, 64, 10, 5, 0, 4, 1),
+    (1, 2, 17, 64, 10, 5, 0, 4, 3),  # one block: splits 2, 3 have nothing to do
+    (2, 2, 1, 32, 6, 0, 65, 8, 1),
+    (2, 2, 1, 32, 6, 0, 65, 8, 2),
+    (1, 3, 17, 32, 40, 100, 100, 16, 3),
+    (2, 1, 8, 64, 30, 64, 64, 8, 1),  # block edge exactly at the window's end
+    (2, 1, 8, 64, 30, 64, 64, 8, None),  # decode: the heuristic splits
+    (1, 2, 1, 64, 8, 1, 130, 4, 2),
+    (1, 2, 3, 512, 20, 40, 40, 4, 2),  # the model's head dim (slow under the interpreter)
+]
+
+
+@pytest.mark.parametrize("b,m,h,d,nw,ww,k,page_rows,splits", PAGED_CASES)
+def test_paged_matches_reference(b, m, h, d, nw, ww, k, page_rows, splits):
+    args = make_paged(b, m, h, d, nw, ww, k, page_rows, "mixed" if h > 8 else "rand",
+                      seed=ww * 7 + k + h)
+    q, sink = args[:2]
+    scale = d ** -0.5
+    ref = ref_paged(q, sink, scale, *args[2:]).float()
+    out = torch.full_like(q, float("nan"))  # poison: every element must be written
+    got = tri_paged(q, sink, scale, *args[2:], out=out, num_splits=splits)
+    assert got.data_ptr() == out.data_ptr() and got.dtype == torch.bfloat16
+    got = got.float()
+    assert not torch.isnan(got).any()
+    assert torch.equal(got[0, m - 1], torch.zeros_like(got[0, m - 1]))  # empty row: exact 0
+    err = (got - ref).norm() / ref.norm().clamp_min(1e-30)
+    assert err <= 1e-2, f"relative error {err:.3e}"
+    assert (got - ref).abs().max() <= 3e-2
+    if _interpreting() and splits == 1:  # the reference's rounding points and block order
+        assert torch.equal(got, ref)
+
+
+def test_paged_decodes_every_code_exactly():
+    """One entry per query, q = 0 and sink = -inf: o is the decoded row itself (p = 1)."""
+    g = torch.Generator().manual_seed(5)
+    d, n = 64, 8
+    codes = torch.arange(256, dtype=torch.uint8).view(4, d)
+    codes[codes == 0x7F] = 0  # e4m3fn NaN codes: never written by the packers
+    codes[codes == 0xFF] = 0x80
+    exps = torch.randint(100, 160, (4, d // 32), generator=g, dtype=torch.uint8)
+    window = torch.cat([codes, exps], 1).repeat(2, 1).unsqueeze(0)  # [1, 8, 66]
+    pairs = torch.randint(0, 256, (n, d // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 0x7F, (n, d // 16), generator=g, dtype=torch.uint8)  # all finite
+    pool = torch.cat([pairs, scales], 1).view(4, 2, -1)  # 4 pages of 2 rows
+    table = torch.tensor([[2, 0, 3, 1]])
+    m = 2 * n  # query i < n: window row i; query n + j: compressed row j
+    widx = torch.full((1, m, 1), -1, dtype=torch.int32)
+    cidx = torch.full((1, m, 1), -1, dtype=torch.int32)
+    widx[0, :n, 0] = torch.arange(n, dtype=torch.int32)
+    cidx[0, n:, 0] = torch.arange(n, dtype=torch.int32)
+    q = torch.zeros(1, m, 2, d, dtype=torch.bfloat16)
+    sink = torch.full((2,), float("-inf"))
+    args = [t.to(DEV) for t in (q, sink, window, widx, pool, table, cidx)]
+    got = tri_paged(args[0], args[1], 1.0, *args[2:]).cpu()
+    comp = unpack_compressed_rows(pool[table[0].long()].view(n, -1))  # row g in order
+    want = torch.cat([unpack_window_rows(window[0]), comp]).unsqueeze(1).expand(m, 2, d)
+    assert torch.equal(got[0], want)
+
+
+def test_paged_expanded_lists_and_block_h():
+    """Index lists with stride-0 batch dims (the layer expands its window list); BLOCK_H 32, 64."""
+    q, sink, window, widx, pool, table, cidx = make_paged(2, 3, 5, 32, 12, 9, 20, 4, seed=11)
+    widx = widx[:1].expand(2, -1, -1)
+    ref = ref_paged(q, sink, 0.3, window, widx, pool, table, cidx).float()
+    for kw in ({}, {"block_h": 32}, {"block_h": 64, "num_splits": 2}, {"num_splits": 2}):
+        got = tri_paged(q, sink, 0.3, window, widx, pool, table, cidx, **kw).float()
+        assert (got - ref).abs().max() <= 2e-2
+
+
+def test_paged_empty_lists_and_minus_inf_sink():
+    q, sink, window, widx, pool, table, cidx = make_paged(1, 2, 3, 32, 5, 4, 6, 4, seed=3)
+    empty = torch.zeros_like(widx[..., :0])
+    got = tri_paged(q, sink, 1.0, window, empty, None, None, empty)
+    assert torch.equal(got, torch.zeros_like(q))
+    sink[1] = float("-inf")  # with the all -1 row: 0 / 0 in the reference, 0 here
+    got = tri_paged(q, sink, 1.0, window, widx, pool, table, cidx, num_splits=2).float()
+    assert not torch.isnan(got).any() and torch.equal(got[0, 1], torch.zeros_like(got[0, 1]))
+
+
+def test_paged_rejects_bad_inputs():
+    q, sink, window, widx, pool, table, cidx = make_paged(1, 1, 2, 32, 5, 4, 6, 4, seed=1)
+    good = dict(q=q, sink=sink, scale=1.0, window_rows=window, window_idx=widx,
+                compressed_pool=pool, block_table=table, compressed_idx=cidx)
+    bad = [(TypeError, dict(q=q.float())), (TypeError, dict(window_idx=widx.long())),
+           (TypeError, dict(block_table=table.int())), (TypeError, dict(window_rows=window.char())),
+           (ValueError, dict(window_rows=window[..., :-1])), (ValueError, dict(sink=sink[:1])),
+           (ValueError, dict(compressed_pool=None)), (ValueError, dict(compressed_idx=cidx[0])),
+           (ValueError, dict(compressed_pool=pool[..., :-2]))]
+    for exc, change in bad:
+        with pytest.raises(exc):
+            tri_paged(**{**good, **change})
+    with pytest.raises(ValueError):
+        tri_paged(**good, block_h=24)
+    with pytest.raises(ValueError):
+        tri_paged(**good, out=torch.empty(1, 1, 2, 16, dtype=torch.bfloat16))
+
+
+def test_split_heuristic():
+    assert _pick_splits(programs=4, n_blocks=10, m=1, sms=132) == 10  # decode: spread out
+    assert _pick_splits(programs=32, n_blocks=10, m=1, sms=132) == 4  # one wave: 128 programs
+    assert _pick_splits(programs=4 * 64, n_blocks=10, m=1, sms=132) == 1  # enough programs
+    assert _pick_splits(programs=4 * 64, n_blocks=10, m=64, sms=132) == 1  # prefill
+    assert _pick_splits(programs=1, n_blocks=1, m=1, sms=132) == 1
+    for programs in range(1, 140, 7):
+        for n_blocks in range(1, 40, 3):
+            s = _pick_splits(programs, n_blocks, 1, 132)
+            per = -(-n_blocks // s)
+            assert 1 <= s <= n_blocks and -(-n_blocks // per) == s  # no split without a block
+            assert s == 1 or programs * s <= 132
