@@ -208,7 +208,7 @@ def bench_layers(backends=("triton", "reference"), decode=DECODE, prefill=PREFIL
 
 
 def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128,
-                      topk: int = 512, context: int = 65536) -> list[dict]:
+                      topk: int = 512, context: int = 8192) -> list[dict]:
     """The sparse-attention op alone at decode: V4.1-Flash heads, 128 window rows (fp8, 528 B)
     + 512 compressed rows (fp4, 288 B) per query, read from the packed ring and paged pool."""
     from .ops.sparse_attn.reference import sparse_attn_paged as reference
