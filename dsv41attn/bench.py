@@ -136,25 +136,51 @@ class RoleBench:
         self.cfg, self.target, self.layers = cfg, ROLES[role], role_layers(cfg, role)
         self.stack = AttentionStack(cfg, {L: weights[L] for L in self.layers}, backend)
 
-    def decode_ms(self, batch: int, ctx: int, reps: int) -> float:
-        state = self.stack.new_state(batch, capacity=ctx + 1, rollback=1,
+    def _decode_state(self, batch: int, ctx: int, steps: int):
+        state = self.stack.new_state(batch, capacity=ctx + steps, rollback=0,
                                      max_tokens_per_call=1)
         fill_context(state, ctx)
-        xs = [torch.randn(batch, 1, self.cfg.dim, device="cuda").bfloat16() for _ in range(3)]
-        times = []
-        for k in range(reps + 1):
-            step = self.stack.step(state, 1)
-            x = xs[k % len(xs)]
-            for L in self.layers:
-                if L == self.target:
-                    times.append(_events_ms(lambda: self.stack.layers[L](x, state, step), 1))
-                else:
-                    self.stack.layers[L](x, state, step)
-            for row in range(batch):
-                state.truncate(row, ctx)
-        return statistics.median(times[1:])  # the first call warms up
+        g = torch.Generator(device="cuda").manual_seed(1)
+        xs = [{L: torch.randn(batch, self.cfg.dim, device="cuda", generator=g).bfloat16()
+               for L in self.layers} for _ in range(3)]
+        return state, xs
 
-    def prefill_ms(self, tokens: int, reps: int) -> float:
+    def decode_graph_us(self, batch: int, ctx: int, reps: int) -> float:
+        """Median of CUDA-graph replays of a decode step (DecodePlan.capture): the role's layer
+        and its sources, minus a graph of the sources alone (same state, next plan)."""
+        state, xs = self._decode_state(batch, ctx, 2 * reps + 6)
+        times = {}
+        sources = [L for L in self.layers if L != self.target]
+        for name, layers in (("all", self.layers), ("sources", sources)):
+            if not layers:
+                times[name] = 0.0
+                continue
+            graph = self.stack.plan_decode(state, steps=reps + 3, layers=layers).capture(xs[0])
+            graph.replay(xs[1])  # first replay uploads the graph
+            inputs = iter(xs * reps)
+            times[name] = _events_ms(lambda g=graph, it=inputs: g.replay(next(it)), reps)
+        return (times["all"] - times["sources"]) * 1e3
+
+    def decode_eager_us(self, batch: int, ctx: int, reps: int, compile_target: bool = False) -> float:
+        """Median over steps of the role's layer alone, run eagerly (host launches included)
+        through a DecodePlan; ``compile_target``: the layer's decode under torch.compile."""
+        state, xs = self._decode_state(batch, ctx, reps + 2)
+        plan = self.stack.plan_decode(state, steps=reps + 2)
+        layer = self.stack.layers[self.target]
+        decode = torch.compile(layer.decode) if compile_target else layer.decode
+        times = []
+        for k in range(reps + 2):
+            for L in plan.layers:
+                x = xs[k % len(xs)][L].unsqueeze(1)
+                pos = state.layers[L].positions[plan.group.rows]
+                if L == self.target:
+                    times.append(_events_ms(lambda x=x, pos=pos: decode(x, state, plan.group, pos), 1))
+                else:
+                    self.stack.layers[L].decode(x, state, plan.group, pos)
+            plan._advance()
+        return statistics.median(times[2:]) * 1e3  # the first two calls warm up (and compile)
+
+    def prefill_us(self, tokens: int, reps: int) -> float:
         times = []
         for k in range(reps + 1):
             state = self.stack.new_state(1, capacity=tokens, rollback=0)
@@ -162,47 +188,78 @@ class RoleBench:
             step = self.stack.step(state, tokens)
             for L in self.layers:
                 if L == self.target:
-                    times.append(_events_ms(lambda: self.stack.layers[L](x, state, step), 1))
+                    times.append(_events_ms(lambda f=self.stack.layers[L], x=x, s=state, st=step:
+                                            f(x, s, st), 1))
                 else:
                     self.stack.layers[L](x, state, step)
+        return statistics.median(times[1:]) * 1e3
 
-        return statistics.median(times[1:])
+    def profile_decode(self, batch: int, ctx: int, top: int = 12) -> list[tuple[str, float, int]]:
+        """Per-kernel GPU time of the role's layer in one eager decode step: (name, us, calls)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        state, xs = self._decode_state(batch, ctx, 4)
+        plan = self.stack.plan_decode(state, steps=3)
+        plan.run(xs[0])
+        for L in plan.layers:  # sources run outside the profile
+            if L != self.target:
+                pos = state.layers[L].positions[plan.group.rows]
+                self.stack.layers[L].decode(xs[1][L].unsqueeze(1), state, plan.group, pos)
+        pos = state.layers[self.target].positions[plan.group.rows]
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            self.stack.layers[self.target].decode(xs[1][self.target].unsqueeze(1), state,
+                                                  plan.group, pos)
+            torch.cuda.synchronize()
+        rows = [(e.key, e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total,
+                 e.count) for e in prof.key_averages()]
+        rows = [r for r in rows if r[1] > 0]
+        return sorted(rows, key=lambda r: -r[1])[:top]
 
 
-def bench_layers(backends=("triton", "reference"), decode=DECODE, prefill=PREFILL,
-                 roles=tuple(ROLES), reference_cases=((1, 4096), (64, 4096)), log=print):
+def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
+                 reference_cases=((1, 4096), (64, 4096)), compile_cases=(), log=print):
+    """Rows of the per-role table: triton under CUDA-graph replay (the serving path), and for
+    ``reference_cases`` the reference path eager and the triton path eager (host launches
+    included); ``compile_cases``: the reference path under torch.compile as well."""
     cfg = preset("v41-flash")
     copy_bw = measure_copy_bandwidth()
     layers = sorted({L for r in roles for L in role_layers(cfg, r)})
     weights = {L: random_layer_weights(cfg, L, seed=L).to("cuda") for L in layers}
     rows = []
     for role in roles:
-        benches = {b: RoleBench(cfg, role, b, weights) for b in backends}
+        tri, ref = RoleBench(cfg, role, "triton", weights), RoleBench(cfg, role, "reference", weights)
         cases = [("decode", b, c) for b, c in decode] + [("prefill", 1, t) for t in prefill]
         for kind, batch, n in cases:
             start, tokens = (n, 1) if kind == "decode" else (0, n)
             flops, nbytes, floor = layer_floor(cfg, ROLES[role], batch, start, tokens, copy_bw)
             row = {"role": role, "kind": kind, "batch": batch, "context": n,
-                   "floor_us": floor * 1e6}
-            for be, bench in benches.items():
-                if be == "reference" and (kind != "decode" or (batch, n) not in reference_cases):
-                    continue
+                   "floor_us": floor * 1e6, "flops": flops, "bytes": nbytes}
+            runs = [("triton_us", (tri.decode_graph_us, (batch, n, 20)) if kind == "decode"
+                     else (tri.prefill_us, (n, 2)))]
+            if kind == "decode" and (batch, n) in reference_cases:
+                runs += [("triton_eager_us", (tri.decode_eager_us, (batch, n, 5))),
+                         ("reference_us", (ref.decode_eager_us, (batch, n, 3)))]
+            if kind == "decode" and (batch, n) in compile_cases:
+                runs += [("compiled_us", (ref.decode_eager_us, (batch, n, 3, True)))]
+            for key, (fn, fn_args) in runs:
                 t0 = time.time()
                 try:
-                    ms = bench.decode_ms(batch, n, 5 if be != "reference" else 2) if kind == "decode" \
-                        else bench.prefill_ms(n, 2)
+                    row[key] = fn(*fn_args)
                 except torch.cuda.OutOfMemoryError:
-                    torch.cuda.empty_cache()
-                    ms = float("nan")
-                row[f"{be}_us"] = ms * 1e3
-                if be == backends[0]:
-                    row["ratio"] = ms * 1e-3 / floor
-                    row["TFLOP/s"] = flops / (ms * 1e-3) / 1e12
-                    row["GB/s"] = nbytes / (ms * 1e-3) / 1e9
-                log(f"  {role} {kind} b={batch} n={n} {be}: {ms * 1e3:.1f} us "
-                    f"({time.time() - t0:.1f} s)")
-            if "reference_us" in row and row.get("triton_us"):
-                row["speedup"] = row["reference_us"] / row["triton_us"]
+                    row[key] = float("nan")
+                except Exception as e:  # noqa: BLE001 - a failed case is reported, not fatal
+                    row[key] = float("nan")
+                    log(f"  {role} {kind} b={batch} n={n} {key}: failed: {type(e).__name__}: {e}"[:300])
+                torch.cuda.empty_cache()
+                log(f"  {role} {kind} b={batch} n={n} {key}: {row[key]:.1f} us ({time.time() - t0:.1f} s)")
+            us = row["triton_us"]
+            row["ratio"] = us * 1e-6 / floor
+            row["TFLOP/s"] = flops / (us * 1e-6) / 1e12
+            row["GB/s"] = nbytes / (us * 1e-6) / 1e9
+            for key in ("reference_us", "compiled_us"):
+                if key in row:
+                    row["speedup_" + key[:-3]] = row[key] / us
             rows.append(row)
     return rows, copy_bw
 
@@ -271,21 +328,38 @@ def main(args) -> int:
     roles = tuple(args.roles.split(",")) if args.roles else tuple(ROLES)
     decode = DECODE if not args.quick else [(1, 4096), (64, 4096), (64, 65536)]
     prefill = PREFILL if not args.quick else [8192]
-    rows, copy_bw = bench_layers(decode=decode, prefill=prefill, roles=roles)
-    fields = ["role", "kind", "batch", "context", "triton_us", "reference_us", "floor_us",
-              "ratio", "TFLOP/s", "GB/s", "speedup"]
+    compile_cases = ((64, 4096),) if args.compile else ()
+    rows, copy_bw = bench_layers(decode=decode, prefill=prefill, roles=roles,
+                                 compile_cases=compile_cases)
+    fields = ["role", "kind", "batch", "context", "triton_us", "triton_eager_us", "reference_us",
+              "compiled_us", "floor_us", "ratio", "TFLOP/s", "GB/s", "speedup_reference",
+              "speedup_compiled", "flops", "bytes"]
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
-    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s; times in us (median)")
-    print(f"{'role':<14}{'kind':<8}{'batch':>6}{'context':>9}{'triton':>10}{'reference':>11}"
-          f"{'floor':>9}{'ratio':>7}{'GB/s':>7}{'speedup':>8}")
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s; times in us (median); triton = CUDA-graph "
+          "replay, eager = host launches included")
+    print(f"{'role':<14}{'kind':<8}{'batch':>6}{'context':>9}{'triton':>9}{'floor':>8}{'ratio':>7}"
+          f"{'TFLOP/s':>8}{'GB/s':>7}{'eager':>8}{'ref':>8}{'compile':>8}{'speedup':>8}")
+
+    def fmt(r, key, spec=".0f"):
+        v = r.get(key)
+        return "-" if v is None else format(v, spec)
+
     for r in rows:
-        ref = f"{r['reference_us']:.0f}" if "reference_us" in r else "-"
-        sp = f"{r['speedup']:.0f}x" if "speedup" in r else "-"
         print(f"{r['role']:<14}{r['kind']:<8}{r['batch']:>6}{r['context']:>9}"
-              f"{r.get('triton_us', float('nan')):>10.0f}{ref:>11}{r['floor_us']:>9.1f}"
-              f"{r.get('ratio', float('nan')):>7.1f}{r.get('GB/s', float('nan')):>7.0f}{sp:>8}")
+              f"{fmt(r, 'triton_us'):>9}{r['floor_us']:>8.1f}{fmt(r, 'ratio', '.1f'):>7}"
+              f"{fmt(r, 'TFLOP/s', '.1f'):>8}{fmt(r, 'GB/s'):>7}{fmt(r, 'triton_eager_us'):>8}"
+              f"{fmt(r, 'reference_us'):>8}{fmt(r, 'compiled_us'):>8}"
+              f"{fmt(r, 'speedup_reference', '.0f'):>7}x")
+    if args.profile:
+        cfg = preset("v41-flash")
+        weights = {L: random_layer_weights(cfg, L, seed=L).to("cuda")
+                   for r in roles for L in role_layers(cfg, r)}
+        for role in roles:
+            print(f"per-kernel GPU time, {role}, decode b=64 4K (one eager step):")
+            for name, us, n in RoleBench(cfg, role, "triton", weights).profile_decode(64, 4096):
+                print(f"  {us:>8.1f} us {n:>4}x  {name[:90]}")
     return 0

@@ -90,6 +90,7 @@ class AttentionState:
     active: list[bool]  # per slot: holds a sequence
     index_key_slot: int | None = None
     max_tokens_per_call: int = field(default=0)
+    epoch: int = 0  # bumped by every host-side change (steps, pages, sequences): plans check it
 
     @classmethod
     def allocate(cls, cfg: AttentionConfig, batch_size: int, capacity: int | None = None,
@@ -186,6 +187,7 @@ class AttentionState:
     def reserve(self, rows: list[int], ends: list[int]) -> None:
         """Give each sequence the pages for positions < ends[i]; raises before allocating
         anything if the pool runs out."""
+        self.epoch += 1
         if not self.sources:
             return
         need = self.pages_needed(rows, ends)
@@ -223,6 +225,7 @@ class AttentionState:
         """Claim a released slot for a new sequence at position 0; returns its row."""
         for row, on in enumerate(self.active):
             if not on:
+                self.epoch += 1
                 self.active[row] = True
                 return row
         raise StateError(f"all {self.batch_size} sequence slots are in use; release one first")
@@ -231,6 +234,7 @@ class AttentionState:
         """Free a sequence's pages and slot; its row can no longer be used until re-added."""
         self.check_active([row])
         self.position_of(row)
+        self.epoch += 1
         self._drop_pages(row, 0)
         for layer in self.layers.values():
             layer.positions[row] = 0
@@ -255,6 +259,7 @@ class AttentionState:
             raise StateError(f"cannot roll sequence {row} back by {now - position} tokens: the "
                              f"state keeps history for {self.rollback} (allocate rollback=...)")
         keep = -(-position // self.page_size)
+        self.epoch += 1
         self._drop_pages(row, keep)
         if keep and position % self.page_size:
             self._own_page(row, keep - 1)
@@ -290,7 +295,7 @@ class AttentionState:
         if copies > self.free_pages or all(self.active):
             raise StateError(f"cannot fork sequence {row}: needs a free slot and {copies} free "
                              f"pages ({self.free_pages} free)")
-        new = self.add_sequence()
+        new = self.add_sequence()  # bumps the epoch
         for layer in self.layers.values():
             layer.window[new] = layer.window[row]
             layer.positions[new] = position

@@ -166,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     bn.add_argument("--part", choices=("layers", "sparse_attn", "all"), default="all")
     bn.add_argument("--roles", help="comma-separated subset of: SWA,Full r=2,Full r=1 cand,Reindex,Reuse")
     bn.add_argument("--quick", action="store_true", help="a few cases only")
+    bn.add_argument("--compile", action="store_true",
+                    help="also time the reference path under torch.compile (decode b=64 4K)")
+    bn.add_argument("--profile", action="store_true",
+                    help="per-kernel breakdown of each role's decode (b=64, 4K)")
     bn.set_defaults(func=bench_cmd)
     args = p.parse_args(argv)
     return args.func(args)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cache import AttentionState, StateError
-from .checkpoint import LayerWeights, check_layer_weights
+from .checkpoint import Fp8Weight, LayerWeights, check_layer_weights, quantize_fp8
 from .config import AttentionConfig
 from .ops.common.norm import rms_norm
 from .ops.common.packing import pack_compressed_rows, pack_index_keys, pack_window_rows
@@ -44,11 +44,23 @@ class AttentionLayer:
         self.spec = cfg.layer(weights.layer)
         self.weights = weights
         check_layer_weights(cfg, weights)
-        self.freqs = rope_frequencies(cfg, self.spec)  # [rope_head_dim/2] fp32
+        self.wo_a = self._wo_a_operand()
+        # [rope_head_dim/2] fp32, on the weights' device: no host copy per call (graph capture)
+        self.freqs = rope_frequencies(cfg, self.spec).to(self.device)
 
     @property
     def device(self) -> torch.device:
         return self.weights.attn_sink.device
+
+    def _wo_a_operand(self) -> torch.Tensor | Fp8Weight:
+        """wo_a as the output op reads it: the Triton kernel reads the fp8 codes and block
+        scales (half the bytes of bf16) when they give back the bf16 weight bit for bit, which
+        they do for every checkpoint's (its bf16 was dequantised from them)."""
+        wo_a = self.weights.wo_a
+        if self.ops.name == "reference":
+            return wo_a
+        fp8 = quantize_fp8(wo_a)
+        return fp8 if torch.equal(fp8.dequantize(), wo_a) else wo_a
 
     def forward(self, x: torch.Tensor, state: AttentionState, step: "Step") -> torch.Tensor:
         """One step of this layer.
@@ -60,17 +72,108 @@ class AttentionLayer:
         layers of the step need. Bad input raises before any state changes.
         """
         self._check_call(x, state, step)
+        state.epoch += 1  # positions move outside any DecodePlan
         if x.dim() == 3:
-            y = self._forward_group(x, state, step.groups[0])
+            y = self._run_group(x, state, step.groups[0])
         else:
             y = torch.empty_like(x)
             for g in step.groups:
                 xg = x[g.token_index].view(g.rows.numel(), g.tokens, -1)
-                y[g.token_index] = self._forward_group(xg, state, g).flatten(0, 1)
+                y[g.token_index] = self._run_group(xg, state, g).flatten(0, 1)
         step.mark_done(self.spec.layer)
         return y
 
     __call__ = forward
+
+    def _run_group(self, x: torch.Tensor, state: AttentionState, group: "Group") -> torch.Tensor:
+        if group.tokens == 1:
+            pos = torch.full((x.shape[0],), group.start_pos, dtype=torch.int64, device=x.device)
+            return self.decode(x, state, group, pos)
+        return self._forward_group(x, state, group)
+
+    def decode(self, x: torch.Tensor, state: AttentionState, group: "Group",
+               pos: torch.Tensor) -> torch.Tensor:
+        """One token per sequence, each at its own position: the GPU-only step of decoding.
+
+        x: [b, 1, dim] bf16 for the sequences ``group.rows``; pos: [b] int64 on the device,
+        their positions (== this layer's cursor for them). Every shape is fixed by ``group``
+        (the rows each indexer scans: ``group.scan_rows(r)``), and nothing is read back to
+        the host, so this can be captured in a CUDA graph (``DecodePlan``). No validation
+        here: ``forward`` and ``DecodePlan`` check before calling.
+        """
+        cfg, spec, w, ops = self.cfg, self.spec, self.weights, self.ops
+        b = x.shape[0]
+        rows = group.rows
+        rot = rope_rotations(self.freqs, pos)  # [b, R/2] complex64
+
+        # Query path (§4.1).
+        qr = rms_norm(ops.fp8_linear(x, w.wq_a.weight, w.wq_a.scale), w.q_norm, cfg.norm_eps)
+        q = ops.fp8_linear(qr, w.wq_b.weight, w.wq_b.scale).view(b, cfg.n_heads, cfg.head_dim)
+        q = ops.rope_heads(q, rot).unsqueeze(1)  # [b, 1, H, D]
+
+        # Window K/V (§4.2): norm, RoPE, fp8, packed into the ring, then attended from it.
+        layer_state = state.layers[spec.layer]
+        slots = layer_state.window.shape[1]
+        kv = ops.fp8_linear(x, w.wkv.weight, w.wkv.scale)[:, 0]  # [b, D] bf16
+        ops.norm_rope_pack(kv, w.kv_norm, cfg.norm_eps, rot, layer_state.window, rows, pos % slots)
+        window_rows = layer_state.window[rows]  # [b, W + R, D + D/32] uint8, oldest slot first
+        window_idx = window_indices_decode(pos, cfg.window_size, slots).unsqueeze(1)
+
+        pool = table = None
+        selected = torch.empty(b, 1, 0, dtype=torch.int32, device=x.device)
+        if spec.ratio > 0:
+            if spec.is_kv_source:
+                self._decode_compressor(x, state, group, pos)
+            selected = (self._index(x, qr, pos.unsqueeze(1), rot.unsqueeze(1), state, group)
+                        if spec.is_index_source else group.topk(spec.index_source))
+            pool, table = state.sources[spec.kv_source].rows, state.block_table[rows]
+        o = ops.sparse_attn_paged(q, w.attn_sink, cfg.softmax_scale, window_rows,
+                                  window_idx, pool, table, selected)  # [b, 1, H, D]
+        y = self._output(o, rot.unsqueeze(1))
+        layer_state.positions[rows] = pos + 1
+        return y
+
+    def _output(self, o: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """Inverse RoPE and the grouped output projection (§4.6): o [b, m, H, D] bf16, rot
+        [b or 1, m, R/2] -> [b, m, dim] bf16."""
+        cfg, w = self.cfg, self.weights
+        b, m = o.shape[:2]
+        rot = rot.expand(b, m, -1).reshape(b * m, -1)
+        u = self.ops.inverse_rope_wo_a(o.reshape(b * m, cfg.n_heads, cfg.head_dim), rot,
+                                       self.wo_a, cfg.o_groups)  # [b * m, G * o_lora_rank]
+        return self.ops.fp8_linear(u.view(b, m, -1), w.wo_b.weight, w.wo_b.scale)
+
+    def _decode_compressor(self, x, state: AttentionState, group: "Group", pos: torch.Tensor):
+        """KV source, one token per sequence: the token joins its group's fp32 projections; a
+        sequence whose group completes (pos + 1 divisible by r) writes the group's compressed
+        row and index key, the others keep their bytes (restored: shapes stay fixed)."""
+        cfg, spec, w = self.cfg, self.spec, self.weights
+        rows, r = group.rows, spec.ratio
+        source = state.sources[spec.layer]
+        g = pos // r  # [b] the token's group (compressed row number)
+        if r == 1:
+            kv, score = linear(x, w.compressor_wkv), None  # [b, 1, D] bf16: the group itself
+        else:
+            xf = x.float()
+            held = source.recent_kv.shape[1]
+            source.recent_kv[rows, pos % held] = linear(xf, w.compressor_wkv)[:, 0]
+            source.recent_score[rows, pos % held] = linear(xf, w.compressor_wgate)[:, 0]
+            tokens = ((g * r).unsqueeze(1) + torch.arange(r, device=x.device)) % held  # [b, r]
+            kv = source.recent_kv[rows.unsqueeze(1), tokens]  # [b, r, D] fp32, the whole group
+            score = source.recent_score[rows.unsqueeze(1), tokens]
+        page = state.block_table[rows, g // source.page_rows]
+        slot = g % source.page_rows
+        if r > 1:  # an incomplete group must not overwrite its (future) row: keep the bytes
+            old_rows, old_keys = source.rows[page, slot], source.index_keys[page, slot]
+        rot = rope_rotations(self.freqs, g * r)  # [b, R/2]: a group stands for its first token
+        self.ops.pool_norm_rope_pack(kv, score, w.compressor_norm, w.index_wk, w.index_k_norm,
+                                     cfg.norm_eps, rot, source.rows, source.index_keys, page, slot)
+        if r > 1:
+            done = ((pos + 1) % r == 0).unsqueeze(1)
+            source.rows[page, slot] = torch.where(done, source.rows[page, slot], old_rows)
+            source.index_keys[page, slot] = torch.where(done, source.index_keys[page, slot], old_keys)
+        group.publish_index_keys(spec.layer, produced=group.semantics == "fixed"
+                                 or group.completes_group(r))
 
     def _forward_group(self, x: torch.Tensor, state: AttentionState, step: "Group") -> torch.Tensor:
         """x: [b, m, dim] for the sequences ``step.rows``, all at ``step.start_pos``."""
@@ -102,11 +205,7 @@ class AttentionLayer:
         o = self.ops.sparse_attn_paged(q, w.attn_sink, cfg.softmax_scale, window_rows,
                                        window_idx, pool, table, selected)  # [b, m, H, D]
 
-        # Inverse RoPE and the grouped output projection (§4.6).
-        o = apply_rope(o, rot.unsqueeze(1), inverse=True)
-        wo_a = w.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        u = torch.einsum("bmgd,grd->bmgr", o.reshape(b, m, cfg.o_groups, -1), wo_a)
-        y = linear8(u.flatten(2), w.wo_b.weight, w.wo_b.scale)
+        y = self._output(o, rot.unsqueeze(0))
 
         layer_state.window[rows] = new_ring
         layer_state.positions[rows] = p0 + m
@@ -130,30 +229,38 @@ class AttentionLayer:
         """The compressed row numbers [b, m, k] each query attends to (-1 pad): this layer's
         indexer for index sources, its source's top-k otherwise. A KV source first runs its
         compressor. pos [m] and rot [m, R/2] are the queries' positions and rotations."""
+        if self.spec.is_kv_source:
+            self._run_compressor(x, state, step)
+        if not self.spec.is_index_source:
+            return step.topk(self.spec.index_source)
+        return self._index(x, qr, pos.unsqueeze(0), rot.unsqueeze(0), state, step)
+
+    def _index(self, x, qr, pos, rot, state: AttentionState, group: "Group") -> torch.Tensor:
+        """The lightning indexer of an index source (§4.4): top-k compressed rows [b, m, k]
+        int32 (-1 pad), published for the layers that reuse them (and, for the candidate
+        source, the kept candidate blocks). pos [b or 1, m] int64 and rot [b or 1, m, R/2]:
+        the queries' positions and rotations. Scans ``group.scan_rows(r)`` rows per sequence;
+        rows a query cannot see yet are masked, so a longer scan selects the same rows."""
         cfg, spec, w = self.cfg, self.spec, self.weights
         b, m, _ = x.shape
-        p0, rows, r = step.start_pos, step.rows, spec.ratio
-        n_total = (p0 + m) // r
-        if spec.is_kv_source:
-            self._run_compressor(x, state, step)
-        if not spec.is_index_source:
-            return step.topk(spec.index_source)
+        rows, r = group.rows, spec.ratio
+        n_total = group.scan_rows(r)
         if n_total == 0:
             selected = torch.empty(b, m, 0, dtype=torch.int32, device=x.device)
-            step.publish_topk(spec.layer, selected)
+            group.publish_topk(spec.layer, selected)
             return selected
 
         q_index = self.ops.fp8_linear(qr, w.index_wq_b.weight, w.index_wq_b.scale)
         q_index = q_index.unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
-        q_index = index_fp4_fake_quant(apply_rope(q_index, rot.unsqueeze(1)))
+        q_index = index_fp4_fake_quant(apply_rope(q_index, rot.unsqueeze(2)))
         head_weights = linear(x, w.index_weights_proj) * cfg.index_weight_scale  # [b, m, I]
-        keys = state.read_index_keys(step.index_key_layer(spec), rows, n_total)
+        keys = state.read_index_keys(group.index_key_layer(spec), rows, n_total)
         visible = ((pos + 1) // r).expand(b, m)
         bs = cfg.candidate_block_size
         if spec.is_candidate_source:
             keep = torch.empty(b, m, -(-n_total // bs), dtype=torch.bool, device=x.device)
         if spec.is_candidate_consumer:
-            keep = step.candidates(n_total)
+            keep = group.candidates(n_total)
         selected = torch.empty(b, m, min(cfg.index_topk, n_total), dtype=torch.int32,
                                device=x.device)
         # Query tiles bound the [tile, I, n_total] score buffer (SPEC §10.5); rows are independent.
@@ -168,8 +275,8 @@ class AttentionLayer:
                 scores = scores.masked_fill(~expand_blocks(keep[:, t], bs, n_total), float("-inf"))
             selected[:, t] = select_topk(scores, visible[:, t], cfg.index_topk)
         if spec.is_candidate_source:
-            step.publish_candidates(keep)
-        step.publish_topk(spec.layer, selected)
+            group.publish_candidates(keep)
+        group.publish_topk(spec.layer, selected)
         return selected
 
     def _run_compressor(self, x, state: AttentionState, step: "Group") -> None:

@@ -17,6 +17,7 @@ import torch
 from .cache import AttentionState, StateError
 from .checkpoint import LayerWeights
 from .config import SEMANTICS, AttentionConfig, LayerSpec
+from .decode import DecodePlan
 from .layer import AttentionLayer
 
 
@@ -24,15 +25,31 @@ class Group:
     """Sequences of one step at the same start position with the same number of new tokens:
     the unit a layer computes batched. Holds what this step's sources publish for them."""
 
-    def __init__(self, state: AttentionState, rows: torch.Tensor, start_pos: int, tokens: int,
+    def __init__(self, state: AttentionState, rows: torch.Tensor, start_pos: int | None, tokens: int,
                  token_index: torch.Tensor, semantics: str):
         self.state = state
         self.rows = rows  # [g] int64 state rows
-        self.start_pos, self.tokens = start_pos, tokens
+        self.start_pos, self.tokens = start_pos, tokens  # start_pos None: per sequence, on the device
         self.token_index = token_index  # [g * tokens] int64 rows of the packed x, sequence-major
         self.semantics = semantics
         self._topk: dict[int, torch.Tensor] = {}
         self._candidates: torch.Tensor | None = None
+        self.scan: dict[int, int] | None = None  # ratio -> rows an indexer scans (DecodePlan)
+
+    def scan_rows(self, ratio: int) -> int:
+        """Compressed rows per sequence an index source of ``ratio`` scores: those complete
+        after this step's tokens, or the plan's fixed bound (rows beyond a query's visible
+        ones are masked, so scanning more selects the same rows)."""
+        if self.scan is not None:
+            return self.scan[ratio]
+        return (self.start_pos + self.tokens) // ratio
+
+    def completes_group(self, ratio: int) -> bool:
+        """Whether this step's tokens complete at least one compressor group (a DecodePlan's
+        positions are on the device: it runs "fixed" semantics, where this is not asked)."""
+        if self.start_pos is None:
+            raise StateError("this group's positions are on the device (a DecodePlan)")
+        return (self.start_pos % ratio + self.tokens) // ratio > 0
 
     def publish_index_keys(self, layer: int, produced: bool) -> None:
         """A KV source publishes its index keys: always in "fixed" semantics, only when it
@@ -165,6 +182,12 @@ class AttentionStack:
             device = next(iter(self.layers.values())).device
         return AttentionState.allocate(self.cfg, batch_size, capacity, layers=list(self.layers),
                                        device=device, **kw)
+
+    def plan_decode(self, state: AttentionState, rows: Sequence[int] | torch.Tensor | None = None,
+                    steps: int = 1, layers: Iterable[int] | None = None) -> DecodePlan:
+        """Plan ``steps`` decode steps (one token per sequence) of ``rows`` (default: all)
+        through ``layers`` (default: this stack's layers in the state); see ``DecodePlan``."""
+        return DecodePlan(self, state, rows, steps, None if layers is None else list(layers))
 
     def step(self, state: AttentionState, tokens: int | Sequence[int],
              rows: Sequence[int] | torch.Tensor | None = None,

@@ -2,7 +2,9 @@
 
 "reference" runs every op in plain torch (the spec in code); "triton" runs the ops that have
 a Triton kernel through it (sparse attention with sink over the packed caches, the fp8
-linears) and the rest through the reference ops, on whatever device the tensors live.
+linears, the window K/V epilogue and query RoPE, the compressor epilogue, inverse RoPE with
+the grouped wo_a) and the rest through the reference ops, on whatever device the tensors live.
+Each op's reference (``ops/<op>/reference.py``) has the same signature as its kernel.
 """
 from __future__ import annotations
 
@@ -19,18 +21,29 @@ class Ops:
     name: str
     sparse_attn_paged: Callable
     fp8_linear: Callable
+    norm_rope_pack: Callable  # window K/V: RMSNorm + RoPE + fp8 + pack (+ ring write)
+    rope_heads: Callable  # the query's RoPE
+    pool_norm_rope_pack: Callable  # compressor epilogue: rows and index keys into the pools
+    inverse_rope_wo_a: Callable  # inverse RoPE + block-diagonal wo_a
 
 
 def get_ops(backend: str) -> Ops:
     if backend == "reference":
+        from .compressor.reference import pool_norm_rope_pack
         from .linear.reference import fp8_linear
+        from .output.reference import inverse_rope_wo_a
         from .sparse_attn.reference import sparse_attn_paged
+        from .window_kv.reference import norm_rope_pack, rope_heads
     elif backend == "triton":
         try:
+            from .compressor.triton import pool_norm_rope_pack
             from .linear.triton import fp8_linear
+            from .output.triton import inverse_rope_wo_a
             from .sparse_attn.triton import sparse_attn_paged
+            from .window_kv.triton import norm_rope_pack, rope_heads
         except ImportError as e:  # triton missing
             raise ValueError(f"backend 'triton' needs the triton package: {e}") from e
     else:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return Ops(backend, sparse_attn_paged, fp8_linear)
+    return Ops(backend, sparse_attn_paged, fp8_linear, norm_rope_pack, rope_heads,
+               pool_norm_rope_pack, inverse_rope_wo_a)

@@ -28,14 +28,17 @@ def _e8m0_values(b: torch.Tensor) -> torch.Tensor:
 
 
 def _e2m1_nibbles(v: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(E2M1_VALUES, device=v.device)
-    idx = torch.searchsorted(table, v.abs().contiguous())  # exact values: their own index
-    return (idx | (torch.signbit(v).to(torch.int64) << 3)).to(torch.uint8)
+    """Exact e2m1 values -> nibbles. Arithmetic rather than a table lookup: no host-to-device
+    copy, so packing can run inside a CUDA-graph capture."""
+    a = v.abs()
+    idx = torch.where(a < 2, 2 * a, torch.where(a < 4, a + 2, a / 2 + 4)).to(torch.uint8)
+    return idx | (torch.signbit(v).to(torch.uint8) << 3)
 
 
 def _e2m1_values(n: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(E2M1_VALUES, device=n.device)
-    mag = table[(n & 7).long()]
+    """Nibbles -> fp32 e2m1 values (the inverse of _e2m1_nibbles)."""
+    i = (n & 7).to(torch.float32)
+    mag = torch.where(i < 4, i / 2, torch.where(i < 6, i - 2, (i - 4) * 2))
     return torch.where((n & 8) != 0, -mag, mag)
 
 

@@ -27,21 +27,19 @@ PRECISE_DOT = True
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, inv_max, QB: tl.constexpr):
-    """x: [M, K] bf16; q: [M, K] uint8 (e4m3 bytes); s: [M, KB] fp32. Grid (M, cdiv(KB, QB))."""
-    row = tl.program_id(0).to(tl.int64)
-    offs_b = tl.program_id(1) * QB + tl.arange(0, QB)  # scale blocks of this program
-    b_mask = offs_b < KB
-    offs = row * K + offs_b[:, None] * 32 + tl.arange(0, 32)[None, :]  # [QB, 32]
-    x = tl.load(x_ptr + offs, mask=b_mask[:, None], other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-4)
-    t = (amax * inv_max).to(tl.int32, bitcast=True)  # t > 0, normal: amax >= 1e-4
-    e = ((t >> 23) & 0xFF) + ((t & 0x7FFFFF) != 0).to(tl.int32)  # ceil: +1 unless a power of 2
-    s = (e << 23).to(tl.float32, bitcast=True)
-    inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s, exact and normal
-    v = x * inv_s[:, None]  # == x / s exactly
+def _ue8m0_exponent(amax, inv_max):
+    """Biased exponent e of the block scale s = 2^ceil(log2(max(amax, 1e-4) * inv_max)), an
+    int32 in [1, 254] (amax >= 0 finite): s = e << 23 and 1/s = (254 - e) << 23 as fp32 bits."""
+    t = (tl.maximum(amax, 1e-4) * inv_max).to(tl.int32, bitcast=True)  # normal: >= 1e-4/448
+    return ((t >> 23) & 0xFF) + ((t & 0x7FFFFF) != 0).to(tl.int32)  # ceil: +1 unless 2^k
+
+
+@triton.jit
+def _e4m3_code(v):
+    """fp32 v -> e4m3 byte as int32 (0..255): clamp to +-448, round to nearest even in software
+    (subnormals step 2^-9), sign bit kept for -0 as torch's cast does. Finite v only."""
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80  # keeps -0 as torch's cast does
+    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
     a = tl.abs(v)
     # normal e4m3 (a >= 2^-6): round the fp32 mantissa to 3 bits, ties to even (carry is fine)
     u = a.to(tl.int32, bitcast=True)
@@ -52,7 +50,21 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, inv_max, QB: tl.constexpr):
     i = w.to(tl.int32)  # truncation
     f = w - i.to(tl.float32)  # exact
     code_s = i + ((f > 0.5) | ((f == 0.5) & ((i & 1) == 1))).to(tl.int32)
-    code = tl.where(a >= 0.015625, code_n, code_s) | sign
+    return tl.where(a >= 0.015625, code_n, code_s) | sign
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, inv_max, QB: tl.constexpr):
+    """x: [M, K] bf16; q: [M, K] uint8 (e4m3 bytes); s: [M, KB] fp32. Grid (M, cdiv(KB, QB))."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_b = tl.program_id(1) * QB + tl.arange(0, QB)  # scale blocks of this program
+    b_mask = offs_b < KB
+    offs = row * K + offs_b[:, None] * 32 + tl.arange(0, 32)[None, :]  # [QB, 32]
+    x = tl.load(x_ptr + offs, mask=b_mask[:, None], other=0.0).to(tl.float32)
+    e = _ue8m0_exponent(tl.max(tl.abs(x), 1), inv_max)
+    s = (e << 23).to(tl.float32, bitcast=True)
+    inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s, exact and normal
+    code = _e4m3_code(x * inv_s[:, None])  # x * (1/s) == x / s exactly
     tl.store(q_ptr + offs, code.to(tl.uint8), mask=b_mask[:, None])
     tl.store(s_ptr + row * KB + offs_b, s, mask=b_mask)
 

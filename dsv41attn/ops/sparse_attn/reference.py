@@ -69,7 +69,14 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     """
     window = unpack_window_rows(window_rows)  # [B, Nw, D]
     kv, idx = window, window_idx
-    if compressed_idx.shape[-1]:
+    b, m, k = compressed_idx.shape
+    if k and m == 1:  # decode: each entry's own row (no host read: capturable in a CUDA graph)
+        g = compressed_idx.clamp_min(0).flatten(1).long()  # [B, K]
+        compressed = unpack_compressed_rows(paged_rows(compressed_pool, block_table, g))
+        kv = torch.cat([window, compressed], dim=1)
+        own = window.shape[1] + torch.arange(k, device=q.device, dtype=torch.int32)
+        idx = torch.cat([window_idx, torch.where(compressed_idx >= 0, own, -1)], dim=-1)
+    elif k:  # many queries share rows: unpack rows 0..n-1 once
         n = int(compressed_idx.max()) + 1  # rows 0..n-1 cover every entry
         g = torch.arange(max(n, 0), device=q.device)
         compressed = unpack_compressed_rows(paged_rows(compressed_pool, block_table, g))

@@ -1,0 +1,215 @@
+"""Triton inverse RoPE + block-diagonal wo_a (SPEC §4.6) in one kernel, same math as reference.py.
+
+A program owns a [BLOCK_M rows, BLOCK_N columns of one group g] output tile and walks (its
+split of) group g's K = H*D/G dims in BLOCK_K steps. The o tile is inverse-rotated as it is
+loaded: on the last R dims of each head, (x_e, x_o) * conj(cos + i sin) with the fp32 cos/sin
+of view_as_real(rot), products and sum rounded as torch's CPU complex64 multiply (no FMA: the
+kernel is compiled with enable_fp_fusion=False), then rounded to bf16 as the reference. The
+weight tile is bf16, or e4m3 codes times their e8m0 32x32 block scale (exact in bf16, so the
+fp8 path is the bf16 path on half the bytes). bf16 tl.dot, fp32 accumulator, bf16 output. The
+sums run in another order than torch's einsum: tolerance against an fp64 oracle, not bits.
+
+Decode (N <= 256) reads all of wo_a to make few rows: weight-bandwidth bound. Tiles of 16
+(N <= 16) or 64 rows x 64 columns x 128 K: for V4.1-Flash's 8x1024 columns that is 128 programs
+at N <= 64, under one wave of 132 SMs, so split-K gives each SM 2-3 programs to hide load
+latency (fp8, N <= 17: 3 splits of 11 K blocks); the fp32 partials [S, N, G*Rk] are summed in
+split order by a second kernel (deterministic), and S is capped so that partial traffic stays
+under 1/8 of the weight bytes (fp8: no split from N = 64 on). Prefill (N > 256) is compute
+bound: 128x128x64 tiles, 8 warps, no split. Block sizes are the usual Hopper GEMM tiles, not yet
+timed on an H200 (``num_splits`` overrides the split heuristic for the benchmark).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...checkpoint import Fp8Weight
+from ..linear.triton import _check_device, _interpreting
+from ..sparse_attn.triton import _to_bf16
+from .reference import check_inputs, check_out
+
+NUM_SMS = 132  # H200; a CUDA device's own count is used when there is one
+SCALE_BLOCK = 32  # fp8 weight block edge
+
+
+@triton.jit
+def _rotated_o_tile(o_ptr, cs_ptr, rows, row_mask, flat, k_mask, HD, D, ROT_START, R,
+                    INTERPRET: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] of o[rows, flat], inverse-rotated on head dims >= ROT_START.
+
+    o: [N, H*D] bf16; cs: [N, R/2, 2] fp32 (cos, sin) per pair; rows: [BLOCK_M] int64;
+    flat: [BLOCK_K] indices into a row's H*D. Returns bf16 (fp32 holding bf16 when INTERPRET).
+    """
+    d = flat % D
+    rope = k_mask & (d >= ROT_START)
+    second = (d - ROT_START) & 1  # 1 for the odd member of an interleaved pair
+    row_off = rows[:, None] * HD
+    mask = row_mask[:, None] & k_mask[None, :]
+    rmask = row_mask[:, None] & rope[None, :]
+    x = tl.load(o_ptr + row_off + flat[None, :], mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(o_ptr + row_off + (flat + 1 - 2 * second)[None, :], mask=rmask,
+                      other=0.0).to(tl.float32)
+    cs_off = rows[:, None] * R + (d - ROT_START - second)[None, :]  # 2 * pair index
+    cos = tl.load(cs_ptr + cs_off, mask=rmask, other=1.0)
+    sin = tl.load(cs_ptr + cs_off + 1, mask=rmask, other=0.0)
+    # (e + i o)(c - i s) = (e c + o s) + i (o c - e s): each member is x c + partner (+-s)
+    sin = tl.where(second[None, :] == 1, -sin, sin)
+    y = tl.where(rope[None, :], x * cos + partner * sin, x)
+    return _to_bf16(y, INTERPRET)  # x is bf16 already: only rotated values round
+
+
+@triton.jit
+def _fp8_weight_tile(w_ptr, ws_ptr, w_rows, r_mask, k0, KG, KB, BLOCK_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] of wo_a^T rows w_rows, dims k0.. (k0 a multiple of 32): e4m3 codes
+    times their e8m0 block scale, rounded to bf16 as Fp8Weight.dequantize (fp32 when
+    INTERPRET). w: [G*Rk, KG] uint8; ws: [ceil(G*Rk/32), KB] uint8 e8m0 bytes.
+    Loaded as [BLOCK_K/32, 32, BLOCK_N] so each scale byte is loaded once per 32 codes.
+    """
+    kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)[:, None, None]  # [KBLK, 1, 1]
+    kk = kb * 32 + tl.arange(0, 32)[None, :, None]  # [KBLK, 32, 1]
+    rows3, rmask3 = w_rows[None, None, :], r_mask[None, None, :]
+    codes = tl.load(w_ptr + rows3 * KG + kk, mask=(kk < KG) & rmask3, other=0)
+    e = tl.load(ws_ptr + (rows3 // 32) * KB + kb, mask=(kb < KB) & rmask3, other=127)
+    e = e.to(tl.int32)
+    s = tl.where(e == 0, 0x400000, tl.where(e == 255, 0x7FC00000, e << 23))
+    s = s.to(tl.float32, bitcast=True)  # e8m0: 2^(e-127); 0 -> 2^-127, 255 -> NaN (as torch)
+    v = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s  # [KBLK, 32, BLOCK_N]
+    return _to_bf16(tl.reshape(v, (BLOCK_K, BLOCK_N)), INTERPRET)
+
+
+@triton.jit
+def _inverse_rope_wo_a_kernel(o_ptr, cs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr,
+                              N, HD, D, ROT_START, R, KG, RK, GR, KB, K_PER_SPLIT,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
+                              INTERPRET: tl.constexpr):
+    """o: [N, HD] bf16; cs: [N, R/2, 2] fp32; w: [GR, KG] bf16 (or uint8 e4m3 codes with
+    ws [ceil(GR/32), KB] uint8 e8m0 when FP8); out: [N, GR] bf16; part: [S, N, GR] fp32
+    partials when SPLIT. GR = G*Rk, KG = HD/G. Grid (cdiv(N, BLOCK_M), G * cdiv(RK, BLOCK_N), S):
+    program (m, g * tiles + t, s) makes rows m, columns t of group g from dims
+    [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT) of the group (K_PER_SPLIT a multiple of BLOCK_K).
+    """
+    n_tiles = tl.cdiv(RK, BLOCK_N)
+    g = tl.program_id(1) // n_tiles
+    offs_r = (tl.program_id(1) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)  # within group g
+    r_mask = offs_r < RK
+    cols = (g * RK + offs_r).to(tl.int64)  # wo_a rows = output columns
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < N
+    rows = rows.to(tl.int64)
+    split = tl.program_id(2)
+    k_start = split * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, KG)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < KG
+        a = _rotated_o_tile(o_ptr, cs_ptr, rows, row_mask, g * KG + offs_k, k_mask, HD, D,
+                            ROT_START, R, INTERPRET)
+        if FP8:
+            w = _fp8_weight_tile(w_ptr, ws_ptr, cols, r_mask, k0, KG, KB, BLOCK_K, BLOCK_N,
+                                 INTERPRET)
+        else:
+            w = tl.load(w_ptr + cols[None, :] * KG + offs_k[:, None],
+                        mask=k_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+            if INTERPRET:  # its tl.dot misreads bf16 (see _to_bf16): exact fp32 widening
+                w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc)
+    mask = row_mask[:, None] & r_mask[None, :]
+    if SPLIT:
+        tl.store(part_ptr + (split * N + rows)[:, None] * GR + cols[None, :], acc, mask=mask)
+    else:
+        tl.store(out_ptr + rows[:, None] * GR + cols[None, :],
+                 _to_bf16(acc, INTERPRET).to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, NUMEL, S, BLOCK: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+    """out[i] = bf16(sum_s part[s, i]), s in order (deterministic). part: [S, NUMEL] fp32."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < NUMEL
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, S):
+        acc += tl.load(part_ptr + s * NUMEL + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, _to_bf16(acc, INTERPRET).to(tl.bfloat16), mask=mask)
+
+
+def _tiles(n: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by row count. Decode: the smallest
+    row tile tl.dot takes and long K steps (weight streaming); prefill: square MMA tiles."""
+    if n <= 16:
+        return 16, 64, 128, 4, 4
+    if n <= 256:  # still near the bandwidth floor: narrow column tiles, more programs
+        return 64, 64, 128, 4, 4
+    return 128, 128, 64, 8, 3
+
+
+def _pick_splits(programs: int, k_blocks: int, partial_row_bytes: int, weight_bytes: int,
+                 sms: int) -> int:
+    """Split-K factor: about two programs per SM when the tiles alone leave SMs idle, with the
+    fp32 partials' traffic (written and read back: ``partial_row_bytes`` per split) kept under
+    1/8 of the weight bytes; 1 when the tiles fill the machine."""
+    if programs >= sms:
+        return 1
+    s = min(k_blocks, triton.cdiv(2 * sms, programs), weight_bytes // (8 * partial_row_bytes))
+    return max(1, s)
+
+
+def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | Fp8Weight,
+                      groups: int, *, out: torch.Tensor | None = None,
+                      num_splits: int | None = None) -> torch.Tensor:
+    """``reference.inverse_rope_wo_a`` as one Triton kernel (plus a split-K sum for decode).
+
+    o: [N, H, D] bf16; rot: [N, R/2] complex64 (the last R dims of each head are rotated by
+    its conjugate); wo_a: [groups*Rk, H*D/groups] bf16, or an Fp8Weight (e4m3 [groups*Rk,
+    H*D/groups] + float8_e8m0fnu scales [ceil(groups*Rk/32), ceil(H*D/groups/32)]),
+    dequantised in registers; out: optional contiguous bf16 [N, groups*Rk]; num_splits: K
+    splits (>= 1; None = heuristic). Returns [N, groups*Rk] bf16: u[n, g*Rk + r].
+    """
+    kg, rk = check_inputs(o, rot, wo_a, groups)
+    n, h, d = o.shape
+    gr = groups * rk
+    fp8 = isinstance(wo_a, Fp8Weight)
+    weight = wo_a.weight if fp8 else wo_a
+    _check_device(o, rot, weight, *((wo_a.scale,) if fp8 else ()))
+    if num_splits is not None and (isinstance(num_splits, bool) or
+                                   not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be an int >= 1 or None, got {num_splits!r}")
+    if out is None:
+        out = torch.empty(n, gr, dtype=torch.bfloat16, device=o.device)
+    else:
+        check_out(out, o, gr)
+    if out.numel() == 0:
+        return out
+    o = o.contiguous()
+    cs = torch.view_as_real(rot).contiguous()  # [N, R/2, 2] fp32 cos, sin
+    weight = weight.contiguous()
+    if fp8:
+        weight, scale = weight.view(torch.uint8), wo_a.scale.contiguous().view(torch.uint8)
+    else:
+        scale = weight  # never read
+    bm, bn, bk, warps, stages = _tiles(n)
+    k_blocks = triton.cdiv(kg, bk)
+    programs = triton.cdiv(n, bm) * groups * triton.cdiv(rk, bn)
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(o.device).multi_processor_count \
+            if o.device.type == "cuda" else NUM_SMS
+        num_splits = _pick_splits(programs, k_blocks, 8 * n * gr,
+                                  weight.numel() * weight.element_size(), sms)
+    per_split = triton.cdiv(k_blocks, min(num_splits, k_blocks))  # K blocks per split
+    s = triton.cdiv(k_blocks, per_split)  # no split left without a block
+    part = o.new_empty(s, n, gr, dtype=torch.float32) if s > 1 else out
+    interp = _interpreting()
+    _inverse_rope_wo_a_kernel[(triton.cdiv(n, bm), groups * triton.cdiv(rk, bn), s)](
+        o, cs, weight, scale, out, part, n, h * d, d, d - 2 * rot.shape[1], 2 * rot.shape[1],
+        kg, rk, gr, triton.cdiv(kg, SCALE_BLOCK), per_split * bk,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP8=fp8, SPLIT=s > 1, INTERPRET=interp,
+        num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    if s > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(n * gr, block),)](part, out, n * gr, s, BLOCK=block,
+                                                          INTERPRET=interp)
+    return out

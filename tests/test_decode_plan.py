@@ -1,0 +1,188 @@
+"""DecodePlan: host plan once, GPU-only runs, CUDA-graph replay.
+
+A plan decodes sequences at different positions in one batch, reading and advancing the
+positions on the device and scanning a fixed number of compressed rows. It must give exactly
+what stack.step gives token by token (every op is row-independent and rows beyond a query's
+visible ones are masked), on both backends, across window, ratio-group and candidate-block
+boundaries; and a captured graph must replay exactly what the eager run computes.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import pytest
+import torch
+
+from dsv41attn import AttentionStack, StateError, preset, random_layer_weights
+
+TINY = preset("tiny")
+# window 5, a ratio-2 group of 3 layers, 4 candidate blocks of 3, top-k 5: boundaries come fast
+ODD = TINY.replace(window_size=5, compress_ratios=(0, 2, 2, 2, 1, 1, 1, 1, 0),
+                   kv_source_layers=(1, 4), index_source_layers=(1, 3, 4, 6),
+                   candidate_source_layer=4, candidate_topk_blocks=4, candidate_block_size=3,
+                   index_topk=5)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _stack(cfg, backend="reference", device="cpu"):
+    return AttentionStack(cfg, {L: random_layer_weights(cfg, L, seed=3).to(device)
+                                for L in range(cfg.n_layers)}, backend)
+
+
+def _prefilled(stack, lengths, capacity=64, device="cpu", seed=0):
+    """A state whose sequence i holds lengths[i] tokens (one ragged prefill step)."""
+    cfg = stack.cfg
+    state = stack.new_state(len(lengths), capacity=capacity, device=device)
+    g = torch.Generator().manual_seed(seed)
+    step = stack.step(state, lengths)
+    x = torch.randn(sum(lengths), cfg.dim, generator=g).bfloat16().to(device)
+    for layer in stack.layers.values():
+        layer(x, state, step)
+    return state
+
+
+def _tokens(cfg, n_steps, b, seed=1, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return [{L: torch.randn(b, cfg.dim, generator=g).bfloat16().to(device)
+             for L in range(cfg.n_layers)} for _ in range(n_steps)]
+
+
+def _assert_same_state(a, b, exact_recent=True):
+    """Equal caches. exact_recent=False: the fp32 open-group projections may differ by an ulp,
+    as the CPU's fp32 GEMM rounds differently for a 1-row (per-position group) and a b-row
+    (plan) batch; every packed row and key must still be equal."""
+    for L in a.layers:
+        assert torch.equal(a.layers[L].window, b.layers[L].window), f"layer {L} ring"
+        assert torch.equal(a.layers[L].positions, b.layers[L].positions), f"layer {L} positions"
+    for s in a.sources:
+        assert torch.equal(a.sources[s].rows, b.sources[s].rows), f"source {s} rows"
+        assert torch.equal(a.sources[s].index_keys, b.sources[s].index_keys), f"source {s} keys"
+        if a.sources[s].recent_kv is not None:
+            for t in ("recent_kv", "recent_score"):
+                x, y = getattr(a.sources[s], t), getattr(b.sources[s], t)
+                if exact_recent:
+                    assert torch.equal(x, y), f"source {s} {t}"
+                else:
+                    torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cfg_name,lengths,n_steps", [
+    ("odd", [1, 4, 5, 9], 8),  # straddles window 5, ratio-2 groups and 3-row candidate blocks
+    ("odd", [3, 3, 3], 9),  # one position: the eager step runs one group of the same rows
+    ("tiny", [3, 16, 30], 5),
+])
+def test_plan_equals_token_by_token_steps(cfg_name, lengths, n_steps):
+    cfg = {"odd": ODD, "tiny": TINY}[cfg_name]
+    stack = _stack(cfg)
+    eager = _prefilled(stack, lengths)
+    planned = eager.clone()
+    xs = _tokens(cfg, n_steps, len(lengths))
+    plan = stack.plan_decode(planned, steps=n_steps)
+    for k in range(n_steps):
+        step = stack.step(eager, 1)
+        want = {L: layer(xs[k][L], eager, step) for L, layer in stack.layers.items()}  # packed
+        got = plan.run(xs[k])
+        for L in stack.layers:
+            assert got[L].shape == xs[k][L].shape
+            assert torch.equal(got[L], want[L]), f"step {k} layer {L}"
+    _assert_same_state(eager, planned, exact_recent=len(set(lengths)) == 1)
+    assert plan.positions == [p + n_steps for p in lengths]
+
+
+def test_plan_rows_subset_and_order():
+    stack = _stack(ODD)
+    eager = _prefilled(stack, [2, 6, 7, 11])
+    planned = eager.clone()
+    rows = [3, 1]
+    xs = _tokens(ODD, 3, 2)
+    plan = stack.plan_decode(planned, rows=rows, steps=3)
+    for k in range(3):
+        step = stack.step(eager, 1, rows=rows)
+        want = {L: layer(xs[k][L], eager, step) for L, layer in stack.layers.items()}
+        got = plan.run(xs[k])
+        for L in want:
+            assert torch.equal(got[L], want[L]), f"step {k} layer {L}"
+    _assert_same_state(eager, planned, exact_recent=False)
+
+
+def test_plan_triton_backend_matches_reference_exactly_under_interpreter():
+    pytest.importorskip("triton")
+    if DEV == "cuda":
+        pytest.skip("bit-exactness holds under the interpreter; the GPU test is below")
+    ref, tri = _stack(ODD), _stack(ODD, "triton")
+    a = _prefilled(ref, [3, 8])
+    b = a.clone()
+    xs = _tokens(ODD, 3, 2)
+    pa, pb = ref.plan_decode(a, steps=3), tri.plan_decode(b, steps=3)
+    for k in range(3):
+        ya, yb = pa.run(xs[k]), pb.run(xs[k])
+        for L in ya:
+            assert torch.equal(ya[L], yb[L]), f"step {k} layer {L}"
+    _assert_same_state(a, b)
+
+
+def test_plan_is_invalidated_and_checks_inputs():
+    stack = _stack(ODD)
+    state = _prefilled(stack, [4, 6])
+    plan = stack.plan_decode(state, steps=2)
+    xs = _tokens(ODD, 3, 2)
+    bad = dict(xs[0])
+    bad[0] = bad[0][:1]
+    with pytest.raises(ValueError, match=r"layer 0: x must be \[b=2"):
+        plan.run(bad)
+    bad[0] = xs[0][0].float()
+    with pytest.raises(TypeError, match="bfloat16"):
+        plan.run(bad)
+    plan.run(xs[0])
+    plan.run(xs[1])
+    with pytest.raises(StateError, match="used up"):
+        plan.run(xs[2])
+    plan = stack.plan_decode(state, steps=2)
+    state.truncate(0, 5)
+    with pytest.raises(StateError, match="state changed"):
+        plan.run(xs[0])
+    with pytest.raises(StateError, match="capacity"):
+        stack.plan_decode(state, steps=100)
+    with pytest.raises(ValueError, match="fixed"):
+        _stack(ODD.replace(index_semantics="reference")).plan_decode(state)
+    with pytest.raises(ValueError, match="steps"):
+        stack.plan_decode(state, steps=0)
+
+
+def test_plan_reserves_pages_up_front():
+    stack = _stack(ODD)
+    state = stack.new_state(2, capacity=64, page_size=4, num_pages=6)
+    plan = stack.plan_decode(state, steps=12)  # 3 pages per sequence, all taken now
+    assert state.free_pages == 0
+    xs = _tokens(ODD, 1, 2)
+    plan.run(xs[0])
+    with pytest.raises(StateError, match="out of cache pages"):
+        stack.plan_decode(state, steps=20)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_matches_eager():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("set TRITON_INTERPRET=0 to compile the kernels for the GPU")
+    stack = _stack(ODD, "triton", device="cuda")
+    eager = _prefilled(stack, [1, 4, 5, 9], device="cuda")
+    graphed = eager.clone()
+    n = 7
+    xs = _tokens(ODD, n, 4, device="cuda")
+    pe, pg = stack.plan_decode(eager, steps=n), stack.plan_decode(graphed, steps=n)
+    graph = pg.capture(xs[0])
+    want = pe.run(xs[0])
+    for L in want:
+        assert torch.equal(graph.warmup_outputs[L], want[L])
+    for k in range(1, n):
+        want = pe.run(xs[k])
+        got = graph.replay(xs[k])
+        for L in want:
+            assert torch.equal(got[L], want[L]), f"step {k} layer {L}"
+    torch.cuda.synchronize()
+    _assert_same_state(eager, graphed)
+    with pytest.raises(StateError, match="used up"):
+        graph.replay(xs[0])
+    with pytest.raises(ValueError, match="backend='triton'"):
+        ref = _stack(ODD, device="cuda")
+        ref.plan_decode(_prefilled(ref, [2, 3], device="cuda"), steps=3).capture(xs[0])

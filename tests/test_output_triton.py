@@ -1,0 +1,162 @@
+"""Triton inverse RoPE + grouped wo_a (SPEC §4.6) against the reference and an fp64 oracle;
+runs under TRITON_INTERPRET=1 on the CPU, and on a GPU when there is one."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dsv41attn import preset
+from dsv41attn.checkpoint import Fp8Weight, quantize_fp8
+from dsv41attn.ops.common.rope import apply_rope, rope_frequencies, rope_rotations
+from dsv41attn.ops.output import reference as R
+from dsv41attn.ops.output import triton as T
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (H, D, rope dims, groups, Rk, rope config): V4.1's 64 rope dims on small heads; the tiny
+# preset's dims; odd sizes (K per group 240 and Rk 37: partial K tiles and 32-blocks, and
+# scale blocks shared by two groups' rows).
+SHAPES = {
+    "rope64": (4, 128, 64, 2, 40, "v41-flash"),
+    "tiny": (8, 32, 8, 2, 16, "tiny"),
+    "odd": (6, 80, 64, 2, 37, "v41-flash"),
+}
+
+
+def _inputs(shape: str, n: int, seed: int):
+    """o [n, H, D] bf16 and rot [n, R/2] complex64 at scattered positions (YaRN layer freqs)."""
+    h, d, r, groups, rk, cfg_name = SHAPES[shape]
+    cfg = preset(cfg_name)
+    assert cfg.rope_head_dim == r
+    g = torch.Generator().manual_seed(seed)
+    o = (torch.randn(n, h, d, generator=g) * 2).bfloat16()
+    positions = torch.randint(0, 100_000, (n,), generator=g)
+    freqs = rope_frequencies(cfg, cfg.layer(1))
+    return o, rope_rotations(freqs, positions), groups, rk
+
+
+def _weight(shape: str, kind: str, seed: int) -> torch.Tensor | Fp8Weight:
+    """wo_a [G*Rk, H*D/G]: the checkpoint's fp8 form (blocks of scattered magnitude, so many
+    scale exponents), or a general bf16 matrix (values no fp8 holds)."""
+    h, d, _, groups, rk, _ = SHAPES[shape]
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(groups * rk, h * d // groups, generator=g) / (h * d // groups) ** 0.5
+    if kind == "bf16":
+        return w.bfloat16()
+    blocks = 2.0 ** torch.randint(-12, 6, (-(-w.shape[0] // 32), -(-w.shape[1] // 32)),
+                                  generator=g)
+    return quantize_fp8(w * blocks.repeat_interleave(32, 0).repeat_interleave(32, 1)
+                        [:w.shape[0], :w.shape[1]])
+
+
+def _dense(w) -> torch.Tensor:
+    return w.dequantize() if isinstance(w, Fp8Weight) else w
+
+
+def _run_triton(o, rot, w, groups, rk, **kw) -> torch.Tensor:
+    """The kernel into a NaN-poisoned output, checked fully written; returns it on the CPU."""
+    out = torch.full((o.shape[0], groups * rk), float("nan"), dtype=torch.bfloat16, device=DEV)
+    got = T.inverse_rope_wo_a(o.to(DEV), rot.to(DEV), w.to(DEV), groups, out=out, **kw)
+    assert got.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
+    return out.cpu()
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The bf16 spacing at |x| (fp64), normal range."""
+    _, e = torch.frexp(x.abs().clamp_min(2.0 ** -126))
+    return torch.ldexp(torch.ones_like(x), e - 8)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+@pytest.mark.parametrize("n", [1, 3, 17])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_vs_fp64_oracle(shape, n, kind):
+    o, rot, groups, rk = _inputs(shape, n, seed=n)
+    w = _weight(shape, kind, seed=n + 100)
+    ref = R.inverse_rope_wo_a(o, rot, w, groups)
+    got = _run_triton(o, rot, w, groups, rk)
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape == (n, groups * rk)
+    # the oracle: the same bf16 operands (rotated o, dequantised wo_a), summed in fp64
+    a = apply_rope(o, rot.unsqueeze(1), inverse=True).double().reshape(n, groups, -1)
+    oracle = torch.einsum("ngk,grk->ngr", a, _dense(w).double().view(groups, rk, -1)).flatten(1)
+    ref_err = (ref.double() - oracle).abs()
+    err = (got.double() - oracle).abs()
+    assert (err <= ref_err + _bf16_ulp(oracle)).all(), (err - ref_err).max()
+    # both round nearly the same fp32 sums: a truncating or misplaced rounding shows up here
+    assert (got != ref).float().mean() <= 0.02
+
+
+@pytest.mark.parametrize("shape, kind, splits", [("rope64", "fp8", 1), ("rope64", "bf16", 2),
+                                                ("odd", "fp8", 2)])
+def test_inverse_rope_bit_exact(shape, kind, splits):
+    """With wo_a a scaled permutation per group, u is the rotated o itself (times 2^-3): every
+    rotated value the kernel fed to its GEMM must equal the reference's, bit for bit."""
+    n = 17
+    o, rot, groups, _ = _inputs(shape, n, seed=7)
+    k = o.shape[1] * o.shape[2] // groups
+    g = torch.Generator().manual_seed(8)
+    perms = [torch.randperm(k, generator=g) for _ in range(groups)]
+    w32 = torch.zeros(groups * k, k)
+    for gi, p in enumerate(perms):
+        w32[gi * k + torch.arange(k), p] = 0.125
+    w = quantize_fp8(w32) if kind == "fp8" else w32.bfloat16()
+    assert torch.equal(_dense(w).float(), w32)  # the weight is exactly the scaled permutation
+    got = _run_triton(o, rot, w, groups, k, num_splits=splits)
+    rotated = apply_rope(o, rot.unsqueeze(1), inverse=True).reshape(n, groups, k)
+    want = torch.stack([rotated[:, gi, p] for gi, p in enumerate(perms)], 1).flatten(1) / 8
+    assert torch.equal(got, want)
+    assert not torch.equal(rotated, o.reshape(n, groups, k))  # the rotation did something
+    assert torch.equal(got, R.inverse_rope_wo_a(o, rot, w, groups))
+
+
+@pytest.mark.parametrize("shape, splits", [("rope64", None), ("odd", 2)])
+def test_fp8_and_bf16_paths_identical(shape, splits):
+    o, rot, groups, rk = _inputs(shape, 17, seed=11)
+    w8 = _weight(shape, "fp8", seed=12)
+    a = _run_triton(o, rot, w8, groups, rk, num_splits=splits)
+    b = _run_triton(o, rot, w8.dequantize(), groups, rk, num_splits=splits)
+    assert torch.equal(a, b)
+
+
+def test_reference_is_the_layer_lines():
+    """reference(o flattened over (b, m)) is §4.6's lines in the layer, on [b, m, ...]."""
+    b, m = 2, 3
+    o, rot, groups, rk = _inputs("tiny", m, seed=3)
+    o = torch.stack([o, o.flip(0)])  # [b, m, H, D]
+    w = _weight("tiny", "fp8", seed=4)
+    rot4 = rot.unsqueeze(1)  # [m, 1, R/2]
+    lines = apply_rope(o, rot4, inverse=True)
+    lines = torch.einsum("bmgd,grd->bmgr", lines.reshape(b, m, groups, -1),
+                         w.dequantize().view(groups, rk, -1)).flatten(2)
+    got = R.inverse_rope_wo_a(o.flatten(0, 1), rot.repeat(b, 1), w, groups)
+    assert torch.equal(got, lines.flatten(0, 1))
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_bad_inputs(impl):
+    fn = R.inverse_rope_wo_a if impl == "reference" else T.inverse_rope_wo_a
+    o, rot, groups, rk = _inputs("tiny", 3, seed=5)
+    w = _weight("tiny", "fp8", seed=6)
+    o, rot, w = o.to(DEV), rot.to(DEV), w.to(DEV)
+    wd = w.dequantize()
+    bad = [
+        {"o": o.float()}, {"o": o[0]}, {"rot": rot.to(torch.complex128)}, {"rot": rot[:2]},
+        {"rot": torch.ones(3, 17, dtype=torch.complex64, device=DEV)},  # R/2 > D/2
+        {"groups": 3}, {"groups": 0}, {"groups": 2.0}, {"wo_a": wd.float()},
+        {"wo_a": wd[:, :-1]}, {"wo_a": wd[:-1]},
+        {"out": torch.empty(3, groups * rk + 1, dtype=torch.bfloat16, device=DEV)},
+        {"out": torch.empty(3, groups * rk, device=DEV)},
+    ]
+    if impl == "triton":
+        bad += [{"num_splits": 0}]
+    good = {"o": o, "rot": rot, "wo_a": w, "groups": groups}
+    for change in bad:
+        with pytest.raises(ValueError):
+            fn(**(good | change))
+    if DEV == "cuda":
+        with pytest.raises(ValueError):
+            fn(o, rot.cpu(), w, groups)
