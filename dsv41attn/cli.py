@@ -1,4 +1,4 @@
-"""``python -m dsv41attn`` / ``dsv41attn``: demo | replay | bench."""
+"""``python -m dsv41attn`` / ``dsv41attn``: demo | replay | bench | plot."""
 from __future__ import annotations
 
 import argparse
@@ -137,6 +137,14 @@ def bench_cmd(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def plot_cmd(args: argparse.Namespace) -> int:
+    from .bench import plot_csv
+
+    plot_csv(args.csv, args.png)
+    print(f"wrote {args.png}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dsv41attn", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -171,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     bn.add_argument("--profile", action="store_true",
                     help="per-kernel breakdown of each role's decode (b=64, 4K)")
     bn.set_defaults(func=bench_cmd)
+    pl = sub.add_parser("plot", help="plot a bench --csv file (ratio to the floor); needs matplotlib")
+    pl.add_argument("csv")
+    pl.add_argument("png")
+    pl.set_defaults(func=plot_cmd)
     args = p.parse_args(argv)
     return args.func(args)
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cache import AttentionState, StateError
-from .checkpoint import Fp8Weight, LayerWeights, check_layer_weights, quantize_fp8
+from .checkpoint import Fp8Weight, LayerWeights, check_layer_weights
 from .config import AttentionConfig
 from .ops.common.norm import rms_norm
 from .ops.common.packing import pack_compressed_rows, pack_index_keys, pack_window_rows
@@ -53,14 +53,9 @@ class AttentionLayer:
         return self.weights.attn_sink.device
 
     def _wo_a_operand(self) -> torch.Tensor | Fp8Weight:
-        """wo_a as the output op reads it: the Triton kernel reads the fp8 codes and block
-        scales (half the bytes of bf16) when they give back the bf16 weight bit for bit, which
-        they do for every checkpoint's (its bf16 was dequantised from them)."""
-        wo_a = self.weights.wo_a
-        if self.ops.name == "reference":
-            return wo_a
-        fp8 = quantize_fp8(wo_a)
-        return fp8 if torch.equal(fp8.dequantize(), wo_a) else wo_a
+        """wo_a as the output op reads it: bf16 [G * o_lora_rank, H * D / G] (cuBLAS's GEMM
+        on a GPU; the fused fp8 kernel of ops/output/triton.py is slower there for now)."""
+        return self.weights.wo_a
 
     def forward(self, x: torch.Tensor, state: AttentionState, step: "Step") -> torch.Tensor:
         """One step of this layer.

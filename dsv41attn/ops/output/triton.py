@@ -14,9 +14,10 @@ Decode (N <= 256) reads all of wo_a to make few rows: weight-bandwidth bound. Ti
 at N <= 64, under one wave of 132 SMs, so split-K gives each SM 2-3 programs to hide load
 latency (fp8, N <= 17: 3 splits of 11 K blocks); the fp32 partials [S, N, G*Rk] are summed in
 split order by a second kernel (deterministic), and S is capped so that partial traffic stays
-under 1/8 of the weight bytes (fp8: no split from N = 64 on). Prefill (N > 256) is compute
-bound: 128x128x64 tiles, 8 warps, no split. Block sizes are the usual Hopper GEMM tiles, not yet
-timed on an H200 (``num_splits`` overrides the split heuristic for the benchmark).
+under 1/8 of the weight bytes (fp8: no split from N = 64 on). On an H200 this kernel lost to
+cuBLAS at every size measured (FUSED_MAX_ROWS), so on a GPU the op runs the rotation kernel
+(window_kv.rope_heads) and torch's bf16 einsum, the reference's math, unless ``num_splits`` is
+given (which forces the fused kernel, for tuning it).
 """
 from __future__ import annotations
 
@@ -27,9 +28,15 @@ import triton.language as tl
 from ...checkpoint import Fp8Weight
 from ..linear.triton import _check_device, _interpreting
 from ..sparse_attn.triton import _to_bf16
+from ..window_kv.triton import rope_heads
 from .reference import check_inputs, check_out
 
 NUM_SMS = 132  # H200; a CUDA device's own count is used when there is one
+# Above: the inverse-RoPE kernel + cuBLAS's bf16 GEMM. Measured on an H200 (V4.1-Flash, fp8
+# weights): the fused kernel took 171 us at N = 1 and 880 us at N = 64 against ~20-30 us for
+# rope_heads + cuBLAS, and tens of ms at 8K rows. So on a GPU it is off until it is tuned; it
+# stays the tested fused form (it runs under the interpreter and with num_splits forced).
+FUSED_MAX_ROWS = 0
 SCALE_BLOCK = 32  # fp8 weight block edge
 
 
@@ -141,10 +148,10 @@ def _tiles(n: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by row count. Decode: the smallest
     row tile tl.dot takes and long K steps (weight streaming); prefill: square MMA tiles."""
     if n <= 16:
-        return 16, 64, 128, 4, 4
-    if n <= 256:  # still near the bandwidth floor: narrow column tiles, more programs
-        return 64, 64, 128, 4, 4
-    return 128, 128, 64, 8, 3
+        return 16, 64, 128, 4, 3
+    # still near the bandwidth floor: narrow column tiles, more programs (3 stages of
+    # 64x64x128 need more than the H200's 227 KB of shared memory with the fp8 dequant)
+    return 64, 64, 64, 4, 3
 
 
 def _pick_splits(programs: int, k_blocks: int, partial_row_bytes: int, weight_bytes: int,
@@ -184,6 +191,11 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | F
         check_out(out, o, gr)
     if out.numel() == 0:
         return out
+    if n > FUSED_MAX_ROWS and num_splits is None and not _interpreting():
+        # cuBLAS's bf16 GEMM beats the fused kernel at every N measured; the rotation stays a kernel
+        w16 = wo_a.dequantize() if fp8 else weight
+        o = rope_heads(o, rot, inverse=True).view(n, groups, kg)
+        return out.copy_(torch.einsum("ngd,grd->ngr", o, w16.view(groups, rk, kg)).flatten(1))
     o = o.contiguous()
     cs = torch.view_as_real(rot).contiguous()  # [N, R/2, 2] fp32 cos, sin
     weight = weight.contiguous()
