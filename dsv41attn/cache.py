@@ -187,7 +187,6 @@ class AttentionState:
     def reserve(self, rows: list[int], ends: list[int]) -> None:
         """Give each sequence the pages for positions < ends[i]; raises before allocating
         anything if the pool runs out."""
-        self.epoch += 1
         if not self.sources:
             return
         need = self.pages_needed(rows, ends)
@@ -195,6 +194,8 @@ class AttentionState:
             raise StateError(f"out of cache pages: this step needs {sum(need)} more pages "
                              f"({self.page_size} positions each), the pool has {self.free_pages} "
                              f"free of {len(self.page_refs)}")
+        if sum(need):
+            self.epoch += 1
         free = (p for p, r in enumerate(self.page_refs) if r == 0)
         for row, n in zip(rows, need):
             held = int((self.block_table[row] >= 0).sum())
