@@ -92,12 +92,14 @@ def test_fp8_linear_vs_reference(m, n, k):
     g = torch.Generator().manual_seed(k)
     x = (torch.randn(m, k, generator=g) * 3).bfloat16()
     ref = ref_linear(x, w, ws)
-    y = fp8_linear(x.to(DEV), w.to(DEV), ws.to(DEV)).cpu()
-    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    err = (y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)
-    assert err <= 1e-2
+    y1 = fp8_linear(x.to(DEV), w.to(DEV), ws.to(DEV), num_splits=1).cpu()  # K in order
+    y = fp8_linear(x.to(DEV), w.to(DEV), ws.to(DEV)).cpu()  # split-K by shape (fp32 order)
+    for got in (y1, y):
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        err = (got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)
+        assert err <= 1e-2
     if _interpreting():  # fp64 block sums on the CPU: the reference's rounding points exactly
-        assert torch.equal(y, ref)
+        assert torch.equal(y1, ref)
 
 
 @pytest.mark.parametrize("precise", [False, True])
@@ -111,7 +113,7 @@ def test_fp8_linear_batched_and_gemm_exact(precise, monkeypatch):
     assert (y.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
     q, s = act_quant(x.reshape(-1, 128).to(DEV))
     out = torch.full((6, 70), float("nan"), device=DEV)  # poisoned: every element is written
-    got = fp8_gemm(q, s, w.to(DEV), ws.to(DEV), out=out)
+    got = fp8_gemm(q, s, w.to(DEV), ws.to(DEV), out=out, num_splits=1)
     assert got.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
     ref32 = ref_gemm(q.cpu().float(), s.cpu(), w, ws)
     if _interpreting():
@@ -142,3 +144,119 @@ def test_bad_inputs():
         fp8_gemm(q, s, w, ws[:1])
     with pytest.raises(ValueError):
         fp8_gemm(q, s, w, ws, out=torch.empty(3, 63, device=DEV))
+    for splits in (0, 4):  # K/32 = 3 blocks: 1..3 splits
+        with pytest.raises(ValueError, match="num_splits"):
+            fp8_gemm(q, s, w, ws, num_splits=splits)
+
+
+def _split_case(m, n, k, seed):
+    """Quantised operands with a wide range across K blocks (so fp32 sums round unevenly)."""
+    w, ws = _quantized(n, k, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k // 32).repeat_interleave(32)
+    q, s = act_quant(x.bfloat16().to(DEV))
+    return q, s, w, ws
+
+
+def _block_terms(q, s, w, ws):
+    """([M, N, KB] fp32 block terms, [M, N] fp64 oracle) of the same quantised operands. Term b
+    is block b's exact dot rounded once to fp32, times both scales (powers of two: exact): the
+    reference's summands. The oracle sums the exact block dots in fp64 (relative 2^-53 * KB)."""
+    m, k = q.shape
+    n, kb = w.shape[0], k // 32
+    xb = q.cpu().float().double().view(m, kb, 32)
+    wb = w.double().view(n, kb, 32)
+    exact = torch.einsum("mbk,nbk->mnb", xb, wb)  # e4m3 products and their 32-sums fit fp64
+    scale = s.cpu()[:, None, :] * ws.float().repeat_interleave(32, 0)[:n][None]  # [M, N, KB]
+    terms = exact.float() * scale
+    return terms, (exact * scale.double()).sum(-1)
+
+
+SPLIT_CASES = {  # id: (M, N, K, num_splits); N off the 64-wide tile, K/32 uneven across splits
+    "m1-n70-kb13-s4": (1, 70, 416, 4),  # KSUB 1: splits of 3, 3, 3, 4 blocks
+    "m3-n100-kb24-s2": (3, 100, 768, 2),  # KSUB 8: 8 + 16 blocks
+    "m3-n37-kb5-s5": (3, 37, 160, 5),  # one block per split
+    "m17-n70-kb13-s5": (17, 70, 416, 5),  # BLOCK_M 64 tile: 2, 3, 2, 3, 3 blocks
+    "m64-n130-kb24-s3": (64, 130, 768, 3),  # KSUB 4: 8 blocks each
+    "m1-n70-kb24-auto": (1, 70, 768, None),  # the heuristic's own choice (3)
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES), ids=list(SPLIT_CASES))
+def test_split_k_vs_oracle(case):
+    m, n, k, splits = SPLIT_CASES[case]
+    kb = k // 32
+    q, s, w, ws = _split_case(m, n, k, seed=kb * 100 + m)
+    plan = T._gemm_plan(m, n, kb, T.DEFAULT_SM_COUNT if DEV == "cpu" else
+                        T._sm_count(torch.device(DEV)), splits)
+    assert plan.splits > 1 and kb % plan.ksub == 0 and kb // plan.ksub >= plan.splits
+    runs = []
+    for _ in range(2):
+        out = torch.full((m, n), float("nan"), device=DEV)  # poisoned: every element is written
+        fp8_gemm(q, s, w.to(DEV), ws.to(DEV), out=out, num_splits=splits)
+        assert not torch.isnan(out).any()
+        runs.append(out.cpu())
+    assert torch.equal(runs[0].view(torch.int32), runs[1].view(torch.int32))  # deterministic
+    y = runs[0]
+    terms, oracle = _block_terms(q, s, w, ws)
+    y_ref = ref_gemm(q.cpu().float(), s.cpu(), w, ws)
+    # Bound: y and y_ref are fp32 sums of the same KB fp32 terms t_b, associated differently.
+    # Any such sum is sum(t) + the KB - 1 rounding errors of its additions, each <= 2^-24 |s_i|
+    # (RNE; no overflow; subnormal sums are exact), and every intermediate s_i is a sum of a
+    # contiguous K range of t (the splits' running sums, the merge's prefixes; the reference's
+    # prefixes) up to its own earlier roundings, so |s_i| <= W (1 + 2^-16) for KB < 256, with
+    # W = max - min of t's prefix sums (0 included). Through sum(t), the triangle inequality:
+    #   |y - oracle| <= |y_ref - oracle| + 2 (KB - 1) 2^-24 W (1 + 2^-16),
+    # i.e. the reference's own error plus KB - 1 fp32 ulps of W (>= |y|, ~max|y| here). A lost,
+    # doubled or misscaled block costs ~|t_b|, far above it. On a GPU the kernel's block dots
+    # are the mma's, not exact: add the fp16-dot slack of test_fp8_linear_batched_and_gemm_exact.
+    prefix = torch.cat([torch.zeros(m, n, 1, dtype=torch.float64),
+                        terms.double().cumsum(-1)], -1)
+    width = prefix.amax(-1) - prefix.amin(-1)
+    bound = (y_ref.double() - oracle).abs() + 2 * (kb - 1) * 2.0 ** -24 * width * (1 + 2 ** -16)
+    if not _interpreting():
+        bound = bound + 1e-6 * oracle.abs().max()
+    assert ((y.double() - oracle).abs() <= bound).all()
+    if _interpreting():  # exact block terms: the documented order reproduces every bit
+        ranges = [(i * (kb // plan.ksub) // plan.splits * plan.ksub,
+                   (i + 1) * (kb // plan.ksub) // plan.splits * plan.ksub)
+                  for i in range(plan.splits)]
+        parts = []
+        for lo, hi in ranges:  # each split in K order
+            acc = terms[..., lo].clone()
+            for b in range(lo + 1, hi):
+                acc += terms[..., b]
+            parts.append(acc)
+        want = parts[0]
+        for part in parts[1:]:  # then the splits in order
+            want = want + part
+        assert torch.equal(y, want)
+        if case == "m64-n130-kb24-s3":  # the data does tell the two summation orders apart
+            assert not torch.equal(y, y_ref)
+
+
+V41_GEMMS = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120),
+             "wo_b": (5120, 8192)}  # (N, K) of V4.1-Flash's fp8 linears
+
+
+@pytest.mark.parametrize("m", [1, 64])
+def test_split_heuristic_at_v41_shapes(m):
+    """The plan alone (these shapes are too slow for the interpreter): under-filled tile grids
+    split K at decode sizes, within the partial-traffic cap, on whole KSUB iterations."""
+    sms = T.DEFAULT_SM_COUNT
+    for name, (n, k) in V41_GEMMS.items():
+        kb = k // 32
+        plan = T._gemm_plan(m, n, kb, sms)
+        tiles = -(-m // plan.block_m) * -(-n // plan.block_n)
+        assert kb % plan.ksub == 0 and kb // plan.ksub >= plan.splits, name
+        if plan.splits > 1:  # fp32 partials written + read: a small share of the weight bytes
+            assert plan.splits * m * n * 8 <= n * k / T.SPLIT_TRAFFIC_SHARE, name
+        if tiles >= T.SPLIT_PROGRAMS_PER_SM * sms:
+            assert plan.splits == 1, name  # wq_b: 512 tiles fill the SMs already
+        else:
+            assert plan.splits > 1, name
+        if m == 1:
+            assert tiles * plan.splits >= sms, name
+            assert plan.ksub * 32 >= 128, name  # contiguous bytes per weight row in flight
+    assert T._gemm_plan(1, 1280, 160, sms).splits > 1  # wq_a at M = 1, named
+    assert T._gemm_plan(128, 512, 160, sms).splits == 1  # prefill-sized M never splits

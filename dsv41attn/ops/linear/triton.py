@@ -8,8 +8,14 @@ BLOCK_M x BLOCK_N tile walks K in blocks of 32: partial = a_fp8 . b_fp8 in fp32,
 row scale then the e8m0 column-block scale, accumulated in fp32 in K order (the reference's
 rounding points; the GPU mma's internal 32-term sum may round differently: tolerance only;
 see PRECISE_DOT). Under TRITON_INTERPRET the block sums are exact (fp64), so all is bit-exact.
+Split-K (decode-sized M, when the tile grid leaves SMs idle; _gemm_plan): each program sums one
+contiguous K range the same way into an fp32 [S, M, N] workspace and _split_sum_kernel adds
+the S ranges in split order: deterministic, but a different fp32 association than the
+reference's (num_splits=1 keeps its order; the tests bound the difference).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -24,6 +30,11 @@ _INV_FP8_MAX = torch.tensor(1.0 / 448.0, dtype=torch.float32).item()  # fp32(1/4
 # On: with the fp8 sums the index q/k flip fp4 roundings and v41_geometry's top-k rows drift
 # past the fixture tolerance (194 of 3312 rows on an H200, limit 1%).
 PRECISE_DOT = True
+SPLIT_MAX_M = 64  # split-K for decode-sized M only: larger M fills the SMs with tiles
+SPLIT_PROGRAMS_PER_SM = 3  # ~2 resident programs per SM plus slack for the last wave
+SPLIT_TRAFFIC_SHARE = 4  # fp32 partials (written + read) <= 1/4 of the weight bytes
+SPLIT_SUM_BLOCK = 256  # outputs per program of the split-sum kernel (2 warps, 16 B each)
+DEFAULT_SM_COUNT = 132  # an H200's, for planning off the GPU (the CPU interpreter)
 
 
 @triton.jit
@@ -70,27 +81,32 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, inv_max, QB: tl.constexpr):
 
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB,
+def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS, SPLITS,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KSUB: tl.constexpr,
                      DOT_F16: tl.constexpr, INTERPRET: tl.constexpr):
     """a: [M, K] e4m3; sa: [M, KB] fp32; b: [N, K] e4m3; sb: [cdiv(N, 32), KB] uint8 (e8m0
-    bytes); c: [M, N] fp32. All contiguous. Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)).
+    bytes); c: [SPLITS, M, N] fp32 (SPLITS = 1: the output). All contiguous.
+    Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLITS). K is CHUNKS = KB / KSUB chunks of KSUB
+    32-blocks; split s sums chunks [s * CHUNKS // SPLITS, (s + 1) * CHUNKS // SPLITS) in K order.
     INTERPRET (CPU only) sums each 32-block in fp64, exactly, then rounds once, as the reference.
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    kb_lo = split * CHUNKS // SPLITS * KSUB
+    kb_hi = (split + 1) * CHUNKS // SPLITS * KSUB
     m_mask = offs_m < M
     n_mask = offs_n < N
     offs_m64 = offs_m.to(tl.int64)
     offs_n64 = offs_n.to(tl.int64)
-    offs_k = tl.arange(0, 32)
+    offs_k = kb_lo * 32 + tl.arange(0, 32)
     a_ptrs = a_ptr + offs_m64[:, None] * K + offs_k[None, :]  # [BLOCK_M, 32]
     b_ptrs = b_ptr + offs_n64[None, :] * K + offs_k[:, None]  # [32, BLOCK_N], K-major
     sa_ptrs = sa_ptr + offs_m64 * KB
     sb_ptrs = sb_ptr + (offs_n // 32) * KB
     acc = tl.full([BLOCK_M, BLOCK_N], -0.0, tl.float32)  # -0 + p == p for every p, as copy_
-    for kb0 in range(0, KB, KSUB):  # KSUB divides KB: consecutive 32-blocks, in K order
-        for j in tl.static_range(KSUB):
+    for kb0 in range(kb_lo, kb_hi, KSUB):  # consecutive 32-blocks, in K order
+        for j in tl.static_range(KSUB):  # KSUB loads per row in flight: KSUB * 32 bytes of K
             a = tl.load(a_ptrs + j * 32, mask=m_mask[:, None], other=0.0)
             b = tl.load(b_ptrs + j * 32, mask=n_mask[None, :], other=0.0)
             if INTERPRET:
@@ -108,8 +124,22 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB,
             acc += part * sa[:, None] * sb[None, :]  # powers of two: exact, reference order
         a_ptrs += 32 * KSUB
         b_ptrs += 32 * KSUB
-    c_ptrs = c_ptr + offs_m64[:, None] * N + offs_n64[None, :]
+    c_ptrs = c_ptr + split.to(tl.int64) * M * N + offs_m64[:, None] * N + offs_n64[None, :]
     tl.store(c_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, c_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """part: [SPLITS, M, N] fp32 split-K partials; c: [M, N] fp32, MN = M * N. Grid
+    (cdiv(MN, BLOCK),). c = (part[0] + part[1]) + ... in split order, fp32: deterministic."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    part_ptrs = part_ptr + offs
+    acc = tl.load(part_ptrs, mask=mask, other=0.0)
+    for _ in tl.static_range(1, SPLITS):  # unrolled: the SPLITS loads are independent
+        part_ptrs += MN
+        acc += tl.load(part_ptrs, mask=mask, other=0.0)
+    tl.store(c_ptr + offs, acc, mask=mask)
 
 
 def _interpreting() -> bool:
@@ -125,18 +155,54 @@ def _check_device(*ts: torch.Tensor) -> None:
                          "(set TRITON_INTERPRET=1 before importing triton for the CPU)")
 
 
-def _gemm_config(m: int, n: int, kb: int) -> tuple[int, int, int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, KSUB, DOT_F16) by M. Small M (decode) is weight-bandwidth
-    bound: narrow column tiles give more programs for the 132 SMs (no split-K: it would change
-    the reference's K-order fp32 accumulation)."""
+@dataclass(frozen=True)
+class _GemmPlan:
+    """Launch parameters of one fp8 GEMM shape, chosen on the host from (M, N, KB, SM count)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    ksub: int  # 32-blocks per K iteration: each weight row is read ksub * 32 bytes at a time
+    dot_f16: bool  # PRECISE_DOT
+    splits: int  # split-K ranges; 1: each tile's program writes the output directly
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_SM_COUNT
+
+
+def _gemm_plan(m: int, n: int, kb: int, sm_count: int,
+               num_splits: int | None = None) -> _GemmPlan:
+    """Tiles by M, then split-K for small M. Decode (M <= 64) is weight-bandwidth bound: 64-row
+    weight tiles read 128-256 contiguous bytes per row per iteration (KSUB 32-blocks, several
+    loads in flight), and when the tile grid is small next to the SMs (wq_a, wkv: 8-20 tiles)
+    K is split so that there are ~SPLIT_PROGRAMS_PER_SM programs per SM, as long as the fp32
+    partials stay a small share of the weight bytes. num_splits (1 <= it <= KB) forces S; KSUB
+    then shrinks, if need be, so that every split has at least one K iteration."""
     if m <= 16:
-        cfg = (16, 64 if triton.cdiv(n, 64) >= 132 else 32, 4, 4)
-    elif m <= 64:
-        cfg = (64, 64, 4, 4)
+        bm, bn, warps, stages, ksub_max = 16, 64, 4, 4, 8
+    elif m <= SPLIT_MAX_M:
+        bm, bn, warps, stages, ksub_max = 64, 64, 4, 4, 4
     else:
-        cfg = (128, 128, 8, 3)
-    ksub = next(d for d in (4, 2, 1) if kb % d == 0) if m <= 64 else 1  # H200 timings
-    return cfg + (ksub, PRECISE_DOT)
+        bm, bn, warps, stages, ksub_max = 128, 128, 8, 3, 1
+    ksub = next(d for d in (8, 4, 2, 1) if d <= ksub_max and kb % d == 0)
+    if num_splits is not None:
+        splits = num_splits
+        ksub = next(d for d in (8, 4, 2, 1) if d <= ksub and kb % d == 0 and kb // d >= splits)
+    elif m <= SPLIT_MAX_M:
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        want = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count, tiles)
+        if ksub == 8 and kb // 8 < want and kb % 4 == 0:  # more, shorter splits (wkv)
+            ksub = 4
+        # partials written and read, 8 B per split per output, <= weight bytes (N * KB * 32) / 4
+        cap = kb * FP8_BLOCK // (SPLIT_TRAFFIC_SHARE * 8 * m)
+        splits = max(1, min(want, cap, kb // ksub))
+    else:
+        splits = 1
+    return _GemmPlan(bm, bn, warps, stages, ksub, PRECISE_DOT, splits)
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,12 +231,18 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
-             weight_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+             weight_scale: torch.Tensor, out: torch.Tensor | None = None,
+             num_splits: int | None = None) -> torch.Tensor:
     """Blockwise-scaled fp8 GEMM: y[m, n] = sum_kb (x[m, kb] . w[n, kb]) sx[m, kb] sw[n//32, kb].
 
     x_codes: [M, K] float8_e4m3fn; x_scales: [M, K/32] fp32; weight: [N, K] float8_e4m3fn;
     weight_scale: [ceil(N/32), K/32] float8_e8m0fnu; out: optional contiguous [M, N] fp32
     buffer. Returns [M, N] fp32. K must be a multiple of 32.
+
+    num_splits: split-K ranges S, 1 <= S <= K/32 (None: chosen from the shape and SM count).
+    S = 1 accumulates all of K in order (the reference's rounding); S > 1 sums S contiguous K
+    ranges separately, each in K order, into an fp32 [S, M, N] workspace, then adds them in
+    split order: deterministic, but not the reference's fp32 summation order.
     """
     if x_codes.dim() != 2 or weight.dim() != 2 or x_scales.dim() != 2 or weight_scale.dim() != 2:
         raise ValueError("fp8_gemm wants 2-D x_codes, x_scales, weight, weight_scale")
@@ -192,6 +264,8 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
     if tuple(weight_scale.shape) != (triton.cdiv(n, FP8_BLOCK), kb):
         raise ValueError(f"weight_scale {tuple(weight_scale.shape)} != "
                          f"{(triton.cdiv(n, FP8_BLOCK), kb)}")
+    if num_splits is not None and not 1 <= num_splits <= max(kb, 1):
+        raise ValueError(f"num_splits = {num_splits} is not in [1, K/32 = {kb}]")
     _check_device(x_codes, x_scales, weight, weight_scale)
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32, device=x_codes.device)
@@ -202,24 +276,32 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
         return out
     if kb == 0:
         return out.zero_()
-    bm, bn, warps, stages, ksub, f16 = _gemm_config(m, n, kb)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    plan = _gemm_plan(m, n, kb, _sm_count(out.device), num_splits)
+    partials = out if plan.splits == 1 else \
+        torch.empty(plan.splits, m, n, dtype=torch.float32, device=out.device)
+    grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), plan.splits)
     _fp8_gemm_kernel[grid](x_codes.contiguous(), x_scales.contiguous(), weight.contiguous(),
-                           weight_scale.contiguous().view(torch.uint8), out, m, n, k, kb,
-                           BLOCK_M=bm, BLOCK_N=bn, KSUB=ksub, DOT_F16=f16, INTERPRET=_interpreting(),
-                           num_warps=warps, num_stages=stages)
+                           weight_scale.contiguous().view(torch.uint8), partials, m, n, k, kb,
+                           kb // plan.ksub, plan.splits, BLOCK_M=plan.block_m,
+                           BLOCK_N=plan.block_n, KSUB=plan.ksub, DOT_F16=plan.dot_f16,
+                           INTERPRET=_interpreting(), num_warps=plan.num_warps,
+                           num_stages=plan.num_stages)
+    if plan.splits > 1:
+        _split_sum_kernel[(triton.cdiv(m * n, SPLIT_SUM_BLOCK),)](
+            partials, out, m * n, SPLITS=plan.splits, BLOCK=SPLIT_SUM_BLOCK, num_warps=2)
     return out
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
+               num_splits: int | None = None) -> torch.Tensor:
     """y = x W^T for an fp8 weight: act_quant(x) then the blockwise fp8 GEMM (SPEC §2.1).
 
     x: [..., K] bf16; weight [N, K] float8_e4m3fn; weight_scale [ceil(N/32), K/32]
-    float8_e8m0fnu. Returns [..., N] bf16.
+    float8_e8m0fnu; num_splits: fp8_gemm's split-K (None: by shape). Returns [..., N] bf16.
     """
     if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
     lead = x.shape[:-1]
     x_q, s = act_quant(x.reshape(-1, x.shape[-1]))
-    y = fp8_gemm(x_q, s, weight, weight_scale)
+    y = fp8_gemm(x_q, s, weight, weight_scale, num_splits=num_splits)
     return y.to(torch.bfloat16).reshape(*lead, weight.shape[0])
