@@ -137,6 +137,8 @@ class RoleBench:
         self.stack = AttentionStack(cfg, {L: weights[L] for L in self.layers}, backend)
 
     def _decode_state(self, batch: int, ctx: int, steps: int):
+        """Sequences at position ``ctx`` (at most max_seq_len - steps: room for the steps)."""
+        ctx = min(ctx, self.cfg.max_seq_len - steps)
         state = self.stack.new_state(batch, capacity=ctx + steps, rollback=0,
                                      max_tokens_per_call=1)
         fill_context(state, ctx)
@@ -328,6 +330,10 @@ def main(args) -> int:
     roles = tuple(args.roles.split(",")) if args.roles else tuple(ROLES)
     decode = DECODE if not args.quick else [(1, 4096), (64, 4096), (64, 65536)]
     prefill = PREFILL if not args.quick else [8192]
+    if args.decode is not None:  # "1x4096,64x65536"
+        decode = [tuple(int(v) for v in c.split("x")) for c in args.decode.split(",") if c]
+    if args.prefill is not None:
+        prefill = [int(v) for v in args.prefill.split(",") if v]
     compile_cases = ((64, 4096),) if args.compile else ()
     rows, copy_bw = bench_layers(decode=decode, prefill=prefill, roles=roles,
                                  compile_cases=compile_cases)

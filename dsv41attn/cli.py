@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     bn.add_argument("--part", choices=("layers", "sparse_attn", "all"), default="all")
     bn.add_argument("--roles", help="comma-separated subset of: SWA,Full r=2,Full r=1 cand,Reindex,Reuse")
     bn.add_argument("--quick", action="store_true", help="a few cases only")
+    bn.add_argument("--decode", help="decode cases BATCHxCONTEXT,... (e.g. 1x4096,64x65536)")
+    bn.add_argument("--prefill", help="prefill lengths, e.g. 8192,65536 ('' for none)")
     bn.add_argument("--compile", action="store_true",
                     help="also time the reference path under torch.compile (decode b=64 4K)")
     bn.add_argument("--profile", action="store_true",

@@ -4,9 +4,10 @@ the same GPU (random weights, random packed context). Needs CUDA and compiled ke
 
 Tolerances: the two backends differ only in summation order and in where bf16 rounding of
 intermediate values happens (GEMM blocking, fused epilogues), which moves a few near-tie
-index scores; the fixture tolerances of the V4.1 geometry (README of the fixtures: <= 1% of
-top-k rows, output error within 2.5e-2) are the bar, stated per output here as a relative
-Frobenius error <= 1e-2 and >= 99% of the selected compressed rows shared.
+index scores and flips some fp4/fp8 roundings downstream. The bar is the fixtures' V4.1
+geometry tolerance (shared/fixtures README: correct non-bit-identical implementations differ
+by ~0.5-1% per output; <= 2.5e-2 per output, <= 1% of top-k rows): relative Frobenius error
+<= 2.5e-2 per output and >= 99% of the selected compressed rows shared.
 """
 import os
 
@@ -16,6 +17,9 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available()
                                 or os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs a CUDA GPU with compiled Triton kernels")
+
+
+TOL = 2.5e-2  # per output, the fixtures' V4.1-geometry bound
 
 
 def _rel(a, b):
@@ -53,7 +57,7 @@ def test_role_matches_reference_decode_and_prefill(setup, role):
         src = cfg.layer(ROLES[role]).index_source
         top[be] = step.topk(src) if src is not None else None
     for L in layers:
-        assert _rel(out["triton"][L], out["reference"][L]) <= 1e-2, f"decode layer {L}"
+        assert _rel(out["triton"][L], out["reference"][L]) <= TOL, f"decode layer {L}"
     if top["reference"] is not None:
         a, b = top["triton"], top["reference"]
         shared = sum(len(set(r1.tolist()) & set(r2.tolist()) - {-1})
@@ -67,4 +71,4 @@ def test_role_matches_reference_decode_and_prefill(setup, role):
         step = stack.step(state, m)
         out[be] = {L: stack.layers[L](xp[L], state, step) for L in layers}
     for L in layers:
-        assert _rel(out["triton"][L], out["reference"][L]) <= 1e-2, f"prefill layer {L}"
+        assert _rel(out["triton"][L], out["reference"][L]) <= TOL, f"prefill layer {L}"
