@@ -252,7 +252,8 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
                     row[key] = float("nan")
                 except Exception as e:  # noqa: BLE001 - a failed case is reported, not fatal
                     row[key] = float("nan")
-                    log(f"  {role} {kind} b={batch} n={n} {key}: failed: {type(e).__name__}: {e}"[:300])
+                    msg = f"{type(e).__name__}: {e}"
+                    log(f"  {role} {kind} b={batch} n={n} {key}: failed: {msg[:200]} ... {msg[-600:]}")
                 torch.cuda.empty_cache()
                 log(f"  {role} {kind} b={batch} n={n} {key}: {row[key]:.1f} us ({time.time() - t0:.1f} s)")
             us = row["triton_us"]
@@ -401,7 +402,8 @@ def plot_csv(csv_path: str, png_path: str) -> None:
                  for r in rows if r["role"] == role}
         xs = [k + i * width for k, c in enumerate(cases) if c in ratio]
         ax.bar(xs, [ratio[c] for c in cases if c in ratio], width, label=role)
-    labels = [f"{'dec' if k == 'decode' else 'pre'}\nb={b}\n{n // 1024}K" for k, b, n in cases]
+    labels = [f"{'dec' if k == 'decode' else 'pre'}\nb={b}\n"
+              f"{f'{n >> 20}M' if n >= 1 << 20 else f'{n >> 10}K'}" for k, b, n in cases]
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(cases))], labels, fontsize=8)
     ax.axhline(1.5, color="k", linestyle="--", linewidth=1, label="target 1.5")
     ax.set_yscale("log")

@@ -105,11 +105,15 @@ def test_empty_row_with_minus_inf_sink_is_zero():
 
 # ---- sparse_attn_paged: rows decoded in the kernel from the packed caches ---------------------
 
-from dsv41attn.ops.common.packing import (pack_compressed_rows, pack_window_rows,  # noqa: E402
-                                          unpack_compressed_rows, unpack_window_rows)
-from dsv41attn.ops.sparse_attn.reference import sparse_attn_paged as ref_paged  # noqa: E402
-from dsv41attn.ops.sparse_attn.triton import _pick_splits  # noqa: E402
-from dsv41attn.ops.sparse_attn.triton import sparse_attn_paged as tri_paged  # noqa: E402
+from dsv41attn.ops.common.packing import (
+    pack_compressed_rows,
+    pack_window_rows,
+    unpack_compressed_rows,
+    unpack_window_rows,
+)
+from dsv41attn.ops.sparse_attn.reference import sparse_attn_paged as ref_paged
+from dsv41attn.ops.sparse_attn.triton import _pick_splits
+from dsv41attn.ops.sparse_attn.triton import sparse_attn_paged as tri_paged
 
 
 def make_paged(b, m, h, d, nw, ww, k, page_rows, sink_kind="rand", seed=0):
@@ -150,6 +154,9 @@ PAGED_CASES = [
     (2, 1, 8, 64, 30, 64, 64, 8, 1),  # block edge exactly at the window's end
     (2, 1, 8, 64, 30, 64, 64, 8, None),  # decode: the heuristic splits
     (1, 2, 1, 64, 8, 1, 130, 4, 2),
+    (1, 2, 5, 128, 40, 70, 200, 8, 1),  # D >= 128: rows decoded from int32 words; 3 blocks
+    (1, 2, 5, 128, 40, 70, 200, 8, 3),  # ... of compressed rows, prefetched 1-3 blocks ahead
+    (2, 1, 3, 128, 130, 128, 260, 16, 1),  # window blocks and 5 compressed ones, no mixed block
     (1, 2, 3, 512, 20, 40, 40, 4, 2),  # the model's head dim (slow under the interpreter)
 ]
 
@@ -211,6 +218,22 @@ def test_paged_expanded_lists_and_block_h():
         assert (got - ref).abs().max() <= 2e-2
 
 
+def test_paged_unaligned_rows():
+    """Packed rows in views that start off a 4-byte boundary (D >= 128 loads int32 words)."""
+    q, sink, window, widx, pool, table, cidx = make_paged(1, 2, 3, 128, 12, 9, 20, 4, seed=13)
+    ref = ref_paged(q, sink, 0.1, window, widx, pool, table, cidx)
+
+    def shifted(t):  # the same bytes one byte into a buffer
+        return torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape)
+
+    window, pool = shifted(window), shifted(pool)
+    assert window.data_ptr() % 4 and pool.data_ptr() % 4
+    got = tri_paged(q, sink, 0.1, window, widx, pool, table, cidx)
+    assert (got.float() - ref.float()).abs().max() <= 2e-2
+    if _interpreting():
+        assert torch.equal(got, ref)
+
+
 def test_paged_empty_lists_and_minus_inf_sink():
     q, sink, window, widx, pool, table, cidx = make_paged(1, 2, 3, 32, 5, 4, 6, 4, seed=3)
     empty = torch.zeros_like(widx[..., :0])
@@ -223,13 +246,13 @@ def test_paged_empty_lists_and_minus_inf_sink():
 
 def test_paged_rejects_bad_inputs():
     q, sink, window, widx, pool, table, cidx = make_paged(1, 1, 2, 32, 5, 4, 6, 4, seed=1)
-    good = dict(q=q, sink=sink, scale=1.0, window_rows=window, window_idx=widx,
-                compressed_pool=pool, block_table=table, compressed_idx=cidx)
-    bad = [(TypeError, dict(q=q.float())), (TypeError, dict(window_idx=widx.long())),
-           (TypeError, dict(block_table=table.int())), (TypeError, dict(window_rows=window.char())),
-           (ValueError, dict(window_rows=window[..., :-1])), (ValueError, dict(sink=sink[:1])),
-           (ValueError, dict(compressed_pool=None)), (ValueError, dict(compressed_idx=cidx[0])),
-           (ValueError, dict(compressed_pool=pool[..., :-2]))]
+    good = {"q": q, "sink": sink, "scale": 1.0, "window_rows": window, "window_idx": widx,
+            "compressed_pool": pool, "block_table": table, "compressed_idx": cidx}
+    bad = [(TypeError, {"q": q.float()}), (TypeError, {"window_idx": widx.long()}),
+           (TypeError, {"block_table": table.int()}), (TypeError, {"window_rows": window.char()}),
+           (ValueError, {"window_rows": window[..., :-1]}), (ValueError, {"sink": sink[:1]}),
+           (ValueError, {"compressed_pool": None}), (ValueError, {"compressed_idx": cidx[0]}),
+           (ValueError, {"compressed_pool": pool[..., :-2]})]
     for exc, change in bad:
         with pytest.raises(exc):
             tri_paged(**{**good, **change})
