@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..linear.triton import _interpreting
 from ..sparse_attn.triton import _to_bf16
 
 BLOCK_G = 16  # groups per program: tl.dot needs M >= 16
@@ -212,11 +213,6 @@ def _pool_norm_rope_pack_kernel(
     tl.store(key_ptr + out[None, :], packed.to(tl.uint8), mask=ok[:, None])
     tl.store(key_ptr + DI // 2 + tl.arange(0, DI // 32)[None, :], scales.to(tl.uint8),
              mask=ok[:, None])
-
-
-def _interpreting() -> bool:
-    """triton.jit picks the interpreter when the kernel is defined, so ask the kernel."""
-    return type(_pool_norm_rope_pack_kernel).__name__ == "InterpretedFunction"
 
 
 def _is_pow2(n: int) -> bool:

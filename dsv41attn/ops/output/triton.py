@@ -26,12 +26,11 @@ import triton
 import triton.language as tl
 
 from ...checkpoint import Fp8Weight
-from ..linear.triton import _check_device, _interpreting
+from ..linear.triton import _check_device, _interpreting, _sm_count
 from ..sparse_attn.triton import _to_bf16
 from ..window_kv.triton import rope_heads
 from .reference import check_inputs, check_out
 
-NUM_SMS = 132  # H200; a CUDA device's own count is used when there is one
 # Above: the inverse-RoPE kernel + cuBLAS's bf16 GEMM. Measured on an H200 (V4.1-Flash, fp8
 # weights): the fused kernel took 171 us at N = 1 and 880 us at N = 64 against ~20-30 us for
 # rope_heads + cuBLAS, and tens of ms at 8K rows. So on a GPU it is off until it is tuned; it
@@ -207,10 +206,8 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | F
     k_blocks = triton.cdiv(kg, bk)
     programs = triton.cdiv(n, bm) * groups * triton.cdiv(rk, bn)
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(o.device).multi_processor_count \
-            if o.device.type == "cuda" else NUM_SMS
         num_splits = _pick_splits(programs, k_blocks, 8 * n * gr,
-                                  weight.numel() * weight.element_size(), sms)
+                                  weight.numel() * weight.element_size(), _sm_count(o.device))
     per_split = triton.cdiv(k_blocks, min(num_splits, k_blocks))  # K blocks per split
     s = triton.cdiv(k_blocks, per_split)  # no split left without a block
     part = o.new_empty(s, n, gr, dtype=torch.float32) if s > 1 else out

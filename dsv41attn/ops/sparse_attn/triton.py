@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..linear.triton import _interpreting, _sm_count  # noqa: F401 (tests import it from here)
+
 BLOCK_N = 64  # index-list block: fixed by the reference's rounding points (SPEC §10.6)
 BLOCK_H = 16  # head tile: tl.dot needs every dim >= 16
 
@@ -111,14 +113,6 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, scale, M, H, N,
     _finish(o_ptr, sink_ptr, bi, offs_h, h_mask, offs_d, m_i, l_i, acc, H, D, INTERPRET)
 
 
-def _interpreting() -> bool:
-    """The CPU interpreter multiplies bf16 bit patterns in tl.dot (triton#11584): widen there.
-
-    triton.jit picks the interpreter when the kernel is defined, so ask the kernel, not the env.
-    """
-    return type(_sparse_attn_kernel).__name__ == "InterpretedFunction"
-
-
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
                 scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """o[b,i,h] = sum_t e^{l_t} kv[idx_t] / (sum_t e^{l_t} + e^{sink_h}), l_t = scale q.kv[idx_t].
@@ -166,7 +160,6 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
 
 # ---- paged variant: rows decoded in registers from the packed caches --------------------------
 
-NUM_SMS = 132  # H200; the CUDA device's own count is used when there is one
 MAX_SPLIT_QUERIES = 4  # split the index list only for decode-like calls (M <= this)
 BLOCK_H_MAX = 64  # paged head tile: up to 64 (rows decoded once per tile; H200 D=512: fastest)
 
@@ -576,9 +569,8 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
         window_rows, pool = (t if t.data_ptr() % 4 == 0 else t.clone()
                              for t in (window_rows, pool))
     n_blocks, h_blocks = triton.cdiv(ww + k, BLOCK_N), triton.cdiv(h, block_h)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count \
-        if q.device.type == "cuda" else NUM_SMS  # (cached by torch)
-    s = _pick_splits(b * m * h_blocks, n_blocks, m, sms) if num_splits is None else num_splits
+    s = _pick_splits(b * m * h_blocks, n_blocks, m, _sm_count(q.device)) \
+        if num_splits is None else num_splits
     if s < 1:
         raise ValueError(f"num_splits must be >= 1, got {s}")
     ml = acc = sink  # partials: unused without a split
