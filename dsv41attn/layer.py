@@ -82,8 +82,7 @@ class AttentionLayer:
 
     def _run_group(self, x: torch.Tensor, state: AttentionState, group: "Group") -> torch.Tensor:
         if group.tokens == 1:
-            pos = torch.full((x.shape[0],), group.start_pos, dtype=torch.int64, device=x.device)
-            return self.decode(x, state, group, pos)
+            return self.decode(x, state, group, group.positions())
         return self._forward_group(x, state, group)
 
     def decode(self, x: torch.Tensor, state: AttentionState, group: "Group",

@@ -26,10 +26,12 @@ class Group:
     the unit a layer computes batched. Holds what this step's sources publish for them."""
 
     def __init__(self, state: AttentionState, rows: torch.Tensor, start_pos: int | None, tokens: int,
-                 token_index: torch.Tensor, semantics: str):
+                 token_index: torch.Tensor, semantics: str, starts: list[int] | None = None):
         self.state = state
         self.rows = rows  # [g] int64 state rows
-        self.start_pos, self.tokens = start_pos, tokens  # start_pos None: per sequence, on the device
+        # start_pos None: the sequences are at their own positions, ``starts`` (a decode group
+        # of a step) or on the device (a DecodePlan)
+        self.start_pos, self.tokens, self.starts = start_pos, tokens, starts
         self.token_index = token_index  # [g * tokens] int64 rows of the packed x, sequence-major
         self.semantics = semantics
         self._topk: dict[int, torch.Tensor] = {}
@@ -42,13 +44,22 @@ class Group:
         ones are masked, so scanning more selects the same rows)."""
         if self.scan is not None:
             return self.scan[ratio]
-        return (self.start_pos + self.tokens) // ratio
+        last = self.start_pos if self.start_pos is not None else max(self.starts)
+        return (last + self.tokens) // ratio
+
+    def positions(self) -> torch.Tensor:
+        """[g] int64 on the device: each sequence's position before this step."""
+        if self.start_pos is not None:
+            return torch.full((self.rows.numel(),), self.start_pos, dtype=torch.int64,
+                              device=self.rows.device)
+        return torch.tensor(self.starts, dtype=torch.int64).to(self.rows.device)
 
     def completes_group(self, ratio: int) -> bool:
         """Whether this step's tokens complete at least one compressor group (a DecodePlan's
         positions are on the device: it runs "fixed" semantics, where this is not asked)."""
         if self.start_pos is None:
-            raise StateError("this group's positions are on the device (a DecodePlan)")
+            raise StateError("this group's sequences are at different positions; only 'fixed' "
+                             "semantics runs them together")
         return (self.start_pos % ratio + self.tokens) // ratio > 0
 
     def publish_index_keys(self, layer: int, produced: bool) -> None:
@@ -88,8 +99,9 @@ class Step:
     [sum(tokens), dim] with offsets ``cu_seqlens`` (flash-attn style), or [b, m, dim] when
     every sequence is at the same position with the same m.
 
-    Sequences sharing (start position, tokens) form one ``Group`` computed batched; layers run
-    in increasing order, each once, after the sources they read.
+    Sequences sharing (start position, tokens) form one ``Group`` computed batched; in "fixed"
+    semantics every decoding sequence (one token) joins one group whatever its position. Layers
+    run in increasing order, each once, after the sources they read.
     """
 
     def __init__(self, cfg: AttentionConfig, state: AttentionState, rows: torch.Tensor,
@@ -99,15 +111,18 @@ class Step:
         self.cu_seqlens = [0]
         for t in tokens:
             self.cu_seqlens.append(self.cu_seqlens[-1] + t)
-        keyed: dict[tuple[int, int], list[int]] = {}
+        keyed: dict[tuple[int | None, int], list[int]] = {}
+        decode = [i for i, t in enumerate(tokens) if t == 1]
+        one_decode_group = semantics == "fixed" and len({starts[i] for i in decode}) > 1
         for i, (p, t) in enumerate(zip(starts, tokens)):
             if t > 0:
-                keyed.setdefault((p, t), []).append(i)
+                keyed.setdefault((None if t == 1 and one_decode_group else p, t), []).append(i)
         dev = state.device
         self.groups = [
             Group(state, rows[members], p, t,
                   torch.cat([torch.arange(self.cu_seqlens[i], self.cu_seqlens[i + 1])
-                             for i in members]).to(dev), semantics)
+                             for i in members]).to(dev), semantics,
+                  None if p is not None else [starts[i] for i in members])
             for (p, t), members in keyed.items()
         ]
         self._members = list(keyed.values())
@@ -119,8 +134,9 @@ class Step:
 
     @property
     def uniform(self) -> bool:
-        """One group holding every sequence in order: x may be [b, m, dim]."""
-        return len(self.groups) == 1 and len(self._members[0]) == len(self.tokens)
+        """One group holding every sequence in order, at one position: x may be [b, m, dim]."""
+        return len(self.groups) == 1 and len(self._members[0]) == len(self.tokens) \
+            and self.groups[0].start_pos is not None
 
     @property
     def start_pos(self) -> int:
