@@ -6,6 +6,11 @@ The layer holds only its config, spec and weights; every cache lives in the call
 
   query path -> window K/V and the ring -> [compressor -> indexer] -> sparse attention with
   sink -> inverse RoPE -> grouped wo_a -> wo_b
+
+Two entry points share it: ``decode`` (one token per sequence, each at its own position on the
+device, fixed shapes: GPU-only, capturable in a CUDA graph) and ``_forward_group`` (several
+tokens per sequence from one position: prefill, chunks, draft verification). The fusable ops
+go through the backend's ``Ops`` (reference torch or Triton, same signatures).
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cache import AttentionState, StateError
-from .checkpoint import Fp8Weight, LayerWeights, check_layer_weights
+from .checkpoint import LayerWeights, check_layer_weights
 from .config import AttentionConfig
 from .ops.common.norm import rms_norm
 from .ops.common.packing import pack_compressed_rows, pack_index_keys, pack_window_rows
@@ -44,18 +49,12 @@ class AttentionLayer:
         self.spec = cfg.layer(weights.layer)
         self.weights = weights
         check_layer_weights(cfg, weights)
-        self.wo_a = self._wo_a_operand()
         # [rope_head_dim/2] fp32, on the weights' device: no host copy per call (graph capture)
         self.freqs = rope_frequencies(cfg, self.spec).to(self.device)
 
     @property
     def device(self) -> torch.device:
         return self.weights.attn_sink.device
-
-    def _wo_a_operand(self) -> torch.Tensor | Fp8Weight:
-        """wo_a as the output op reads it: bf16 [G * o_lora_rank, H * D / G] (cuBLAS's GEMM
-        on a GPU; the fused fp8 kernel of ops/output/triton.py is slower there for now)."""
-        return self.weights.wo_a
 
     def forward(self, x: torch.Tensor, state: AttentionState, step: "Step") -> torch.Tensor:
         """One step of this layer.
@@ -133,8 +132,9 @@ class AttentionLayer:
         cfg, w = self.cfg, self.weights
         b, m = o.shape[:2]
         rot = rot.expand(b, m, -1).reshape(b * m, -1)
+        # bf16 wo_a: on a GPU cuBLAS's GEMM beats the fused fp8 kernel (ops/output/triton.py)
         u = self.ops.inverse_rope_wo_a(o.reshape(b * m, cfg.n_heads, cfg.head_dim), rot,
-                                       self.wo_a, cfg.o_groups)  # [b * m, G * o_lora_rank]
+                                       w.wo_a, cfg.o_groups)  # [b * m, G * o_lora_rank]
         return self.ops.fp8_linear(u.view(b, m, -1), w.wo_b.weight, w.wo_b.scale)
 
     def _decode_compressor(self, x, state: AttentionState, group: "Group", pos: torch.Tensor):
