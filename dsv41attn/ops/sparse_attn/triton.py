@@ -113,6 +113,16 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, scale, M, H, N,
     _finish(o_ptr, sink_ptr, bi, offs_h, h_mask, offs_d, m_i, l_i, acc, H, D, INTERPRET)
 
 
+def _output_buffer(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``out`` checked (contiguous bf16, q's shape and device) or a new one like q."""
+    if out is None:
+        return torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    if out.shape != q.shape or out.dtype != torch.bfloat16 or out.device != q.device \
+            or not out.is_contiguous():
+        raise ValueError("out must be a contiguous bf16 tensor shaped like q on q's device")
+    return out
+
+
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
                 scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """o[b,i,h] = sum_t e^{l_t} kv[idx_t] / (sum_t e^{l_t} + e^{sink_h}), l_t = scale q.kv[idx_t].
@@ -141,11 +151,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         raise ValueError(f"head dim {d} must be a power of two >= 16")
     if len({t.device for t in (q, kv, sink, idx)}) != 1:
         raise ValueError("q, kv, sink, idx must be on one device")
-    if out is None:
-        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-    elif out.shape != q.shape or out.dtype != torch.bfloat16 or out.device != q.device \
-            or not out.is_contiguous():
-        raise ValueError("out must be a contiguous bf16 tensor shaped like q on q's device")
+    out = _output_buffer(q, out)
     if out.numel() == 0:
         return out
     if idx.shape[2] == 0:  # no entries at all: every row is empty, o = 0 (as the reference)
@@ -548,11 +554,7 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     if len({t.device for t in (q, sink, window_rows, window_idx, compressed_idx,
                                *((compressed_pool, block_table) if k else ()))}) != 1:
         raise ValueError("all tensors must be on one device")
-    if out is None:
-        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-    elif out.shape != q.shape or out.dtype != torch.bfloat16 or out.device != q.device \
-            or not out.is_contiguous():
-        raise ValueError("out must be a contiguous bf16 tensor shaped like q on q's device")
+    out = _output_buffer(q, out)
     if out.numel() == 0:
         return out
     if ww + k == 0:  # no entries at all: every row is empty, o = 0 (as the reference)
