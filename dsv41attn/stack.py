@@ -36,6 +36,7 @@ class Group:
         self.semantics = semantics
         self._topk: dict[int, torch.Tensor] = {}
         self._candidates: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
         self.scan: dict[int, int] | None = None  # ratio -> rows an indexer scans (DecodePlan)
 
     def scan_rows(self, ratio: int) -> int:
@@ -48,11 +49,12 @@ class Group:
         return (last + self.tokens) // ratio
 
     def positions(self) -> torch.Tensor:
-        """[g] int64 on the device: each sequence's position before this step."""
-        if self.start_pos is not None:
-            return torch.full((self.rows.numel(),), self.start_pos, dtype=torch.int64,
-                              device=self.rows.device)
-        return torch.tensor(self.starts, dtype=torch.int64).to(self.rows.device)
+        """[g] int64 on the device: each sequence's position before this step (built once
+        per step, not once per layer)."""
+        if self._positions is None:
+            starts = self.starts if self.start_pos is None else [self.start_pos] * self.rows.numel()
+            self._positions = torch.tensor(starts, dtype=torch.int64).to(self.rows.device)
+        return self._positions
 
     def completes_group(self, ratio: int) -> bool:
         """Whether this step's tokens complete at least one compressor group (a DecodePlan's

@@ -16,8 +16,6 @@ import torch
 
 from .quant import FP8_BLOCK, INDEX_FP4_BLOCK, LATENT_FP4_BLOCK, act_quant, fp4_quant
 
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
 
 def _e8m0_bytes(s: torch.Tensor) -> torch.Tensor:
     return ((s.float().contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
