@@ -13,6 +13,39 @@ from dsv41attn.ops.sparse_attn.triton import _interpreting
 from dsv41attn.ops.sparse_attn.triton import sparse_attn as tri_attn
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _reference_math():
+    """Under the interpreter tl.exp is numpy's exp, which differs from the reference's torch.exp
+    in the last bit for about 40% of fp32 inputs, and tl.dot is numpy's fp32 matmul (a BLAS
+    sgemm, not rounded once as the reference's float64 dots are); either flips an output's
+    bf16 rounding now and then, depending on the CPU and the BLAS build. In this module they
+    compute as the reference does, so the kernels' rounding points and block order compare bit
+    for bit (the TRITON_INTERPRET mechanism itself is untouched)."""
+    if not _interpreting():
+        yield
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def torch_exp(x):
+        return torch.from_numpy(np.array(x, copy=True)).exp().numpy()
+
+    def rounded_once_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.dtype != np.float32 or b.data.dtype != np.float32 \
+                or d.data.dtype != np.float32:  # only the fp32-held bf16 operands used here
+            return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        ab = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(np.float32)
+        return interpreter.TensorHandle(ab + d.data, d.dtype.scalar)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter.InterpreterBuilder, "create_exp",
+                   lambda self, arg: self.unary_op(arg, torch_exp))
+        mp.setattr(interpreter.InterpreterBuilder, "create_dot", rounded_once_dot)
+        yield
 # an empty row computes exp(sink + 1e30) = inf on purpose (acc 0 / inf = 0)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 
@@ -103,7 +136,7 @@ def test_empty_row_with_minus_inf_sink_is_zero():
     assert (got[0, 0] - ref[0, 0]).abs().max() <= 2e-2
 
 
-# ---- sparse_attn_paged: rows decoded in the kernel from the packed caches ---------------------
+# ---- sparse_attn_paged: one query per packed token, rows decoded from the packed caches -------
 
 from dsv41attn.ops.common.packing import (
     pack_compressed_rows,
@@ -115,65 +148,81 @@ from dsv41attn.ops.sparse_attn.reference import sparse_attn_paged as ref_paged
 from dsv41attn.ops.sparse_attn.triton import _pick_splits
 from dsv41attn.ops.sparse_attn.triton import sparse_attn_paged as tri_paged
 
+RING_B, RING_S = 3, 12  # the ring: 3 sequences x 12 slots
 
-def make_paged(b, m, h, d, nw, ww, k, page_rows, sink_kind="rand", seed=0):
-    """Packed window rows, a paged pool with a shuffled block table, lists with -1 holes and
-    one all -1 row (query m-1 of sequence 0)."""
+
+def make_step(t, h, d, ww, k, page_rows, sink_kind="rand", seed=0, b=RING_B, s=RING_S):
+    """A step's packed inputs, as the reference's arguments after q, sink, scale (a dict): a ring
+    of b sequences x s slots, the step's new rows, window ids mixing ring ids, new-row ids and
+    -1 (holes, and 2 pads at the end of the window part, so in the middle of the list), a paged
+    pool with a shuffled block table (a -1 column: no page), token_row spreading the tokens
+    over the sequences, compressed ids with -1 holes and end pads, and one token (T // 2) whose
+    lists are all -1."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, m, h, d, generator=g).bfloat16()
+    q = torch.randn(t, h, d, generator=g).bfloat16()
     sink = {"rand": torch.randn(h, generator=g), "mixed": torch.tensor(
         [(80.0, -80.0, 0.5)[j % 3] for j in range(h)])}[sink_kind].float()
-    window = pack_window_rows(torch.randn(b, nw, d, generator=g).bfloat16())
+    ring = pack_window_rows(torch.randn(b, s, d, generator=g).bfloat16())
+    new_rows = pack_window_rows(torch.randn(t, d, generator=g).bfloat16())
+    n_ring = b * s
+    token_row = torch.randint(0, b, (t,), generator=g)
+    token_row[: min(t, b)] = torch.randperm(b, generator=g)[: min(t, b)]  # every sequence
+    wids = torch.where(torch.rand(t, ww, generator=g) < 0.5,
+                       torch.randint(0, n_ring, (t, ww), generator=g),
+                       n_ring + torch.randint(0, t, (t, ww), generator=g)).to(torch.int32)
+    wids[torch.rand(t, ww, generator=g) < 0.2] = -1
+    wids[:, ww - min(ww, 2):] = -1
     pages = max(1, -(-max(k, 1) * 2 // page_rows))  # rows 0 .. 2k-1 of each sequence
     n_pool = b * pages + 3  # a few pages no sequence holds
     pool = pack_compressed_rows(torch.randn(n_pool * page_rows, d, generator=g).bfloat16())
     pool = pool.view(n_pool, page_rows, -1)
     perm = torch.randperm(n_pool, generator=g)
-    table = torch.cat([perm[: b * pages].view(b, pages), torch.full((b, 1), -1)], 1)  # -1: none
-    widx = torch.randint(0, nw, (b, m, ww), generator=g, dtype=torch.int32)
-    widx[torch.rand(b, m, ww, generator=g) < 0.2] = -1
-    cidx = torch.randint(0, pages * page_rows, (b, m, k), generator=g, dtype=torch.int32)
-    cidx[torch.rand(b, m, k, generator=g) < 0.2] = -1
-    widx[0, m - 1] = -1
-    cidx[0, m - 1] = -1
+    table = torch.cat([perm[: b * pages].view(b, pages), torch.full((b, 1), -1)], 1)
+    cidx = torch.randint(0, pages * page_rows, (t, k), generator=g, dtype=torch.int32)
+    cidx[torch.rand(t, k, generator=g) < 0.2] = -1
+    cidx[:, k - min(k, 2):] = -1
+    wids[t // 2] = -1
+    cidx[t // 2] = -1
     if not k:
         pool = table = None
-    return [t if t is None else t.to(DEV) for t in (q, sink, window, widx, pool, table, cidx)]
+    args = {"window_ring": ring, "new_rows": new_rows, "window_ids": wids,
+            "compressed_pool": pool, "block_table": table, "token_row": token_row,
+            "compressed_idx": cidx}
+    return q.to(DEV), sink.to(DEV), {n: v if v is None else v.to(DEV) for n, v in args.items()}
 
 
-# (B, M, H, D, Nw, Ww, K, page_rows, splits): 64-blocks that mix window and compressed rows
+# (T, H, D, Ww, K, page_rows, splits); T odd, blocks that mix window and compressed rows
 PAGED_CASES = [
-    (2, 3, 8, 32, 20, 70, 30, 4, 1),
-    (2, 3, 8, 32, 20, 70, 30, 4, 2),
-    (2, 3, 8, 32, 20, 70, 30, 4, 3),
-    (1, 2, 17, 64, 10, 5, 0, 4, 1),
-    (1, 2, 17, 64, 10, 5, 0, 4, 3),  # one block: splits 2, 3 have nothing to do
-    (2, 2, 1, 32, 6, 0, 65, 8, 1),
-    (2, 2, 1, 32, 6, 0, 65, 8, 2),
-    (1, 3, 17, 32, 40, 100, 100, 16, 3),
-    (2, 1, 8, 64, 30, 64, 64, 8, 1),  # block edge exactly at the window's end
-    (2, 1, 8, 64, 30, 64, 64, 8, None),  # decode: the heuristic splits
-    (1, 2, 1, 64, 8, 1, 130, 4, 2),
-    (1, 2, 5, 128, 40, 70, 200, 8, 1),  # D >= 128: rows decoded from int32 words; 3 blocks
-    (1, 2, 5, 128, 40, 70, 200, 8, 3),  # ... of compressed rows, prefetched 1-3 blocks ahead
-    (2, 1, 3, 128, 130, 128, 260, 16, 1),  # window blocks and 5 compressed ones, no mixed block
-    (1, 2, 3, 512, 20, 40, 40, 4, 2),  # the model's head dim (slow under the interpreter)
+    (7, 8, 32, 70, 30, 4, 1),
+    (7, 8, 32, 70, 30, 4, 2),
+    (7, 8, 32, 70, 30, 4, 3),
+    (7, 17, 64, 5, 0, 4, 1),  # K = 0: window only
+    (7, 17, 64, 5, 0, 4, 3),  # one block: splits 2, 3 have nothing to do
+    (7, 16, 32, 0, 65, 8, 1),  # Ww = 0: compressed only
+    (7, 16, 32, 0, 65, 8, 2),
+    (63, 16, 32, 30, 30, 8, 1),  # T = 63 (the interpreter's cost is per program): one block
+    (5, 8, 64, 64, 64, 8, 1),  # block edge exactly at the window's end
+    (5, 8, 64, 64, 64, 8, None),  # decode-sized: the heuristic splits
+    (3, 16, 128, 70, 200, 8, 1),  # D >= 128: rows decoded from int32 words; 3 blocks
+    (3, 16, 128, 70, 200, 8, 3),  # ... of compressed rows, prefetched 1-3 blocks ahead
+    (3, 8, 128, 128, 130, 16, 1),  # window blocks and 3 compressed ones, no mixed block
+    (3, 16, 512, 40, 40, 4, 1),  # the model's head dim
+    (3, 16, 512, 40, 40, 4, 2),
 ]
 
 
-@pytest.mark.parametrize("b,m,h,d,nw,ww,k,page_rows,splits", PAGED_CASES)
-def test_paged_matches_reference(b, m, h, d, nw, ww, k, page_rows, splits):
-    args = make_paged(b, m, h, d, nw, ww, k, page_rows, "mixed" if h > 8 else "rand",
-                      seed=ww * 7 + k + h)
-    q, sink = args[:2]
+@pytest.mark.parametrize("t,h,d,ww,k,page_rows,splits", PAGED_CASES)
+def test_paged_matches_reference(t, h, d, ww, k, page_rows, splits):
+    q, sink, args = make_step(t, h, d, ww, k, page_rows, "mixed" if h > 8 else "rand",
+                              seed=ww * 7 + k + h + t)
     scale = d ** -0.5
-    ref = ref_paged(q, sink, scale, *args[2:]).float()
+    ref = ref_paged(q, sink, scale, **args).float()
     out = torch.full_like(q, float("nan"))  # poison: every element must be written
-    got = tri_paged(q, sink, scale, *args[2:], out=out, num_splits=splits)
+    got = tri_paged(q, sink, scale, **args, out=out, num_splits=splits)
     assert got.data_ptr() == out.data_ptr() and got.dtype == torch.bfloat16
     got = got.float()
     assert not torch.isnan(got).any()
-    assert torch.equal(got[0, m - 1], torch.zeros_like(got[0, m - 1]))  # empty row: exact 0
+    assert torch.equal(got[t // 2], torch.zeros_like(got[t // 2]))  # empty list: exact 0
     err = (got - ref).norm() / ref.norm().clamp_min(1e-30)
     assert err <= 1e-2, f"relative error {err:.3e}"
     assert (got - ref).abs().max() <= 3e-2
@@ -182,95 +231,141 @@ def test_paged_matches_reference(b, m, h, d, nw, ww, k, page_rows, splits):
 
 
 def test_paged_decodes_every_code_exactly():
-    """One entry per query, q = 0 and sink = -inf: o is the decoded row itself (p = 1)."""
+    """One entry per token, q = 0 and sink = -inf: o is the decoded row itself (p = 1), from
+    the ring, from new_rows and from the pool through each token's block-table row."""
     g = torch.Generator().manual_seed(5)
     d, n = 64, 8
     codes = torch.arange(256, dtype=torch.uint8).view(4, d)
     codes[codes == 0x7F] = 0  # e4m3fn NaN codes: never written by the packers
     codes[codes == 0xFF] = 0x80
     exps = torch.randint(100, 160, (4, d // 32), generator=g, dtype=torch.uint8)
-    window = torch.cat([codes, exps], 1).repeat(2, 1).unsqueeze(0)  # [1, 8, 66]
+    rows = torch.cat([codes, exps], 1)  # [4, 66]
+    ring = rows.view(2, 2, -1)  # B = 2 sequences x 2 slots
     pairs = torch.randint(0, 256, (n, d // 2), generator=g, dtype=torch.uint8)
     scales = torch.randint(0, 0x7F, (n, d // 16), generator=g, dtype=torch.uint8)  # all finite
     pool = torch.cat([pairs, scales], 1).view(4, 2, -1)  # 4 pages of 2 rows
-    table = torch.tensor([[2, 0, 3, 1]])
-    m = 2 * n  # query i < n: window row i; query n + j: compressed row j
-    widx = torch.full((1, m, 1), -1, dtype=torch.int32)
-    cidx = torch.full((1, m, 1), -1, dtype=torch.int32)
-    widx[0, :n, 0] = torch.arange(n, dtype=torch.int32)
-    cidx[0, n:, 0] = torch.arange(n, dtype=torch.int32)
-    q = torch.zeros(1, m, 2, d, dtype=torch.bfloat16)
+    table = torch.tensor([[2, 0, 3, 1], [1, 3, 0, 2]])
+    t = 2 * n  # token i < 4: ring row i; 4 <= i < 8: new row i; 8 + j: compressed row j
+    new_rows = rows.flip(0).repeat(4, 1)  # [16, 66]
+    token_row = torch.arange(t) % 2
+    wids = torch.full((t, 1), -1, dtype=torch.int32)
+    cidx = torch.full((t, 1), -1, dtype=torch.int32)
+    wids[:8, 0] = torch.arange(8, dtype=torch.int32)  # 4..7: new rows 0..3 (ids >= B*S = 4)
+    cidx[n:, 0] = torch.arange(n, dtype=torch.int32)
+    q = torch.zeros(t, 2, d, dtype=torch.bfloat16)
     sink = torch.full((2,), float("-inf"))
-    args = [t.to(DEV) for t in (q, sink, window, widx, pool, table, cidx)]
-    got = tri_paged(args[0], args[1], 1.0, *args[2:]).cpu()
-    comp = unpack_compressed_rows(pool[table[0].long()].view(n, -1))  # row g in order
-    want = torch.cat([unpack_window_rows(window[0]), comp]).unsqueeze(1).expand(m, 2, d)
-    assert torch.equal(got[0], want)
+    dev = [x.to(DEV) for x in (q, sink, ring, new_rows, wids, pool, table, token_row, cidx)]
+    got = tri_paged(dev[0], dev[1], 1.0, *dev[2:]).cpu()
+    comp = unpack_compressed_rows(pool[table[token_row[n:], torch.arange(n) // 2],
+                                       torch.arange(n) % 2])
+    want = torch.cat([unpack_window_rows(rows), unpack_window_rows(new_rows[:4]), comp])
+    assert torch.equal(got, want.unsqueeze(1).expand(t, 2, d))
 
 
-def test_paged_expanded_lists_and_block_h():
-    """Index lists with stride-0 batch dims (the layer expands its window list); BLOCK_H 32, 64."""
-    q, sink, window, widx, pool, table, cidx = make_paged(2, 3, 5, 32, 12, 9, 20, 4, seed=11)
-    widx = widx[:1].expand(2, -1, -1)
-    ref = ref_paged(q, sink, 0.3, window, widx, pool, table, cidx).float()
+def test_paged_ring_read_in_place():
+    """The ring as a view into a larger buffer (another layer's rows around it), new-row ids
+    past the last row (read the last one, as the reference), expanded window ids (stride 0
+    over tokens), block_h 32 and 64."""
+    q, sink, args = make_step(7, 16, 32, 20, 30, 4, seed=11)
+    ring = args["window_ring"]
+    big = torch.randint(0, 256, (3 * RING_B, *ring.shape[1:]), dtype=torch.uint8, device=DEV)
+    big[RING_B:2 * RING_B] = ring
+    args["window_ring"] = big[RING_B:2 * RING_B]
+    wids = args["window_ids"][:1].clone()
+    wids[0, 3] = RING_B * RING_S + 7 + 5  # past new_rows' 7 rows
+    args["window_ids"] = wids.expand(7, -1)
+    ref = ref_paged(q, sink, 0.3, **args)
     for kw in ({}, {"block_h": 32}, {"block_h": 64, "num_splits": 2}, {"num_splits": 2}):
-        got = tri_paged(q, sink, 0.3, window, widx, pool, table, cidx, **kw).float()
-        assert (got - ref).abs().max() <= 2e-2
+        got = tri_paged(q, sink, 0.3, **args, **kw)
+        assert (got.float() - ref.float()).abs().max() <= 2e-2
+        if _interpreting() and kw.get("num_splits", 1) == 1:
+            assert torch.equal(got, ref)
 
 
 def test_paged_unaligned_rows():
-    """Packed rows in views that start off a 4-byte boundary (D >= 128 loads int32 words)."""
-    q, sink, window, widx, pool, table, cidx = make_paged(1, 2, 3, 128, 12, 9, 20, 4, seed=13)
-    ref = ref_paged(q, sink, 0.1, window, widx, pool, table, cidx)
+    """Ring, new rows and pool in views that start off a 4-byte boundary (D >= 128 loads int32
+    words): read in place by bytes instead, same result."""
+    q, sink, args = make_step(3, 8, 128, 9, 20, 4, seed=13)
+    ref = ref_paged(q, sink, 0.1, **args)
 
-    def shifted(t):  # the same bytes one byte into a buffer
-        return torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape)
+    def shifted(x):  # the same bytes one byte into a buffer
+        return torch.cat([x.new_zeros(1), x.flatten()])[1:].view(x.shape)
 
-    window, pool = shifted(window), shifted(pool)
-    assert window.data_ptr() % 4 and pool.data_ptr() % 4
-    got = tri_paged(q, sink, 0.1, window, widx, pool, table, cidx)
+    for name in ("window_ring", "new_rows", "compressed_pool"):
+        args[name] = shifted(args[name])
+        assert args[name].data_ptr() % 4
+    got = tri_paged(q, sink, 0.1, **args)
     assert (got.float() - ref.float()).abs().max() <= 2e-2
     if _interpreting():
         assert torch.equal(got, ref)
 
 
 def test_paged_empty_lists_and_minus_inf_sink():
-    q, sink, window, widx, pool, table, cidx = make_paged(1, 2, 3, 32, 5, 4, 6, 4, seed=3)
-    empty = torch.zeros_like(widx[..., :0])
-    got = tri_paged(q, sink, 1.0, window, empty, None, None, empty)
+    q, sink, args = make_step(5, 8, 32, 4, 6, 4, seed=3)
+    empty = torch.zeros_like(args["window_ids"][:, :0])
+    none = {**args, "window_ids": empty, "compressed_idx": empty, "compressed_pool": None,
+            "block_table": None}
+    got = tri_paged(q, sink, 1.0, **none, out=torch.full_like(q, float("nan")))
     assert torch.equal(got, torch.zeros_like(q))
-    sink[1] = float("-inf")  # with the all -1 row: 0 / 0 in the reference, 0 here
-    got = tri_paged(q, sink, 1.0, window, widx, pool, table, cidx, num_splits=2).float()
-    assert not torch.isnan(got).any() and torch.equal(got[0, 1], torch.zeros_like(got[0, 1]))
+    sink[1] = float("-inf")  # with the all -1 token: 0 / 0 in the reference, 0 here
+    for splits in (1, 2):
+        got = tri_paged(q, sink, 1.0, **args, num_splits=splits).float()
+        assert not torch.isnan(got).any() and torch.equal(got[2], torch.zeros_like(got[2]))
+    sink = sink.clamp_min(-1e4)
+    wids = torch.where(args["window_ids"] >= 0, args["window_ids"] % 5, -1)  # new rows 0..4
+    ring0 = {**args, "window_ring": args["window_ring"][:0], "window_ids": wids}  # B*S = 0
+    ring1 = {**args, "window_ring": args["window_ring"][:1],  # the same rows past a ring
+             "window_ids": torch.where(wids >= 0, wids + RING_S, -1)}
+    got = tri_paged(q, sink, 1.0, **ring0).float()
+    ref = ref_paged(q, sink, 1.0, **ring1).float()
+    assert (got - ref).abs().max() <= 2e-2
+    if _interpreting():
+        assert torch.equal(got, ref)
 
 
 def test_paged_rejects_bad_inputs():
-    q, sink, window, widx, pool, table, cidx = make_paged(1, 1, 2, 32, 5, 4, 6, 4, seed=1)
-    good = {"q": q, "sink": sink, "scale": 1.0, "window_rows": window, "window_idx": widx,
-            "compressed_pool": pool, "block_table": table, "compressed_idx": cidx}
-    bad = [(TypeError, {"q": q.float()}), (TypeError, {"window_idx": widx.long()}),
-           (TypeError, {"block_table": table.int()}), (TypeError, {"window_rows": window.char()}),
-           (ValueError, {"window_rows": window[..., :-1]}), (ValueError, {"sink": sink[:1]}),
-           (ValueError, {"compressed_pool": None}), (ValueError, {"compressed_idx": cidx[0]}),
-           (ValueError, {"compressed_pool": pool[..., :-2]})]
-    for exc, change in bad:
-        with pytest.raises(exc):
+    q, sink, args = make_step(3, 8, 32, 4, 6, 4, seed=1)
+    good = {"q": q, "sink": sink, "scale": 1.0, **args}
+    ring, wids, cidx = args["window_ring"], args["window_ids"], args["compressed_idx"]
+    bad = [(TypeError, "q", {"q": q.float()}),
+           (ValueError, "q", {"q": q[None]}),
+           (ValueError, "q", {"q": q[..., :24]}),  # D not a power of two
+           (ValueError, "sink", {"sink": sink[:1]}),
+           (TypeError, "sink", {"sink": sink.double()}),
+           (ValueError, "window_ring", {"window_ring": ring.flatten(0, 1)}),  # rank 2
+           (ValueError, "window_ring", {"window_ring": ring[..., :-1]}),
+           (TypeError, "window_ring", {"window_ring": ring.char()}),
+           (ValueError, "window_ring", {"window_ring": ring.transpose(0, 1)}),  # not in place
+           (ValueError, "new_rows", {"new_rows": args["new_rows"][:-1]}),
+           (ValueError, "new_rows", {"new_rows": args["new_rows"][:, :-1]}),
+           (TypeError, "window_ids", {"window_ids": wids.long()}),
+           (ValueError, "window_ids", {"window_ids": wids[None]}),
+           (ValueError, "window_ids", {"window_ids": wids[:-1]}),
+           (TypeError, "token_row", {"token_row": args["token_row"].int()}),
+           (ValueError, "token_row", {"token_row": args["token_row"][:-1]}),
+           (TypeError, "compressed_idx", {"compressed_idx": cidx.long()}),
+           (ValueError, "compressed_idx", {"compressed_idx": cidx[:-1]}),
+           (ValueError, "compressed_pool", {"compressed_pool": None}),
+           (ValueError, "compressed_pool", {"compressed_pool": args["compressed_pool"][..., :-2]}),
+           (ValueError, "block_table", {"block_table": None}),
+           (TypeError, "block_table", {"block_table": args["block_table"].int()}),
+           (ValueError, "block_table", {"block_table": args["block_table"][0]}),
+           (ValueError, "block_h", {"block_h": 24}),
+           (ValueError, "num_splits", {"num_splits": 0}),
+           (ValueError, "out", {"out": torch.empty(3, 8, 16, dtype=torch.bfloat16)})]
+    for exc, name, change in bad:
+        with pytest.raises(exc, match=name):
             tri_paged(**{**good, **change})
-    with pytest.raises(ValueError):
-        tri_paged(**good, block_h=24)
-    with pytest.raises(ValueError):
-        tri_paged(**good, out=torch.empty(1, 1, 2, 16, dtype=torch.bfloat16))
 
 
 def test_split_heuristic():
-    assert _pick_splits(programs=4, n_blocks=10, m=1, sms=132) == 10  # decode: spread out
-    assert _pick_splits(programs=32, n_blocks=10, m=1, sms=132) == 4  # one wave: 128 programs
-    assert _pick_splits(programs=4 * 64, n_blocks=10, m=1, sms=132) == 1  # enough programs
-    assert _pick_splits(programs=4 * 64, n_blocks=10, m=64, sms=132) == 1  # prefill
-    assert _pick_splits(programs=1, n_blocks=1, m=1, sms=132) == 1
+    assert _pick_splits(programs=4, n_blocks=10, sms=132) == 10  # decode: spread out
+    assert _pick_splits(programs=32, n_blocks=10, sms=132) == 4  # one wave: 128 programs
+    assert _pick_splits(programs=4 * 64, n_blocks=10, sms=132) == 1  # enough programs
+    assert _pick_splits(programs=1, n_blocks=1, sms=132) == 1
     for programs in range(1, 140, 7):
         for n_blocks in range(1, 40, 3):
-            s = _pick_splits(programs, n_blocks, 1, 132)
+            s = _pick_splits(programs, n_blocks, 132)
             per = -(-n_blocks // s)
             assert 1 <= s <= n_blocks and -(-n_blocks // per) == s  # no split without a block
             assert s == 1 or programs * s <= 132

@@ -1,12 +1,13 @@
 """Triton sparse attention with a per-head sink (SPEC §4.5), same numerics as reference.py.
 
 ``sparse_attn`` (bf16 rows) and ``sparse_attn_paged`` (the packed caches: fp8 window rows,
-paged fp4 compressed rows, decoded in registers). One program per (b, query i, head block
-[, split]) walks the index list in blocks of 64 in list order, gathers the KV rows (K = V, MQA)
-by pointer arithmetic, and runs the reference's online softmax: fp32 logits from bf16 tl.dot,
-running max from -1e30 over logits only, p cast to bf16 before P.V, fp32 accumulator, sink
-added to the denominator after the last block. The paged op can split a list over programs
-(flash-decoding) and merge their fp32 partials in a second kernel.
+read in place from the layer's ring or from the step's new rows, paged fp4 compressed rows,
+decoded in registers). One program per query (b, i) or, paged, per packed token t of a step,
+and head block [, split] walks the index list in blocks of 64 in list order, gathers the KV
+rows (K = V, MQA) by pointer arithmetic, and runs the reference's online softmax: fp32 logits
+from bf16 tl.dot, running max from -1e30 over logits only, p cast to bf16 before P.V, fp32
+accumulator, sink added to the denominator after the last block. The paged op can split a list
+over programs (flash-decoding) and merge their fp32 partials in a second kernel.
 
 The paged kernel at V4.1-Flash decode (64 heads x 512 per program, 8 warps, an SM each): the
 list runs as three loops (window-only blocks, pipelined by the compiler; the block where the
@@ -166,7 +167,6 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
 
 # ---- paged variant: rows decoded in registers from the packed caches --------------------------
 
-MAX_SPLIT_QUERIES = 4  # split the index list only for decode-like calls (M <= this)
 BLOCK_H_MAX = 64  # paged head tile: up to 64 (rows decoded once per tile; H200 D=512: fastest)
 
 
@@ -232,12 +232,13 @@ _FP4_WORD_ASM = tl.constexpr(
 
 
 @triton.jit
-def _window_raw(row_ptr, ok, D: tl.constexpr):
-    """Packed window rows at row_ptr [BLOCK_N] (rows ~ok load 0). D >= 128: int32 words of 4
-    e4m3 codes [BLOCK_N, D/128, 4, 8] (a 32-code block is 8 words) and of 4 ue8m0 exponents
-    [BLOCK_N, D/128, 1, 1]; else uint8 codes [BLOCK_N, D/32, 32] and exponents
-    [BLOCK_N, D/32, 1]. Either way the codes load as vectors, each exponent byte once."""
-    if D >= 128:
+def _window_raw(row_ptr, ok, D: tl.constexpr, WORDS: tl.constexpr):
+    """Packed window rows at row_ptr [BLOCK_N] (rows ~ok load 0). WORDS (D >= 128, rows
+    4-byte aligned): int32 words of 4 e4m3 codes [BLOCK_N, D/128, 4, 8] (a 32-code block is 8
+    words) and of 4 ue8m0 exponents [BLOCK_N, D/128, 1, 1]; else uint8 codes [BLOCK_N, D/32, 32]
+    and exponents [BLOCK_N, D/32, 1]. Either way the codes load as vectors, each exponent byte
+    once."""
+    if WORDS:
         ptr = row_ptr.to(tl.pointer_type(tl.int32))[:, None, None, None]
         ok4 = ok[:, None, None, None]
         xw = tl.arange(0, D // 128)[None, :, None, None]
@@ -254,13 +255,14 @@ def _window_raw(row_ptr, ok, D: tl.constexpr):
 
 
 @triton.jit
-def _window_tile(codes, e, D: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+def _window_tile(codes, e, D: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
+                 INTERPRET: tl.constexpr):
     """_window_raw's codes and exponents -> [BLOCK_N, D] bf16 (fp32 holding the bf16 values
     under the interpreter): code * 2^(e-127), exact."""
-    if D >= 128:
+    if WORDS:
         e = (e >> (8 * tl.arange(0, 4)[None, None, :, None])) & 0xFF  # [BLOCK_N, D/128, 4, 1]
     s = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(e-127); byte 0 -> 0 (as ref)
-    if D < 128:
+    if not WORDS:
         if INTERPRET:
             v = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
         else:  # 4 codes per asm call: e4m3 -> f16 -> f32, times the scale, -> bf16
@@ -279,12 +281,12 @@ def _window_tile(codes, e, D: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl
 
 
 @triton.jit
-def _compressed_raw(row_ptr, ok, D: tl.constexpr):
-    """Packed compressed rows at row_ptr [BLOCK_N] (rows ~ok load 0). D >= 128: int32 words
+def _compressed_raw(row_ptr, ok, D: tl.constexpr, WORDS: tl.constexpr):
+    """Packed compressed rows at row_ptr [BLOCK_N] (rows ~ok load 0). WORDS: int32 words
     of 8 e2m1 nibbles [BLOCK_N, D/64, 4, 2] (a 16-element scale group is 2 words) and of 4 e4m3
     scales [BLOCK_N, D/64, 1, 1]; else uint8 pairs [BLOCK_N, D/16, 8] (element 2i in the low
     nibble) and scales [BLOCK_N, D/16, 1]."""
-    if D >= 128:
+    if WORDS:
         ptr = row_ptr.to(tl.pointer_type(tl.int32))[:, None, None, None]
         ok4 = ok[:, None, None, None]
         xw = tl.arange(0, D // 64)[None, :, None, None]
@@ -307,13 +309,13 @@ def _e4m3_of_e2m1(nib):
 
 
 @triton.jit
-def _compressed_tile(pairs, sc, D: tl.constexpr, BLOCK_N: tl.constexpr,
+def _compressed_tile(pairs, sc, D: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
                      INTERPRET: tl.constexpr):
     """_compressed_raw's bytes -> [BLOCK_N, D] bf16 like _window_tile: e2m1 * scale, exact."""
-    if D >= 128:
+    if WORDS:
         sc = ((sc >> (8 * tl.arange(0, 4)[None, None, :, None])) & 0xFF).to(tl.uint8)
     scf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0
-    if D < 128:
+    if not WORDS:
         if INTERPRET:  # the asm's re-encoding in plain ops (fp32 holding the bf16 values)
             e4 = tl.reshape(tl.join(_e4m3_of_e2m1(pairs & 15), _e4m3_of_e2m1(pairs >> 4)),
                             (BLOCK_N, D // 16, 16))  # element 2i: low nibble
@@ -377,22 +379,35 @@ def _attend(q, kv, valid, scale, m_i, l_i, acc, live, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _sparse_attn_paged_kernel(
-        q_ptr, sink_ptr, win_ptr, widx_ptr, pool_ptr, bt_ptr, cidx_ptr, o_ptr, ml_ptr, acc_ptr,
-        scale, M, H, NW, WW, K, PAGES, PAGE_ROWS, BLOCKS_PER_SPLIT, sw_b, sw_m, sc_b, sc_m, bt_b,
-        D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-        INTERPRET: tl.constexpr):
-    """One (b, query i, head block, split s) program over list blocks [s*BPS, (s+1)*BPS).
+def _window_ptrs(ring_ptr, new_ptr, wr, N_RING, N_NEW, D: tl.constexpr):
+    """Byte pointers of window entries wr [BLOCK_N] and their validity. An id < N_RING is ring
+    row id (the ring read in place, rows D + D/32 bytes apart), an id >= N_RING is new_rows[id -
+    N_RING] (clamped to the last row, as the reference's gather), -1 skips: its pointer is ring
+    row 0 or new row 0 and every load through it is masked."""
+    ok = wr >= 0
+    r = tl.where(ok, wr, 0).to(tl.int64)
+    ptr = tl.where(r < N_RING, ring_ptr + r * (D + D // 32),
+                   new_ptr + tl.minimum(r - N_RING, N_NEW - 1) * (D + D // 32))
+    return ptr, ok
 
-    The list of query (b, i) is window_idx[b, i, :WW] then compressed_idx[b, i, :K], walked in
+
+@triton.jit
+def _sparse_attn_paged_kernel(
+        q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr, o_ptr,
+        ml_ptr, acc_ptr, scale, H, N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, BLOCKS_PER_SPLIT,
+        sw_t, sc_t, bt_r, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr, WORDS: tl.constexpr, INTERPRET: tl.constexpr):
+    """One (token t, head block, split s) program over list blocks [s*BPS, (s+1)*BPS).
+
+    The list of token t is window_ids[t, :WW] (ring rows or the step's new rows, see
+    _window_ptrs) then compressed_idx[t, :K] (through block-table row token_row[t]), walked in
     three loops: window-only blocks, the block where the window part ends, compressed-only
-    blocks (the last software-pipelined by hand). SPLIT: write fp32 partials m, l [B*M, S, H]
-    (ml_ptr: m then l) and acc [B*M, S, H, D] for _combine_kernel; else finish with the sink
-    and store o [B, M, H, D] bf16.
+    blocks (the last software-pipelined by hand). SPLIT: write fp32 partials m, l [T, S, H]
+    (ml_ptr: m then l) and acc [T, S, H, D] for _combine_kernel; else finish with the sink and
+    store o [T, H, D] bf16. WORDS: packed rows load as int32 words (D >= 128, bases 4-aligned).
     """
-    bi = tl.program_id(0).to(tl.int64)  # flat b * M + i
+    bi = tl.program_id(0).to(tl.int64)  # the token t; int64 so offsets cannot overflow
     sp = tl.program_id(2)
-    b, i = bi // M, bi % M
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
     offs_d = tl.arange(0, D)
@@ -407,21 +422,20 @@ def _sparse_attn_paged_kernel(
     m_i = tl.full([BLOCK_H], -1e30, tl.float32)  # literal: jit bodies read constexpr globals only
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
-    win_base = win_ptr + b * NW * (D + D // 32)
-    widx_base = widx_ptr + b * sw_b + i * sw_m
-    cidx_base = cidx_ptr + b * sc_b + i * sc_m - WW  # entry j >= WW is compressed_idx[j - WW]
-    bt_base = bt_ptr + b * bt_b
+    widx_base = widx_ptr + bi * sw_t
+    cidx_base = cidx_ptr + bi * sc_t - WW  # entry j >= WW is compressed_idx[t, j - WW]
+    bt_base = bt_ptr + tl.load(trow_ptr + bi) * bt_r  # the token's block-table row
     j_start = sp * BLOCKS_PER_SPLIT * BLOCK_N
     j_end = tl.minimum(j_start + BLOCKS_PER_SPLIT * BLOCK_N, WW + K)
 
     # window-only blocks [j_start, hi): the compiler's pipelining (async copies to shared memory)
     hi = tl.minimum(j_end, WW // BLOCK_N * BLOCK_N)
     for j0 in tl.range(j_start, hi, BLOCK_N, num_stages=2):
-        wr = tl.load(widx_base + j0 + offs_n)
-        ok = wr >= 0
-        codes, e = _window_raw(win_base + tl.where(ok, wr, 0).to(tl.int64) * (D + D // 32), ok, D)
-        m_i, l_i, acc = _attend(q, _window_tile(codes, e, D, BLOCK_N, INTERPRET), ok, scale,
-                                m_i, l_i, acc, live, INTERPRET)
+        ptr, ok = _window_ptrs(ring_ptr, new_ptr, tl.load(widx_base + j0 + offs_n), N_RING,
+                               N_NEW, D)
+        codes, e = _window_raw(ptr, ok, D, WORDS)
+        m_i, l_i, acc = _attend(q, _window_tile(codes, e, D, BLOCK_N, WORDS, INTERPRET), ok,
+                                scale, m_i, l_i, acc, live, INTERPRET)
 
     # the block where the window part ends (if WW % BLOCK_N): each row is one or the other
     for j0 in range(tl.maximum(j_start, WW // BLOCK_N * BLOCK_N),
@@ -429,13 +443,12 @@ def _sparse_attn_paged_kernel(
         wr = tl.load(widx_base + j0 + offs_n, mask=j0 + offs_n < WW, other=-1)
         cr = tl.load(cidx_base + j0 + offs_n, mask=(j0 + offs_n >= WW) & (j0 + offs_n < WW + K),
                      other=-1)
-        ok_w = wr >= 0
-        codes, e = _window_raw(win_base + tl.where(ok_w, wr, 0).to(tl.int64) * (D + D // 32),
-                               ok_w, D)
+        ptr, ok_w = _window_ptrs(ring_ptr, new_ptr, wr, N_RING, N_NEW, D)
+        codes, e = _window_raw(ptr, ok_w, D, WORDS)
         page, row, ok_c = _page_lookup(bt_base, cr, PAGES, PAGE_ROWS)
-        pairs, sc = _compressed_raw(_row_ptrs(pool_ptr, page, row, PAGE_ROWS, D), ok_c, D)
-        kv = _window_tile(codes, e, D, BLOCK_N, INTERPRET) + \
-            _compressed_tile(pairs, sc, D, BLOCK_N, INTERPRET)
+        pairs, sc = _compressed_raw(_row_ptrs(pool_ptr, page, row, PAGE_ROWS, D), ok_c, D, WORDS)
+        kv = _window_tile(codes, e, D, BLOCK_N, WORDS, INTERPRET) + \
+            _compressed_tile(pairs, sc, D, BLOCK_N, WORDS, INTERPRET)
         m_i, l_i, acc = _attend(q, kv, ok_w | ok_c, scale, m_i, l_i, acc, live, INTERPRET)
 
     # compressed-only blocks [lo, j_end), prefetched by hand: the bytes of block j+1 are in
@@ -445,21 +458,21 @@ def _sparse_attn_paged_kernel(
     lo = tl.maximum(j_start, tl.cdiv(WW, BLOCK_N) * BLOCK_N)
     cr = tl.load(cidx_base + lo + offs_n, mask=lo + offs_n < j_end, other=-1)
     page, row, ok = _page_lookup(bt_base, cr, PAGES, PAGE_ROWS)
-    pairs, sc = _compressed_raw(_row_ptrs(pool_ptr, page, row, PAGE_ROWS, D), ok, D)
+    pairs, sc = _compressed_raw(_row_ptrs(pool_ptr, page, row, PAGE_ROWS, D), ok, D, WORDS)
     cr = tl.load(cidx_base + lo + BLOCK_N + offs_n, mask=lo + BLOCK_N + offs_n < j_end, other=-1)
     for j0 in tl.range(lo, j_end, BLOCK_N, num_stages=1):
         page, row, ok_next = _page_lookup(bt_base, cr, PAGES, PAGE_ROWS)
         pairs_next, sc_next = _compressed_raw(_row_ptrs(pool_ptr, page, row, PAGE_ROWS, D),
-                                              ok_next, D)
+                                              ok_next, D, WORDS)
         cr = tl.load(cidx_base + j0 + 2 * BLOCK_N + offs_n,
                      mask=j0 + 2 * BLOCK_N + offs_n < j_end, other=-1)
-        m_i, l_i, acc = _attend(q, _compressed_tile(pairs, sc, D, BLOCK_N, INTERPRET), ok, scale,
-                                m_i, l_i, acc, live, INTERPRET)
+        m_i, l_i, acc = _attend(q, _compressed_tile(pairs, sc, D, BLOCK_N, WORDS, INTERPRET), ok,
+                                scale, m_i, l_i, acc, live, INTERPRET)
         pairs, sc, ok = pairs_next, sc_next, ok_next
 
     if SPLIT:
         ns = tl.num_programs(2)
-        part = (bi * ns + sp) * H + offs_h  # [BLOCK_H] rows of the [B*M, S, H] partials
+        part = (bi * ns + sp) * H + offs_h  # [BLOCK_H] rows of the [T, S, H] partials
         tl.store(ml_ptr + part, m_i, mask=h_mask)
         tl.store(ml_ptr + tl.num_programs(0) * ns * H + part, l_i, mask=h_mask)
         tl.store(acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=h_mask[:, None])
@@ -472,7 +485,7 @@ def _combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, H, S, D: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr,
                     INTERPRET: tl.constexpr):
     """Merge S partials: M = max m_s, l = sum l_s e^(m_s-M), acc = sum acc_s e^(m_s-M), the
-    sums in split order. Grid: (B * M, cdiv(H, BLOCK_H), D / BLOCK_D); then the sink and the
+    sums in split order. Grid: (T, cdiv(H, BLOCK_H), D / BLOCK_D); then the sink and the
     division as unsplit. S_PAD >= S, a power of two: all m_s load at once, and the loop's
     loads are software-pipelined (a decode merge is a few latency-bound loads per split).
     """
@@ -492,102 +505,122 @@ def _combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, H, S, D: tl.constexpr,
     _finish(o_ptr, sink_ptr, bi, offs_h, h_mask, offs_d, m_max, l_i, acc, H, D, INTERPRET)
 
 
-def _pick_splits(programs: int, n_blocks: int, m: int, sms: int) -> int:
-    """Splits of the list's 64-blocks for decode: fill one wave of ``sms`` programs (at D=512 a
-    program has an SM to itself: more waves measured slower on an H200); 1 for prefill."""
-    if m > MAX_SPLIT_QUERIES or 2 * programs > sms or n_blocks <= 1:
+def _pick_splits(programs: int, n_blocks: int, sms: int) -> int:
+    """Splits of the list's 64-blocks when few programs run (a decode-sized step: T x head
+    blocks under half of ``sms``): fill one wave of ``sms`` programs (at D=512 a program has an
+    SM to itself: more waves measured slower on an H200); 1 otherwise."""
+    if 2 * programs > sms or n_blocks <= 1:
         return 1
     s = min(n_blocks, sms // programs)
     return triton.cdiv(n_blocks, triton.cdiv(n_blocks, s))  # no split left without a block
 
 
+def _check(name: str, t, shape: tuple, dtype: torch.dtype) -> None:
+    """Raise unless t is a tensor of ``dtype`` shaped ``shape`` (a str entry: any size), naming
+    the argument, its shape and dtype and what is wanted: ValueError for a rank or size,
+    TypeError for a dtype."""
+    want = "[" + ", ".join(map(str, shape)) + "] " + str(dtype).removeprefix("torch.")
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a {want} tensor, got {type(t).__name__}")
+    got = f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+    if t.dim() != len(shape) or any(isinstance(w, int) and n != w for n, w in zip(t.shape, shape)):
+        raise ValueError(f"{name} must be {want}, got {got}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {want}, got {got}")
+
+
 def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
-                      window_rows: torch.Tensor, window_idx: torch.Tensor,
+                      window_ring: torch.Tensor, new_rows: torch.Tensor, window_ids: torch.Tensor,
                       compressed_pool: torch.Tensor | None, block_table: torch.Tensor | None,
-                      compressed_idx: torch.Tensor, out: torch.Tensor | None = None,
+                      token_row: torch.Tensor, compressed_idx: torch.Tensor,
+                      max_queries: int = 64, *, out: torch.Tensor | None = None,
                       num_splits: int | None = None, block_h: int | None = None,
                       num_warps: int | None = None) -> torch.Tensor:
-    """``reference.sparse_attn_paged`` in Triton: rows decoded in registers from the packed bytes.
+    """``reference.sparse_attn_paged`` in Triton: rows decoded in registers from the packed bytes,
+    one query per packed token of a step; the window ring is read in place (never copied).
 
-    q: [B, M, H, D] bf16; sink: [H] fp32; window_rows: [B, Nw, D + D/32] uint8 (e4m3 codes,
-    ue8m0 exponent per 32); window_idx: [B, M, Ww] int32 rows of window_rows, -1 skip;
+    q: [T, H, D] bf16; sink: [H] fp32; window_ring: [B, S, D + D/32] uint8, contiguous, the
+    layer's ring (e4m3 codes, ue8m0 exponent per 32); new_rows: [T, D + D/32] uint8, the step's
+    own packed window rows; window_ids: [T, Ww] int32, id < B*S: ring row
+    ``window_ring.view(B*S, -1)[id]``, id >= B*S: ``new_rows[id - B*S]``, -1 skip;
     compressed_pool: [P, page_rows, D/2 + D/16] uint8 (e2m1 pairs, e4m3 scale per 16) or None;
-    block_table: [B, pages] int64 page ids (or None); compressed_idx: [B, M, K] int32 row
-    numbers g (row g = pool[block_table[b, g // page_rows], g % page_rows]), -1 skip.
-    Each query's list is its window entries then its compressed entries, walked in blocks of
-    64. out: optional contiguous [B, M, H, D] bf16 buffer. num_splits: programs per (query,
-    head block) over the list (flash-decoding), None = heuristic. block_h: head tile (power of
-    two >= 16), None = H rounded up to a power of two in [16, 64]. Returns [B, M, H, D] bf16;
-    a query without entries gives 0 (no NaN).
+    block_table: [B, pages] int64 page ids of every state row (or None); token_row: [T] int64
+    state row (block-table row) of each token; compressed_idx: [T, K] int32 row numbers g (row
+    g = pool[block_table[token_row[t], g // page_rows], g % page_rows]), -1 skip. Each token's
+    list is its window entries then its compressed entries, walked in blocks of 64.
+    max_queries: the reference's chunking, no effect here (one signature for both).
+    Keyword-only: out, an optional contiguous [T, H, D] bf16 buffer; num_splits, programs per
+    (token, head block) over the list (flash-decoding), None = heuristic; block_h, the head tile
+    (power of two >= 16), None = H rounded up to a power of two in [16, 64]; num_warps, None =
+    4 (8 at D > 128). Returns [T, H, D] bf16; a token without entries gives 0 (no NaN).
     """
-    for name, t, rank in (("q", q, 4), ("sink", sink, 1), ("window_rows", window_rows, 3),
-                          ("window_idx", window_idx, 3), ("compressed_idx", compressed_idx, 3)):
-        if t.dim() != rank:
-            raise ValueError(f"{name} must have {rank} dims, got {tuple(t.shape)}")
-    b, m, h, d = q.shape
-    ww, k = window_idx.shape[2], compressed_idx.shape[2]
-    block_h = block_h or min(BLOCK_H_MAX, max(BLOCK_H, triton.next_power_of_2(h)))
-    if q.dtype != torch.bfloat16 or sink.dtype != torch.float32 or window_rows.dtype != \
-            torch.uint8 or window_idx.dtype != torch.int32 or compressed_idx.dtype != torch.int32:
-        raise TypeError(f"want q bf16, sink fp32, window_rows uint8, window_idx and "
-                        f"compressed_idx int32; got {q.dtype}, {sink.dtype}, "
-                        f"{window_rows.dtype}, {window_idx.dtype}, {compressed_idx.dtype}")
-    if d < 32 or d & (d - 1) or block_h < 16 or block_h & (block_h - 1):
-        raise ValueError(f"head dim {d} (>= 32) and block_h {block_h} (>= 16) must be powers of 2")
-    if sink.shape[0] != h or window_rows.shape[0] != b or window_rows.shape[2] != d + d // 32 \
-            or window_idx.shape[:2] != (b, m) or compressed_idx.shape[:2] != (b, m):
-        raise ValueError(f"shapes do not match q {tuple(q.shape)}: sink {tuple(sink.shape)}, "
-                         f"window_rows {tuple(window_rows.shape)} (want [{b}, Nw, "
-                         f"{d + d // 32}]), window_idx {tuple(window_idx.shape)}, "
-                         f"compressed_idx {tuple(compressed_idx.shape)}")
+    _check("q", q, ("T", "H", "D"), torch.bfloat16)
+    t_all, h, d = q.shape
+    rb = d + d // 32  # packed window row bytes
+    if d < 32 or d & (d - 1):
+        raise ValueError(f"q {tuple(q.shape)}: head dim D = {d} must be a power of two >= 32")
+    _check("sink", sink, (h,), torch.float32)
+    _check("window_ring", window_ring, ("B", "S", rb), torch.uint8)
+    if not window_ring.is_contiguous():  # read in place as [B*S, D + D/32]: never copied
+        raise ValueError(f"window_ring {tuple(window_ring.shape)} must be contiguous (it is read "
+                         f"in place as [B*S, {rb}]), got strides {window_ring.stride()}")
+    _check("new_rows", new_rows, (t_all, rb), torch.uint8)
+    _check("window_ids", window_ids, (t_all, "Ww"), torch.int32)
+    _check("token_row", token_row, (t_all,), torch.int64)
+    _check("compressed_idx", compressed_idx, (t_all, "K"), torch.int32)
+    ww, k = window_ids.shape[1], compressed_idx.shape[1]
     if k:
-        if compressed_pool is None or block_table is None:
-            raise ValueError("compressed entries need compressed_pool and block_table")
-        if compressed_pool.dtype != torch.uint8 or block_table.dtype != torch.int64:
-            raise TypeError(f"want compressed_pool uint8, block_table int64; got "
-                            f"{compressed_pool.dtype}, {block_table.dtype}")
-        if compressed_pool.dim() != 3 or compressed_pool.shape[2] != d // 2 + d // 16 \
-                or block_table.dim() != 2 or block_table.shape[0] != b:
-            raise ValueError(f"compressed_pool {tuple(compressed_pool.shape)} is not [P, "
-                             f"page_rows, {d // 2 + d // 16}] or block_table "
-                             f"{tuple(block_table.shape)} is not [{b}, pages]")
-    if len({t.device for t in (q, sink, window_rows, window_idx, compressed_idx,
-                               *((compressed_pool, block_table) if k else ()))}) != 1:
-        raise ValueError("all tensors must be on one device")
+        for name, x in (("compressed_pool", compressed_pool), ("block_table", block_table)):
+            if x is None:
+                raise ValueError(f"{name} is None but compressed_idx "
+                                 f"{tuple(compressed_idx.shape)} has K = {k} entries per token")
+        _check("compressed_pool", compressed_pool, ("P", "page_rows", d // 2 + d // 16),
+               torch.uint8)
+        _check("block_table", block_table, ("B", "pages"), torch.int64)
+    block_h = block_h or min(BLOCK_H_MAX, max(BLOCK_H, triton.next_power_of_2(h)))
+    if block_h < 16 or block_h & (block_h - 1):
+        raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    tensors = {"q": q, "sink": sink, "window_ring": window_ring, "new_rows": new_rows,
+               "window_ids": window_ids, "token_row": token_row, "compressed_idx": compressed_idx}
+    if k:
+        tensors.update(compressed_pool=compressed_pool, block_table=block_table)
+    if len({x.device for x in tensors.values()}) != 1:
+        raise ValueError("all tensors must be on one device, got " +
+                         ", ".join(f"{n} on {x.device}" for n, x in tensors.items()))
     out = _output_buffer(q, out)
     if out.numel() == 0:
         return out
     if ww + k == 0:  # no entries at all: every row is empty, o = 0 (as the reference)
         return out.zero_()
-    if window_rows.shape[1] == 0:  # Nw = 0 (so every window entry is -1): a valid pointer
-        window_rows = window_rows.new_zeros(b, 1, window_rows.shape[2])
-    q, sink, window_rows = q.contiguous(), sink.contiguous(), window_rows.contiguous()
-    # index lists keep their batch/query strides (the layer passes an expanded window list)
-    widx, cidx = (t if t.stride(2) == 1 or t.shape[2] <= 1 else t.contiguous()
-                  for t in (window_idx, compressed_idx))
+    q, sink, new_rows, token_row = (x.contiguous() for x in (q, sink, new_rows, token_row))
+    n_ring = window_ring.shape[0] * window_ring.shape[1]
+    ring = window_ring if n_ring else new_rows  # B*S = 0: a valid pointer, never read
+    # index lists keep their token stride (the layer may pass an expanded window list)
+    widx, cidx = (x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
+                  for x in (window_ids, compressed_idx))
     pool, table = (compressed_pool.contiguous(), block_table.contiguous()) if k else \
-        (window_rows, sink.new_zeros(b, 1, dtype=torch.int64))  # never read without k
-    if d >= 128:  # rows load as int32 words: the bases must be 4-byte aligned (a view may not)
-        window_rows, pool = (t if t.data_ptr() % 4 == 0 else t.clone()
-                             for t in (window_rows, pool))
+        (ring, token_row.new_zeros(1, 1))  # never read without k
+    # D >= 128: rows load as int32 words when every base is 4-byte aligned (the row sizes are
+    # multiples of 4 there); views that are not take the byte path instead of being copied
+    words = d >= 128 and all(x.data_ptr() % 4 == 0 for x in (ring, new_rows, pool))
     n_blocks, h_blocks = triton.cdiv(ww + k, BLOCK_N), triton.cdiv(h, block_h)
-    s = _pick_splits(b * m * h_blocks, n_blocks, m, _sm_count(q.device)) \
+    s = _pick_splits(t_all * h_blocks, n_blocks, _sm_count(q.device)) \
         if num_splits is None else num_splits
-    if s < 1:
-        raise ValueError(f"num_splits must be >= 1, got {s}")
     ml = acc = sink  # partials: unused without a split
-    if s > 1:  # m and l [2, B*M, S, H], acc [B*M, S, H, D]
-        ml, acc = q.new_empty(2, b * m, s, h, dtype=torch.float32), q.new_empty(
-            b * m, s, h, d, dtype=torch.float32)
+    if s > 1:  # m and l [2, T, S, H], acc [T, S, H, D]
+        ml, acc = q.new_empty(2, t_all, s, h, dtype=torch.float32), q.new_empty(
+            t_all, s, h, d, dtype=torch.float32)
     interp, warps = _interpreting(), num_warps or (4 if d <= 128 else 8)
-    _sparse_attn_paged_kernel[(b * m, h_blocks, s)](
-        q, sink, window_rows, widx, pool, table, cidx, out, ml, acc, float(scale), m, h,
-        window_rows.shape[1], ww, k, table.shape[1], pool.shape[1], triton.cdiv(n_blocks, s),
-        widx.stride(0), widx.stride(1), cidx.stride(0), cidx.stride(1), table.stride(0),
-        D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N, SPLIT=s > 1, INTERPRET=interp, num_warps=warps)
+    _sparse_attn_paged_kernel[(t_all, h_blocks, s)](
+        q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out, ml, acc, float(scale),
+        h, n_ring, t_all, ww, k, table.shape[1], pool.shape[1], triton.cdiv(n_blocks, s),
+        widx.stride(0), cidx.stride(0), table.stride(0), D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
+        SPLIT=s > 1, WORDS=words, INTERPRET=interp, num_warps=warps)
     if s > 1:
         bd = min(d, 128)  # small merge tiles: enough programs to read the partials fast
-        _combine_kernel[(b * m, triton.cdiv(h, BLOCK_H), d // bd)](
+        _combine_kernel[(t_all, triton.cdiv(h, BLOCK_H), d // bd)](
             ml, acc, sink, out, h, s, D=d, BLOCK_H=BLOCK_H, BLOCK_D=bd,
             S_PAD=triton.next_power_of_2(s), INTERPRET=interp)
     return out
