@@ -20,10 +20,10 @@ from types import MappingProxyType
 from typing import Iterable, Mapping
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import AttentionConfig, LayerSpec
+from .config import PRESETS, AttentionConfig, LayerSpec, as_index
 
 FP8 = torch.float8_e4m3fn
 SCALE = torch.float8_e8m0fnu
@@ -210,9 +210,12 @@ def layer_weights_from_tensors(
     in checkpoint dtypes; other layers' tensors are ignored). Raises CheckpointError listing every
     missing, unexpected, or wrongly typed/shaped tensor before anything is built. ``wo_a`` may be
     stored fp8 + scale or, as in some re-exported checkpoints (SPEC §10.7), bf16 with no scale."""
+    _check_cfg(cfg, "layer_weights_from_tensors")
     spec = cfg.layer(layer)
     p = spec.weight_prefix
     own = {name[len(p):]: t for name, t in tensors.items() if name.startswith(p)}
+    _raise([f"{p}{n}: expected a torch.Tensor, found {_found(t)}"
+            for n, t in own.items() if not isinstance(t, torch.Tensor)], f"layer {layer}")
     problems = _name_problems(cfg, spec, own)
     problems += _meta_problems(cfg, spec, {n: (t.dtype, tuple(t.shape)) for n, t in own.items()})
     _raise(problems, f"layer {layer}")
@@ -236,6 +239,7 @@ def load_layer_weights(
     stderr, None does so when more than 256 MiB are to be read. Returns {layer: LayerWeights} on
     ``device``, in the order of ``layers``.
     """
+    _check_cfg(cfg, "load_layer_weights")
     ids = _layer_ids(cfg, layers)
     specs = [cfg.layer(L) for L in ids]
     root, weight_map, single = _resolve(path)
@@ -248,9 +252,20 @@ def load_layer_weights(
                 if not os.path.isfile(full):
                     raise CheckpointError(
                         f"shard {fname} named by {os.path.join(root, INDEX_FILE)} does not exist")
-                h = stack.enter_context(safe_open(full, framework="pt", device="cpu"))
-                handles[fname] = (h, set(h.keys()))
+                try:
+                    h = stack.enter_context(safe_open(full, framework="pt", device="cpu"))
+                    handles[fname] = (h, set(h.keys()))
+                except (SafetensorError, OSError) as e:
+                    raise CheckpointError(f"{full}: not a readable safetensors file (truncated, "
+                                          f"corrupt or another format): {e}") from e
             return handles[fname]
+
+        def read(full: str) -> torch.Tensor:
+            fname = weight_map[full]
+            try:
+                return shard(fname)[0].get_tensor(full)
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{os.path.join(root, fname)}: reading {full} failed: {e}") from e
 
         if weight_map is None:
             weight_map = dict.fromkeys(shard(single)[1], single)
@@ -291,7 +306,7 @@ def load_layer_weights(
         for spec in specs:
             own: dict[str, torch.Tensor] = {}
             for rel, full in per_layer[spec.layer].items():
-                t = shard(weight_map[full])[0].get_tensor(full)
+                t = read(full)
                 own[rel] = t.to(device)
                 if bar is not None:
                     bar.step(_nbytes(t))
@@ -307,6 +322,8 @@ def random_checkpoint_tensors(
     block scales (``quantize_fp8``); bf16 matrices normal(0, 1/sqrt(fan_in)); norm weights
     uniform(0.7, 1.3) bf16; ``attn_sink`` normal(0, 1) f32. Each layer has its own generator
     seeded from (seed, layer), so a layer's weights do not depend on which others are drawn."""
+    _check_cfg(cfg, "random_checkpoint_tensors")
+    _check_seed(seed, "random_checkpoint_tensors")
     out: dict[str, torch.Tensor] = {}
     for L in _layer_ids(cfg, layers):
         prefix = cfg.layer(L).weight_prefix
@@ -349,6 +366,17 @@ def write_synthetic_checkpoint(
     ``model-0000i-of-0000N.safetensors`` filled in layer order up to ``max_shard_bytes`` each
     (a tensor larger than that gets a shard of its own), and ``model.safetensors.index.json``.
     Layers are drawn one at a time, so memory stays near one shard plus one layer."""
+    _check_cfg(cfg, "write_synthetic_checkpoint")
+    _check_seed(seed, "write_synthetic_checkpoint")
+    if as_index(max_shard_bytes) is None or max_shard_bytes < 1:
+        raise CheckpointError(f"write_synthetic_checkpoint: max_shard_bytes must be a positive "
+                              f"integer (bytes), got {max_shard_bytes!r}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(f"write_synthetic_checkpoint: path must be a directory path, got "
+                              f"{type(path).__name__} {path!r:.80}")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"write_synthetic_checkpoint: {os.fspath(path)} exists and is not a "
+                              f"directory; path is the checkpoint directory to create")
     ids = _layer_ids(cfg, layers)
     if not ids:
         raise CheckpointError("write_synthetic_checkpoint: no layers selected")
@@ -405,12 +433,29 @@ def _describe(spec: LayerSpec) -> str:
     return f"layer {spec.layer} is a {spec.role.value} layer (ratio {spec.ratio})"
 
 
+def _check_cfg(cfg: object, where: str) -> None:
+    if not isinstance(cfg, AttentionConfig):
+        hint = " (make one with preset() or load_config())" if isinstance(cfg, (str, os.PathLike)) else ""
+        raise CheckpointError(f"{where}: cfg must be an AttentionConfig, got "
+                              f"{type(cfg).__name__} {cfg!r:.80}{hint}")
+
+
+def _check_seed(seed: object, where: str) -> None:
+    if as_index(seed) is None:
+        raise CheckpointError(f"{where}: seed must be an integer, got {type(seed).__name__} {seed!r:.80}")
+
+
 def _layer_ids(cfg: AttentionConfig, layers: int | Iterable[int] | None) -> list[int]:
     if layers is None:
         return list(range(len(cfg.layer_specs)))
-    ids = [int(L) for L in layers] if isinstance(layers, Iterable) else [int(layers)]
-    for L in ids:
-        cfg.layer(L)  # raises ConfigError naming the valid range
+    many = isinstance(layers, Iterable) and not isinstance(layers, (str, bytes))
+    ids = []
+    for L in (list(layers) if many else [layers]):
+        if as_index(L) is None:
+            raise CheckpointError(f"layers={layers!r:.80}: layer ids must be integers, got "
+                                  f"{type(L).__name__} {L!r}")
+        ids.append(as_index(L))
+        cfg.layer(ids[-1])  # raises ConfigError naming the valid range
     return list(dict.fromkeys(ids))
 
 
@@ -492,49 +537,128 @@ def _build(spec: LayerSpec, t: Mapping[str, torch.Tensor]) -> LayerWeights:
     return LayerWeights(layer=spec.layer, **fields)
 
 
+def _held_dtypes(spec: LayerSpec) -> dict[str, torch.dtype]:
+    """LayerWeights field -> dtype of the tensor it holds for ``spec``'s layer (fp8 fields: of
+    their ``.weight``; their ``.scale`` is float8_e8m0fnu). What ``_build`` makes of the
+    checkpoint dtypes: wo_a dequantised to bf16, the gated compressor promoted to fp32."""
+    out: dict[str, torch.dtype] = {}
+    for field, name in _FIELDS:
+        if name in _FP8_STEMS:
+            out[field] = FP8
+        elif name == "attn_sink":
+            out[field] = torch.float32
+        else:
+            out[field] = torch.bfloat16
+    if spec.has_gate:
+        out["compressor_wkv"] = out["compressor_wgate"] = torch.float32
+    return out
+
+
 def check_layer_weights(cfg: AttentionConfig, w: LayerWeights) -> None:
-    """Raise CheckpointError unless ``w`` holds exactly the weights, with the shapes, that layer
-    ``w.layer`` of ``cfg`` needs (weights built for another config, or hand-made ones)."""
+    """Raise CheckpointError unless ``w`` holds exactly the weights, with the dtypes and shapes,
+    that layer ``w.layer`` of ``cfg`` needs (weights built for another config, or hand-made
+    ones), all on one device. Every problem is listed, each naming the field, its checkpoint
+    name, and what was found and expected."""
+    if not isinstance(cfg, AttentionConfig):
+        raise CheckpointError(f"check_layer_weights: cfg must be an AttentionConfig, got "
+                              f"{type(cfg).__name__} {cfg!r:.80}")
+    if not isinstance(w, LayerWeights):
+        raise CheckpointError(f"check_layer_weights: weights must be a LayerWeights, got "
+                              f"{type(w).__name__} {w!r:.80}")
     spec = cfg.layer(w.layer)
     expected = expected_tensors(cfg, w.layer)
+    dtypes = _held_dtypes(spec)
     p = spec.weight_prefix
+    problems: list[str] = []
+    devices: dict[str, list[str]] = {}  # device -> fields there
     for field, name in _FIELDS:
         v = getattr(w, field)
         key = f"{name}.weight" if name in _FP8_STEMS else name
         want = expected.get(key)
         if want is None and v is not None:
-            raise CheckpointError(f"{p}{key}: the config gives layer {w.layer} no such tensor "
-                                  f"(role {spec.role.value}), but the weights have one")
+            problems.append(f"{p}{key}: the config gives layer {w.layer} no such tensor "
+                            f"(role {spec.role.value}), but the weights have one")
+            continue
         if want is None:
             continue
         if v is None:
-            raise CheckpointError(f"{p}{key}: missing for layer {w.layer}")
-        shape = tuple((v.weight if isinstance(v, Fp8Weight) else v).shape)
-        if shape != tuple(want[1]):
-            raise CheckpointError(f"{p}{key}: the config expects shape {list(want[1])}, the "
-                                  f"weights have {list(shape)}")
+            problems.append(f"{p}{key}: missing for layer {w.layer}")
+            continue
+        want_shape, want_dtype = tuple(want[1]), dtypes[field]
+        if name in _FP8_STEMS:
+            if not isinstance(v, Fp8Weight):
+                problems.append(f"{p}{key}: {field} must be an Fp8Weight (float8_e4m3fn weight + "
+                                f"float8_e8m0fnu scale) of {list(want_shape)}, found "
+                                f"{_found(v)}")
+                continue
+            parts = {"weight": (v.weight, FP8, want_shape),
+                     "scale": (v.scale, SCALE, tuple(expected[f"{name}.scale"][1]))}
+        else:
+            parts = {"": (v, want_dtype, want_shape)}
+        for part, (t, dtype, shape) in parts.items():
+            label = f"{p}{name}.{part}" if part else f"{p}{key}"
+            what = f"{field}.{part}" if part else field
+            if not isinstance(t, torch.Tensor):
+                problems.append(f"{label}: {what} must be a torch.Tensor {_fmt(dtype, shape)}, "
+                                f"found {_found(t)}")
+                continue
+            devices.setdefault(str(t.device), []).append(what)
+            if tuple(t.shape) != shape:
+                problems.append(f"{label}: the config expects shape {list(shape)}, the weights "
+                                f"have {list(t.shape)}")
+            if t.dtype != dtype:
+                problems.append(f"{label}: {what} of layer {w.layer} must be "
+                                f"{str(dtype).removeprefix('torch.')}, found "
+                                f"{_fmt(t.dtype, t.shape)} (expected {_fmt(dtype, shape)})")
+    if len(devices) > 1:
+        main = max(devices, key=lambda dev: len(devices[dev]))
+        elsewhere = "; ".join(f"{', '.join(fields)} on {dev}"
+                              for dev, fields in devices.items() if dev != main)
+        problems.append(f"layer {w.layer}: all tensors must be on one device, found {elsewhere}, "
+                        f"the other {len(devices[main])} on {main}")
+    _raise(problems, f"layer {w.layer} weights")
+
+
+def _found(v: object) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a torch.Tensor {_fmt(v.dtype, v.shape)}"
+    return f"{type(v).__name__} {v!r:.80}"
 
 
 def _resolve(path: str | os.PathLike) -> tuple[str, dict[str, str] | None, str | None]:
     """(directory, weight_map or None, single file name or None) for a checkpoint path."""
+    if not isinstance(path, (str, os.PathLike)):
+        hint = (" (the arguments are (path, cfg))" if isinstance(path, AttentionConfig) else "")
+        raise CheckpointError(f"load_layer_weights: path must be {_PATH_KINDS}, got "
+                              f"{type(path).__name__} {path!r:.80}{hint}")
     path = os.fspath(path)
     if os.path.isfile(path):
         return os.path.dirname(path) or ".", None, os.path.basename(path)
     if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint path {path} does not exist")
+        if path in PRESETS:
+            raise CheckpointError(
+                f"checkpoint path {path} does not exist: {path!r} is a config preset name, not a "
+                f"checkpoint. load_layer_weights needs {_PATH_KINDS}; for random weights without "
+                f"a checkpoint use random_layer_weights(cfg, layer, seed), or write one with "
+                f"write_synthetic_checkpoint(path, cfg)")
+        raise CheckpointError(f"checkpoint path {path} does not exist (expected {_PATH_KINDS})")
     index = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index):
         try:
-            with open(index) as f:
+            with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({e!r})") from e
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard files")
         return path, {str(k): str(v) for k, v in weight_map.items()}, None
     if os.path.isfile(os.path.join(path, SINGLE_FILE)):
         return path, None, SINGLE_FILE
-    raise CheckpointError(f"{path} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+    raise CheckpointError(f"{path} holds neither {INDEX_FILE} nor {SINGLE_FILE} (expected {_PATH_KINDS})")
+
+
+_PATH_KINDS = (f"a checkpoint directory (with {INDEX_FILE} and its shards, or one {SINGLE_FILE}) "
+               f"or a .safetensors file")
 
 
 class _Progress:

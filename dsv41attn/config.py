@@ -10,11 +10,66 @@ import dataclasses
 import enum
 import json
 import math
+import numbers
+import operator
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 SEMANTICS = ("fixed", "reference")
+
+# Inference name -> HF config.json key, where they differ: validation messages name both, so an
+# error from ``from_hf`` points at the key to fix in the file.
+HF_KEYS = {
+    "dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+    "rope_head_dim": "qk_rope_head_dim", "window_size": "sliding_window",
+    "kv_source_layers": "kv_source_layer_ids", "index_source_layers": "index_source_layer_ids",
+    "candidate_source_layer": "candidate_source_layer_id", "n_mtp_layers": "num_nextn_predict_layers",
+    "rope_factor": "rope_scaling.factor",
+    "original_seq_len": "rope_scaling.original_max_position_embeddings",
+    "beta_fast": "rope_scaling.beta_fast", "beta_slow": "rope_scaling.beta_slow",
+    "norm_eps": "rms_norm_eps", "max_seq_len": "max_position_embeddings",
+    "weight_block_size": "quantization_config.weight_block_size",
+}
+_POSITIVE_INTS = (
+    "dim", "n_layers", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_groups",
+    "o_lora_rank", "window_size", "index_n_heads", "index_head_dim", "index_topk",
+    "original_seq_len", "max_seq_len", "weight_block_size",
+)
+_OTHER_INTS = ("n_mtp_layers", "candidate_source_layer", "candidate_topk_blocks", "candidate_block_size")
+_INT_LISTS = ("compress_ratios", "kv_source_layers", "index_source_layers")
+# float field -> (lower bound, whether the bound itself is allowed, what the value is)
+_FLOATS = {
+    "rope_theta": (1.0, False, "the RoPE base of ratio-0 layers"),
+    "compress_rope_theta": (1.0, False, "the RoPE base of compressing layers"),
+    "rope_factor": (0.0, False, "the YaRN frequency divisor"),
+    "beta_fast": (0.0, False, "a YaRN ramp bound in rotations"),
+    "beta_slow": (0.0, False, "a YaRN ramp bound in rotations"),
+    "norm_eps": (0.0, True, "the RMSNorm epsilon"),
+}
+
+
+def _hf(name: str) -> str:
+    """The suffix `` (config.json KEY)`` for a field whose HF key differs from its name."""
+    return f" (config.json {HF_KEYS[name]})" if name in HF_KEYS else ""
+
+
+def as_index(v: Any) -> int | None:
+    """``v`` as an int if it is one (numpy and 0-d integer torch values too; not bools), else None."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
+def _is_int(v: Any) -> bool:
+    return as_index(v) is not None
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 class ConfigError(ValueError):
@@ -106,13 +161,22 @@ class AttentionConfig:
     layer_specs: tuple[LayerSpec, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("compress_ratios", "kv_source_layers", "index_source_layers"):
-            values = tuple(getattr(self, name))
+        for name in _INT_LISTS:
+            values = getattr(self, name)
+            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+                raise ConfigError(f"{name} must be a list of integers, got "
+                                  f"{type(values).__name__} {values!r}{_hf(name)}")
             for i, v in enumerate(values):
-                if isinstance(v, bool) or not float(v).is_integer():
-                    raise ConfigError(f"{name}[{i}]={v!r} must be an integer")
+                # integral floats (2.0, as some JSON writers emit) are accepted; 2.5, True, "2" not
+                if not (_is_int(v) or (isinstance(v, float) and v.is_integer())):
+                    raise ConfigError(f"{name}[{i}]={v!r} must be an integer{_hf(name)}")
             object.__setattr__(self, name, tuple(int(v) for v in values))
-        self._validate()
+        self._validate()  # messages show the values as given
+        # validated numpy / other integral and real scalars are stored as plain int / float
+        for name in _POSITIVE_INTS + _OTHER_INTS:
+            object.__setattr__(self, name, int(getattr(self, name)))
+        for name in _FLOATS:
+            object.__setattr__(self, name, float(getattr(self, name)))
         specs = tuple(self._derive(layer) for layer in range(self.n_layers + self.n_mtp_layers))
         object.__setattr__(self, "layer_specs", specs)
 
@@ -141,11 +205,14 @@ class AttentionConfig:
 
     def layer(self, layer: int) -> LayerSpec:
         """The spec of backbone layer ``layer`` (0..n_layers-1) or draft layer (n_layers..)."""
-        if not 0 <= layer < len(self.layer_specs):
+        index = as_index(layer)
+        if index is None:
+            raise ConfigError(f"layer must be an integer layer id, got {type(layer).__name__} {layer!r}")
+        if not 0 <= index < len(self.layer_specs):
             raise ConfigError(
                 f"layer {layer} out of range: this config has layers 0..{len(self.layer_specs) - 1}"
             )
-        return self.layer_specs[layer]
+        return self.layer_specs[index]
 
     def kv_src(self, layer: int) -> int | None:
         """The largest KV source <= layer (None if there is none)."""
@@ -156,6 +223,8 @@ class AttentionConfig:
         return max((s for s in self.index_source_layers if s <= layer), default=None)
 
     def replace(self, **changes: Any) -> "AttentionConfig":
+        """A copy with ``changes`` (inference field names) applied and validated."""
+        _check_field_names(changes, "replace")
         return dataclasses.replace(self, **changes)
 
     # ---- construction --------------------------------------------------------------------
@@ -164,17 +233,31 @@ class AttentionConfig:
         """Build from a HF ``config.json``: a path to the file, a checkpoint directory holding
         it, or the parsed dict. V4.1 keeps the text model under ``text_config``; a flat dict
         (as in the fixtures) is accepted too. ``overrides`` use inference names."""
+        _check_field_names(overrides, "from_hf")
         if isinstance(source, Mapping):
-            raw = dict(source)
-        else:
+            raw, where = source, "config dict"
+        elif isinstance(source, (str, os.PathLike)):
             path = os.fspath(source)
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
             if not os.path.isfile(path):
                 raise ConfigError(f"config file not found: {path}")
-            with open(path) as f:
-                raw = json.load(f)
-        text = dict(raw.get("text_config", raw))
+            try:
+                with open(path, encoding="utf-8") as f:
+                    raw = json.load(f)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ConfigError(f"config file {path} is not a readable JSON config: {e}") from e
+            where = f"config file {path}"
+        else:
+            raise ConfigError(f"from_hf: source must be a config.json path, a checkpoint directory "
+                              f"or a dict, got {type(source).__name__} {source!r}")
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{where}: expected a JSON object of config keys, got "
+                              f"{type(raw).__name__} {raw!r:.200}")
+        text = raw.get("text_config", raw)
+        if not isinstance(text, Mapping):
+            raise ConfigError(f"{where}: text_config={text!r} must be an object holding the text "
+                              f"model's keys, got {type(text).__name__}")
         return cls(**{**_from_hf_keys(text), **overrides})
 
     def to_hf(self) -> dict[str, Any]:
@@ -257,14 +340,21 @@ class AttentionConfig:
             if not cond:
                 raise ConfigError(msg)
 
-        for name in (
-            "dim", "n_layers", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_groups",
-            "o_lora_rank", "window_size", "index_n_heads", "index_head_dim", "index_topk",
-            "max_seq_len", "weight_block_size",
-        ):
+        for name in _POSITIVE_INTS:
             v = getattr(self, name)
-            need(isinstance(v, int) and v >= 1, f"{name} must be a positive integer, got {v!r}")
-        need(self.n_mtp_layers >= 0, f"n_mtp_layers must be >= 0, got {self.n_mtp_layers}")
+            need(_is_int(v) and v >= 1, f"{name} must be a positive integer, got {v!r}{_hf(name)}")
+        for name in _OTHER_INTS:
+            v = getattr(self, name)
+            need(_is_int(v), f"{name} must be an integer, got {v!r}{_hf(name)}")
+        for name, (low, inclusive, what) in _FLOATS.items():
+            v = getattr(self, name)
+            ok = _is_real(v) and math.isfinite(v) and (v >= low if inclusive else v > low)
+            need(ok, f"{name} ({what}) must be a finite number {'>=' if inclusive else '>'} {low:g}, "
+                     f"got {v!r}{_hf(name)}")
+        need(self.n_mtp_layers >= 0, f"n_mtp_layers must be >= 0, got {self.n_mtp_layers}{_hf('n_mtp_layers')}")
+        need(self.candidate_source_layer >= -1,
+             f"candidate_source_layer must be -1 (no candidates) or a backbone layer, got "
+             f"{self.candidate_source_layer}{_hf('candidate_source_layer')}")
         blk = self.weight_block_size
         need(blk == 32, f"weight_block_size must be 32 (V4.1 fp8 32x32 blocks), got {blk}")
         need(self.index_semantics in SEMANTICS,
@@ -333,8 +423,23 @@ class AttentionConfig:
                          "widths would differ")
 
 
+def _check_field_names(changes: Mapping[str, Any], where: str) -> None:
+    """Overrides / replacements must name init fields of AttentionConfig (inference names)."""
+    known = [f.name for f in dataclasses.fields(AttentionConfig) if f.init]
+    unknown = [k for k in changes if k not in known]
+    if unknown:
+        hint = {v: k for k, v in HF_KEYS.items()}
+        named = ", ".join(f"{k!r}" + (f" (the HF key of {hint[k]!r})" if k in hint else "")
+                          for k in unknown)
+        raise ConfigError(f"{where}: unknown config field(s) {named}; the fields are "
+                          f"{', '.join(known)}")
+
+
 def _from_hf_keys(text: Mapping[str, Any]) -> dict[str, Any]:
-    """Map HF ``text_config`` keys to inference names; missing required keys are an error."""
+    """Map HF ``text_config`` keys to inference names; missing required keys are an error.
+    Values pass through unconverted (but for integral floats): AttentionConfig validates their
+    types and ranges, its messages naming the HF key too. Only the nested objects are checked
+    here."""
     required = {
         "hidden_size": "dim",
         "num_hidden_layers": "n_layers",
@@ -357,34 +462,58 @@ def _from_hf_keys(text: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"config.json lacks required attention keys: {', '.join(missing)}")
     out: dict[str, Any] = {name: text[key] for key, name in required.items()}
     kv_heads = text.get("num_key_value_heads", 1)
-    if kv_heads != 1:
-        raise ConfigError(f"num_key_value_heads={kv_heads}: V4.1 attention has one shared KV head (1)")
-    out["candidate_source_layer"] = int(text.get("candidate_source_layer_id", -1))
-    out["candidate_topk_blocks"] = int(text.get("candidate_topk_blocks", 0))
-    out["candidate_block_size"] = int(text.get("candidate_block_size", 1))
-    n_ratios = len(text["compress_ratios"])
-    out["n_mtp_layers"] = int(text.get("num_nextn_predict_layers", n_ratios - text["num_hidden_layers"]))
-    for key, name in (("rope_theta", "rope_theta"), ("compress_rope_theta", "compress_rope_theta")):
+    if kv_heads != 1 or isinstance(kv_heads, bool):
+        raise ConfigError(f"num_key_value_heads={kv_heads!r}: V4.1 attention has one shared KV head (1)")
+    optional = {
+        "candidate_source_layer_id": ("candidate_source_layer", -1),
+        "candidate_topk_blocks": ("candidate_topk_blocks", 0),
+        "candidate_block_size": ("candidate_block_size", 1),
+        "rope_theta": ("rope_theta", None), "compress_rope_theta": ("compress_rope_theta", None),
+        "rms_norm_eps": ("norm_eps", None), "max_position_embeddings": ("max_seq_len", None),
+        "num_nextn_predict_layers": ("n_mtp_layers", None),
+    }
+    for key, (name, default) in optional.items():
         if key in text:
-            out[name] = float(text[key])
-    if "rms_norm_eps" in text:
-        out["norm_eps"] = float(text["rms_norm_eps"])
-    if "max_position_embeddings" in text:
-        out["max_seq_len"] = int(text["max_position_embeddings"])
-    scaling = text.get("rope_scaling") or {}
+            out[name] = text[key]
+        elif default is not None:
+            out[name] = default
+    if "n_mtp_layers" not in out:
+        # draft layers are the ratios past the backbone; a malformed list or count is reported
+        # by AttentionConfig, naming the key
+        ratios, n = text["compress_ratios"], text["num_hidden_layers"]
+        if isinstance(ratios, (list, tuple)) and _is_int(n):
+            out["n_mtp_layers"] = len(ratios) - n
+    scaling = text.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, Mapping):
+        raise ConfigError(f"rope_scaling={scaling!r} must be an object (type 'yarn', factor, "
+                          f"original_max_position_embeddings, beta_fast, beta_slow) or null, got "
+                          f"{type(scaling).__name__}")
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type", "yarn"))
         if kind != "yarn":
             raise ConfigError(f"rope_scaling type {kind!r} is not supported; V4.1 uses 'yarn'")
-        out["rope_factor"] = float(scaling.get("factor", 16.0))
-        out["original_seq_len"] = int(scaling.get("original_max_position_embeddings", 65536))
-        out["beta_fast"] = float(scaling.get("beta_fast", 32.0))
-        out["beta_slow"] = float(scaling.get("beta_slow", 1.0))
-    quant = text.get("quantization_config") or {}
+        out["rope_factor"] = scaling.get("factor", 16.0)
+        out["original_seq_len"] = scaling.get("original_max_position_embeddings", 65536)
+        out["beta_fast"] = scaling.get("beta_fast", 32.0)
+        out["beta_slow"] = scaling.get("beta_slow", 1.0)
+    # JSON does not tell 4096 from 4096.0: an integral float is the integer it spells (as in
+    # the id lists); fractional ones and bools stay, for AttentionConfig to reject by name.
+    for name in _POSITIVE_INTS + _OTHER_INTS:
+        v = out.get(name)
+        if isinstance(v, float) and v.is_integer():
+            out[name] = int(v)
+    quant = text.get("quantization_config")
+    if quant is not None and not isinstance(quant, Mapping):
+        raise ConfigError(f"quantization_config={quant!r} must be an object (quant_method, fmt, "
+                          f"scale_fmt, weight_block_size) or null, got {type(quant).__name__}")
     if quant:
-        block = list(quant.get("weight_block_size", [32, 32]))
+        block = quant.get("weight_block_size", [32, 32])
+        if not (isinstance(block, (list, tuple)) and len(block) == 2
+                and all(_is_int(v) or (isinstance(v, float) and v.is_integer()) for v in block)):
+            raise ConfigError(f"quantization_config.weight_block_size={block!r} must be a "
+                              f"[rows, cols] pair of integers, e.g. [32, 32]")
         if block[0] != block[1]:
-            raise ConfigError(f"quantization_config.weight_block_size={block} must be square")
+            raise ConfigError(f"quantization_config.weight_block_size={list(block)} must be square")
         out["weight_block_size"] = int(block[0])
         fmt = quant.get("scale_fmt", "ue8m0")
         if fmt != "ue8m0":
@@ -421,16 +550,21 @@ PRESETS = {"v41-flash": _v41_flash, "tiny": _tiny}
 
 def preset(name: str, **overrides: Any) -> AttentionConfig:
     """A built-in config: ``v41-flash`` (the real V4.1-Flash values) or ``tiny``."""
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     cfg = PRESETS[name]()
     return cfg.replace(**overrides) if overrides else cfg
 
 
-def load_config(source: str, **overrides: Any) -> AttentionConfig:
-    """A preset name, a ``config.json`` path or a checkpoint directory."""
-    if source in PRESETS:
+def load_config(source: "str | os.PathLike | Mapping[str, Any]", **overrides: Any) -> AttentionConfig:
+    """A preset name, a ``config.json`` path or a checkpoint directory (or, as ``from_hf``, the
+    parsed dict)."""
+    if isinstance(source, str) and source in PRESETS:
         return preset(source, **overrides)
+    if isinstance(source, (str, os.PathLike)) and not os.path.exists(source):
+        path = os.fspath(source)
+        raise ConfigError(f"config file not found: {path} (load_config takes a preset name, one "
+                          f"of {', '.join(PRESETS)}, a config.json path or a checkpoint directory)")
     return AttentionConfig.from_hf(source, **overrides)
 
 

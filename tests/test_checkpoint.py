@@ -445,3 +445,213 @@ def test_index_lists_tensors_its_shard_lacks(tmp_path, tiny):
                                               f"{shard}, but that shard does not hold it"):
         load_layer_weights(tmp_path, tiny, layers=1)
     assert list(load_layer_weights(tmp_path, tiny, layers=0)) == [0]
+
+
+# ---- check_layer_weights: dtypes, kinds and devices of what LayerWeights holds ----------------
+
+def _as_fp8(w: Fp8Weight, **parts) -> Fp8Weight:
+    return Fp8Weight(parts.get("weight", w.weight), parts.get("scale", w.scale))
+
+
+# (id, layer, field, replacement from the valid weights, checkpoint name, found, expected)
+BAD_HELD = [
+    ("q_norm_f32", 0, "q_norm", lambda w: w.q_norm.float(), "q_norm.weight",
+     "float32 [32]", "bfloat16 [32]"),
+    ("kv_norm_f16", 0, "kv_norm", lambda w: w.kv_norm.half(), "kv_norm.weight",
+     "float16 [32]", "bfloat16 [32]"),
+    ("attn_sink_bf16", 0, "attn_sink", lambda w: w.attn_sink.bfloat16(), "attn_sink",
+     "bfloat16 [8]", "float32 [8]"),
+    ("wo_a_f32", 0, "wo_a", lambda w: w.wo_a.float(), "wo_a.weight",
+     "float32 [32, 128]", "bfloat16 [32, 128]"),
+    ("wo_a_still_fp8", 0, "wo_a", lambda w: quantize_fp8(w.wo_a.float()), "wo_a.weight",
+     "Fp8Weight", "bfloat16 [32, 128]"),
+    ("wq_b_dequantised", 0, "wq_b", lambda w: w.wq_b.dequantize(), "wq_b.weight",
+     "bfloat16 [256, 32]", "Fp8Weight"),
+    ("compressor_wkv_bf16_at_ratio_2", 1, "compressor_wkv", lambda w: w.compressor_wkv.bfloat16(),
+     "compressor.wkv.weight", "bfloat16 [32, 64]", "float32 [32, 64]"),
+    ("compressor_wgate_bf16_at_ratio_2", 1, "compressor_wgate", lambda w: w.compressor_wgate.bfloat16(),
+     "compressor.wgate.weight", "bfloat16 [32, 64]", "float32 [32, 64]"),
+    ("compressor_wkv_f32_at_ratio_1", 3, "compressor_wkv", lambda w: w.compressor_wkv.float(),
+     "compressor.wkv.weight", "float32 [32, 64]", "bfloat16 [32, 64]"),
+    ("compressor_norm_f32", 1, "compressor_norm", lambda w: w.compressor_norm.float(),
+     "compressor.norm.weight", "float32 [32]", "bfloat16 [32]"),
+    ("index_wk_f32", 3, "index_wk", lambda w: w.index_wk.float(), "indexer.wk.weight",
+     "float32 [32, 32]", "bfloat16 [32, 32]"),
+    ("index_k_norm_f32", 3, "index_k_norm", lambda w: w.index_k_norm.float(), "indexer.k_norm.weight",
+     "float32 [32]", "bfloat16 [32]"),
+    ("index_weights_proj_f32", 5, "index_weights_proj", lambda w: w.index_weights_proj.float(),
+     "indexer.weights_proj.weight", "float32 [4, 64]", "bfloat16 [4, 64]"),
+    ("index_wq_b_dequantised", 5, "index_wq_b", lambda w: w.index_wq_b.dequantize(),
+     "indexer.wq_b.weight", "bfloat16 [128, 32]", "Fp8Weight"),
+    ("attn_sink_list", 0, "attn_sink", lambda w: w.attn_sink.tolist(), "attn_sink",
+     "list", "float32 [8]"),
+]
+
+
+@pytest.mark.parametrize("layer,field,bad,name,found,want", [c[1:] for c in BAD_HELD],
+                         ids=[c[0] for c in BAD_HELD])
+def test_check_layer_weights_dtypes(tiny, layer, field, bad, name, found, want):
+    w = random_layer_weights(tiny, layer)
+    with pytest.raises(CheckpointError) as e:
+        ck.check_layer_weights(tiny, dataclasses.replace(w, **{field: bad(w)}))
+    msg = str(e.value)
+    for text in (f"layer {layer}", f"layers.{layer}.attn.{name}", field, found, want):
+        assert text in msg, (text, msg)
+
+
+# (id, layer, field, replacement, the misplaced part as named in the message)
+ELSEWHERE = [
+    ("q_norm", 0, "q_norm", lambda w: w.q_norm.to("meta"), "q_norm on meta"),
+    ("attn_sink", 3, "attn_sink", lambda w: w.attn_sink.to("meta"), "attn_sink on meta"),
+    ("fp8_scale", 1, "wq_a", lambda w: _as_fp8(w.wq_a, scale=w.wq_a.scale.to("meta")),
+     "wq_a.scale on meta"),
+    ("index_wk", 1, "index_wk", lambda w: w.index_wk.to("meta"), "index_wk on meta"),
+]
+
+
+@pytest.mark.parametrize("layer,field,bad,where", [c[1:] for c in ELSEWHERE], ids=[c[0] for c in ELSEWHERE])
+def test_check_layer_weights_one_device(tiny, layer, field, bad, where):
+    w = random_layer_weights(tiny, layer)
+    with pytest.raises(CheckpointError) as e:
+        ck.check_layer_weights(tiny, dataclasses.replace(w, **{field: bad(w)}))
+    msg = str(e.value)
+    for text in (f"layer {layer}", "one device", where, "on cpu"):
+        assert text in msg, (text, msg)
+
+
+def test_check_layer_weights_accepts_what_the_loader_builds(tiny, tmp_path, layer3):
+    for L in range(len(tiny.layer_specs)):
+        ck.check_layer_weights(tiny, random_layer_weights(tiny, L))
+        ck.check_layer_weights(tiny, random_layer_weights(tiny, L).to("meta"))  # one device, any
+    # a re-exported checkpoint's bf16 wo_a builds the same LayerWeights dtypes
+    fp8 = Fp8Weight(layer3["layers.3.attn.wo_a.weight"], layer3["layers.3.attn.wo_a.scale"])
+    layer3["layers.3.attn.wo_a.weight"] = fp8.dequantize()
+    del layer3["layers.3.attn.wo_a.scale"]
+    ck.check_layer_weights(tiny, layer_weights_from_tensors(tiny, 3, layer3))
+
+
+def test_check_layer_weights_lists_every_problem(tiny):
+    w = random_layer_weights(tiny, 1)
+    bad = dataclasses.replace(w, q_norm=w.q_norm.float(), attn_sink=w.attn_sink[:4],
+                              compressor_wgate=None)
+    with pytest.raises(CheckpointError) as e:
+        ck.check_layer_weights(tiny, bad)
+    msg = str(e.value)
+    assert "3 problem(s)" in msg
+    assert "layers.1.attn.q_norm.weight: q_norm of layer 1 must be bfloat16, found float32 [32]" in msg
+    assert "layers.1.attn.attn_sink: the config expects shape [8], the weights have [4]" in msg
+    assert "layers.1.attn.compressor.wgate.weight: missing for layer 1" in msg
+
+
+@pytest.mark.parametrize("cfg_arg,w_arg,texts", [
+    ("tiny", None, ("cfg", "AttentionConfig", "'tiny'")),
+    (None, {"q_norm": 1}, ("LayerWeights", "dict")),
+], ids=["cfg_is_a_name", "weights_not_layer_weights"])
+def test_check_layer_weights_wrong_kinds(tiny, cfg_arg, w_arg, texts):
+    with pytest.raises(CheckpointError) as e:
+        ck.check_layer_weights(tiny if cfg_arg is None else cfg_arg,
+                               random_layer_weights(tiny, 0) if w_arg is None else w_arg)
+    for text in texts:
+        assert text in str(e.value), (text, str(e.value))
+
+
+# ---- bad files and arguments: the file or argument and its value are named -------------------
+
+def _spoil(path, how: str) -> None:
+    data = open(path, "rb").read()
+    content = {
+        "truncated": data[: len(data) // 2],
+        "header_only": data[:8],
+        "garbage": bytes(range(256)) * 8,
+        "json": b'{"weight_map": {}}',
+        "empty": b"",
+    }[how]
+    with open(path, "wb") as f:
+        f.write(content)
+
+
+SPOILED = ["truncated", "header_only", "garbage", "json", "empty"]
+
+
+@pytest.mark.parametrize("how", SPOILED)
+def test_bad_single_file_names_it(tmp_path, tiny, how):
+    path = save_single(tmp_path / "layer0.safetensors", random_checkpoint_tensors(tiny, [0]))
+    _spoil(path, how)
+    with pytest.raises(CheckpointError) as e:
+        load_layer_weights(path, tiny, layers=0)
+    assert path in str(e.value) and "safetensors" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("how", SPOILED)
+def test_bad_shard_names_it(tmp_path, tiny, how):
+    write_synthetic_checkpoint(tmp_path, tiny, seed=0, layers=[0, 1], max_shard_bytes=12_000)
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = weight_map["layers.1.attn.wq_a.weight"]
+    assert shard != weight_map["layers.0.attn.wq_a.weight"]
+    _spoil(tmp_path / shard, how)
+    with pytest.raises(CheckpointError) as e:
+        load_layer_weights(tmp_path, tiny, layers=1)
+    assert str(tmp_path / shard) in str(e.value), str(e.value)
+
+
+def test_index_not_json_names_it(tmp_path, tiny):
+    write_synthetic_checkpoint(tmp_path, tiny, seed=0, layers=[0])
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json") as e:
+        load_layer_weights(tmp_path, tiny, layers=0)
+    assert str(index) in str(e.value)
+
+
+def test_preset_name_instead_of_a_path(tmp_path, tiny, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no directory called "tiny" here
+    with pytest.raises(CheckpointError) as e:
+        load_layer_weights("tiny", tiny)
+    msg = str(e.value)
+    for text in ("'tiny'", "preset", "checkpoint directory", ".safetensors file", "random_layer_weights"):
+        assert text in msg, (text, msg)
+
+
+LOAD_ARGS = [
+    ("arguments_swapped", lambda cfg, path: load_layer_weights(cfg, path), ("cfg", "AttentionConfig")),
+    ("path_none", lambda cfg, path: load_layer_weights(None, cfg), ("path", "None", "checkpoint directory")),
+    ("layer_fractional", lambda cfg, path: load_layer_weights(path, cfg, layers=[1.5]), ("layers", "1.5")),
+    ("layer_bool", lambda cfg, path: load_layer_weights(path, cfg, layers=[True]), ("layers", "True")),
+    ("layers_string", lambda cfg, path: load_layer_weights(path, cfg, layers="1"), ("layers", "'1'")),
+    ("random_layer_fractional", lambda cfg, path: random_layer_weights(cfg, 1.5), ("layer", "1.5")),
+    ("random_seed_fractional", lambda cfg, path: random_layer_weights(cfg, 1, seed=0.5), ("seed", "0.5")),
+]
+
+
+@pytest.mark.parametrize("call,texts", [c[1:] for c in LOAD_ARGS], ids=[c[0] for c in LOAD_ARGS])
+def test_load_bad_arguments(tmp_path, tiny, call, texts):
+    path = save_single(tmp_path / "w.safetensors", random_checkpoint_tensors(tiny, [0, 1]))
+    with pytest.raises(CheckpointError) as e:
+        call(tiny, path)
+    for text in texts:
+        assert text in str(e.value), (text, str(e.value))
+
+
+WRITE_ARGS = [
+    ("cfg_is_a_name", lambda cfg, path: write_synthetic_checkpoint(path, "tiny"), ("cfg", "'tiny'")),
+    ("seed_fractional", lambda cfg, path: write_synthetic_checkpoint(path, cfg, seed=1.5), ("seed", "1.5")),
+    ("seed_string", lambda cfg, path: write_synthetic_checkpoint(path, cfg, seed="7"), ("seed", "'7'")),
+    ("shard_bytes_string", lambda cfg, path: write_synthetic_checkpoint(path, cfg, max_shard_bytes="1GB"),
+     ("max_shard_bytes", "'1GB'")),
+    ("shard_bytes_zero", lambda cfg, path: write_synthetic_checkpoint(path, cfg, max_shard_bytes=0),
+     ("max_shard_bytes", "got 0")),
+    ("layers_fractional", lambda cfg, path: write_synthetic_checkpoint(path, cfg, layers=[0.5]),
+     ("layers", "0.5")),
+    ("path_is_a_file", lambda cfg, path: write_synthetic_checkpoint(path / "config.json", cfg),
+     ("config.json", "not a directory")),
+]
+
+
+@pytest.mark.parametrize("call,texts", [c[1:] for c in WRITE_ARGS], ids=[c[0] for c in WRITE_ARGS])
+def test_write_synthetic_bad_arguments(tmp_path, tiny, call, texts):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError) as e:
+        call(tiny, tmp_path)
+    for text in texts:
+        assert text in str(e.value), (text, str(e.value))
+    assert sorted(os.listdir(tmp_path)) == ["config.json"]  # nothing written

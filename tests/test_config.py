@@ -449,3 +449,175 @@ def test_missing_config_file(tmp_path):
 def test_fractional_ratio_rejected():
     with pytest.raises(ConfigError, match=r"compress_ratios\[1\]=2\.5 must be an integer"):
         _t().replace(compress_ratios=(0, 2.5, 2, 1, 1, 1, 1, 1, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Values that cannot work, and inputs of the wrong kind: ConfigError naming the key and value
+# ---------------------------------------------------------------------------------------------
+
+def _hf_edit(**edit) -> dict:
+    return _hf(edit)
+
+
+def _yarn(**edit) -> dict:
+    scaling = dict(_t().to_hf()["text_config"]["rope_scaling"], **edit)
+    return _hf({"rope_scaling": scaling})
+
+
+NAN, INF = float("nan"), float("inf")
+
+# (id, build, texts the message must contain: the key and the value)
+BAD_VALUES = [
+    # direct construction: the inference name (and the HF key where it differs)
+    ("norm_eps_negative", lambda: _t().replace(norm_eps=-1e-6), ("norm_eps", "-1e-06", "rms_norm_eps")),
+    ("norm_eps_nan", lambda: _t().replace(norm_eps=NAN), ("norm_eps", "nan")),
+    ("norm_eps_inf", lambda: _t().replace(norm_eps=INF), ("norm_eps", "inf")),
+    ("rope_theta_zero", lambda: _t().replace(rope_theta=0.0), ("rope_theta", "0.0")),
+    ("rope_theta_negative", lambda: _t().replace(rope_theta=-10000.0), ("rope_theta", "-10000.0")),
+    ("rope_theta_nan", lambda: _t().replace(rope_theta=NAN), ("rope_theta", "nan")),
+    ("compress_rope_theta_zero", lambda: _t().replace(compress_rope_theta=0),
+     ("compress_rope_theta", "got 0")),
+    ("compress_rope_theta_negative", lambda: _t().replace(compress_rope_theta=-1.0),
+     ("compress_rope_theta", "-1.0")),
+    ("compress_rope_theta_nan", lambda: _t().replace(compress_rope_theta=NAN),
+     ("compress_rope_theta", "nan")),
+    ("rope_factor_zero", lambda: _t().replace(rope_factor=0.0), ("rope_factor", "0.0")),
+    ("beta_slow_zero", lambda: _t().replace(beta_slow=0.0), ("beta_slow", "0.0")),
+    ("rope_theta_string", lambda: _t().replace(rope_theta="10000"), ("rope_theta", "'10000'")),
+    ("original_seq_len_zero", lambda: _t().replace(original_seq_len=0),
+     ("original_seq_len", "got 0", "original_max_position_embeddings")),
+    ("index_n_heads_bool", lambda: _t().replace(index_n_heads=True), ("index_n_heads", "True")),
+    ("original_seq_len_fractional", lambda: _t().replace(original_seq_len=65536.5),
+     ("original_seq_len", "65536.5")),
+    ("n_mtp_layers_bool", lambda: _t().replace(n_mtp_layers=True), ("n_mtp_layers", "True")),
+    ("candidate_topk_blocks_fractional", lambda: _t().replace(candidate_topk_blocks=2.5),
+     ("candidate_topk_blocks", "2.5")),
+    ("candidate_source_float", lambda: _t().replace(candidate_source_layer=3.0),
+     ("candidate_source_layer", "3.0")),
+    ("candidate_source_below_minus_1", lambda: _t().replace(candidate_source_layer=-2),
+     ("candidate_source_layer", "-2")),
+    ("compress_ratios_string", lambda: _t().replace(compress_ratios="022111110"),
+     ("compress_ratios", "'022111110'")),
+    ("compress_ratios_none", lambda: _t().replace(compress_ratios=None), ("compress_ratios", "None")),
+    ("kv_source_string_entry", lambda: _t().replace(kv_source_layers=("1", 3)),
+     ("kv_source_layers[0]", "'1'")),
+    ("replace_unknown_field", lambda: _t().replace(rms_norm_eps=1e-6), ("rms_norm_eps", "norm_eps")),
+    ("layer_fractional", lambda: _t().layer(2.5), ("layer", "2.5")),
+    # from_hf: the HF key
+    ("hf_rms_norm_eps_negative", lambda: AttentionConfig.from_hf(_hf_edit(rms_norm_eps=-1e-6)),
+     ("rms_norm_eps", "-1e-06")),
+    ("hf_rms_norm_eps_nan", lambda: AttentionConfig.from_hf(_hf_edit(rms_norm_eps=NAN)),
+     ("rms_norm_eps", "nan")),
+    ("hf_rope_theta_zero", lambda: AttentionConfig.from_hf(_hf_edit(rope_theta=0)),
+     ("rope_theta", "got 0")),
+    ("hf_rope_theta_negative", lambda: AttentionConfig.from_hf(_hf_edit(rope_theta=-10000)),
+     ("rope_theta", "-10000")),
+    ("hf_rope_theta_nan", lambda: AttentionConfig.from_hf(_hf_edit(rope_theta=NAN)),
+     ("rope_theta", "nan")),
+    ("hf_rope_theta_string", lambda: AttentionConfig.from_hf(_hf_edit(rope_theta="1e4")),
+     ("rope_theta", "'1e4'")),
+    ("hf_compress_rope_theta_zero", lambda: AttentionConfig.from_hf(_hf_edit(compress_rope_theta=0)),
+     ("compress_rope_theta", "got 0")),
+    ("hf_compress_rope_theta_negative",
+     lambda: AttentionConfig.from_hf(_hf_edit(compress_rope_theta=-160000.0)),
+     ("compress_rope_theta", "-160000.0")),
+    ("hf_compress_rope_theta_nan", lambda: AttentionConfig.from_hf(_hf_edit(compress_rope_theta=NAN)),
+     ("compress_rope_theta", "nan")),
+    ("hf_original_max_position_embeddings_zero",
+     lambda: AttentionConfig.from_hf(_yarn(original_max_position_embeddings=0)),
+     ("rope_scaling.original_max_position_embeddings", "got 0")),
+    ("hf_original_max_position_embeddings_fractional",
+     lambda: AttentionConfig.from_hf(_yarn(original_max_position_embeddings=65536.5)),
+     ("rope_scaling.original_max_position_embeddings", "65536.5")),
+    ("hf_yarn_factor_zero", lambda: AttentionConfig.from_hf(_yarn(factor=0)),
+     ("rope_scaling.factor", "got 0")),
+    ("hf_hidden_size_fractional", lambda: AttentionConfig.from_hf(_hf_edit(hidden_size=64.5)),
+     ("hidden_size", "64.5")),
+    ("hf_heads_bool", lambda: AttentionConfig.from_hf(_hf_edit(num_attention_heads=True)),
+     ("num_attention_heads", "True")),
+    ("hf_max_position_embeddings_fractional",
+     lambda: AttentionConfig.from_hf(_hf_edit(max_position_embeddings=4096.5)),
+     ("max_position_embeddings", "4096.5")),
+    ("hf_candidate_block_size_bool", lambda: AttentionConfig.from_hf(_hf_edit(candidate_block_size=True)),
+     ("candidate_block_size", "True")),
+    ("hf_nextn_fractional", lambda: AttentionConfig.from_hf(_hf_edit(num_nextn_predict_layers=1.5)),
+     ("num_nextn_predict_layers", "1.5")),
+    ("hf_compress_ratios_string",
+     lambda: AttentionConfig.from_hf(_hf_edit(compress_ratios="0,2,2,1,1,1,1,1,0")),
+     ("compress_ratios", "'0,2,2,1,1,1,1,1,0'")),
+    ("hf_compress_ratios_none", lambda: AttentionConfig.from_hf(_hf_edit(compress_ratios=None)),
+     ("compress_ratios", "None")),
+    ("hf_compress_ratios_none_with_nextn",
+     lambda: AttentionConfig.from_hf(_hf(drop=("num_nextn_predict_layers",), edit={"compress_ratios": None})),
+     ("compress_ratios", "None")),
+    ("hf_index_source_ids_string", lambda: AttentionConfig.from_hf(_hf_edit(index_source_layer_ids="1,3")),
+     ("index_source_layer_ids", "'1,3'")),
+    ("hf_rope_scaling_string", lambda: AttentionConfig.from_hf(_hf_edit(rope_scaling="yarn")),
+     ("rope_scaling", "'yarn'")),
+    ("hf_block_size_int",
+     lambda: AttentionConfig.from_hf(_hf_edit(quantization_config={"weight_block_size": 32})),
+     ("quantization_config.weight_block_size", "=32")),
+    ("hf_block_size_bools",
+     lambda: AttentionConfig.from_hf(_hf_edit(quantization_config={"weight_block_size": [True, True]})),
+     ("quantization_config.weight_block_size", "[True, True]")),
+    ("hf_quantization_config_string",
+     lambda: AttentionConfig.from_hf(_hf_edit(quantization_config="fp8")),
+     ("quantization_config", "'fp8'")),
+    ("hf_text_config_string", lambda: AttentionConfig.from_hf({"text_config": "deepseek_v41"}),
+     ("text_config", "'deepseek_v41'")),
+    ("hf_not_a_dict", lambda: AttentionConfig.from_hf(42), ("source", "42")),
+    ("hf_none", lambda: AttentionConfig.from_hf(None), ("source", "None")),
+    ("hf_override_hf_name", lambda: AttentionConfig.from_hf(_hf(), rms_norm_eps=1e-6),
+     ("rms_norm_eps", "norm_eps")),
+    # presets / load_config
+    ("preset_unhashable", lambda: preset(["tiny"]), ("preset", "['tiny']")),
+    ("preset_unknown_override", lambda: preset("tiny", window=16), ("'window'", "window_size")),
+    ("load_config_none", lambda: load_config(None), ("source", "None")),
+    ("load_config_unknown_name", lambda: load_config("v4-pro"), ("v4-pro", "v41-flash, tiny")),
+]
+
+
+@pytest.mark.parametrize("build,texts", [c[1:] for c in BAD_VALUES], ids=[c[0] for c in BAD_VALUES])
+def test_bad_values_name_key_and_value(build, texts):
+    with pytest.raises(ConfigError) as e:
+        build()
+    for text in texts:
+        assert text in str(e.value), (text, str(e.value))
+
+
+def _tiny_json() -> str:
+    return json.dumps(_t().to_hf(), indent=2)
+
+
+BAD_FILES = [
+    ("truncated", lambda: _tiny_json()[: len(_tiny_json()) // 2].encode()),
+    ("not_json", lambda: b"hidden_size = 64\n"),
+    ("binary", lambda: b"\x89PNG\r\n\x1a\n\xff\xfe\x00\x01"),
+    ("empty", lambda: b""),
+    ("json_list", lambda: b"[1, 2, 3]"),
+    ("text_config_list", lambda: json.dumps({"text_config": [1, 2]}).encode()),
+]
+
+
+@pytest.mark.parametrize("content", [c[1] for c in BAD_FILES], ids=[c[0] for c in BAD_FILES])
+@pytest.mark.parametrize("as_dir", [False, True], ids=["file", "dir"])
+def test_bad_config_file_names_the_path(tmp_path, content, as_dir):
+    path = tmp_path / "config.json"
+    path.write_bytes(content())
+    for load in (AttentionConfig.from_hf, load_config):
+        with pytest.raises(ConfigError) as e:
+            load(str(tmp_path) if as_dir else str(path))
+        assert str(path) in str(e.value), str(e.value)
+
+
+def test_from_hf_integral_floats_and_numpy_scalars_are_integers(tiny):
+    np = pytest.importorskip("numpy")
+    # JSON does not distinguish 64 from 64.0: an integral float is accepted as that integer,
+    # as the id lists always accepted it, and stored as int
+    cfg = AttentionConfig.from_hf(_hf({"hidden_size": 64.0, "max_position_embeddings": 4096.0,
+                                       "candidate_block_size": 2.0}))
+    assert cfg == tiny and type(cfg.dim) is int and type(cfg.max_seq_len) is int
+    # numpy scalars from a caller are plain int / float once validated
+    cfg = tiny.replace(window_size=np.int64(16), rope_theta=np.float32(5000.0))
+    assert cfg == tiny.replace(window_size=16, rope_theta=5000.0)
+    assert type(cfg.window_size) is int and type(cfg.rope_theta) is float
