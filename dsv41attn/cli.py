@@ -1,37 +1,132 @@
-"""``python -m dsv41attn`` / ``dsv41attn``: demo | replay | bench | plot."""
+"""The ``dsv41attn`` command line (also ``python -m dsv41attn``): demo, replay, bench, plot.
+
+Errors a user can make (a bad option value, a missing or foreign file, a config that does not
+fit) end as one line on stderr and exit status 2, as argparse's own do; ``--debug`` (or
+``DSV41ATTN_DEBUG=1``) shows the traceback instead. Only the library's own error types
+(ConfigError, CheckpointError, StateError, ValueError) and this module's ``CliError`` are
+turned into such lines: anything else is a bug and keeps its traceback.
+"""
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import os
+import re
 import sys
 import tempfile
 import time
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from .checkpoint import load_layer_weights, write_synthetic_checkpoint
-from .config import SEMANTICS, load_config
+from .cache import StateError
+from .checkpoint import CheckpointError, load_layer_weights, write_synthetic_checkpoint
+from .config import PRESETS, SEMANTICS, ConfigError, load_config
 from .fixtures import Fixture, compare, parse_schedule, replay
 from .ops.backends import BACKENDS
 from .stack import AttentionStack
 
+DESCRIPTION = """\
+The DeepSeek-V4.1 attention layer, as DeepSeek's reference defines it: run a prefill and
+decode steps through every layer role, replay a golden fixture, time the Triton kernels on a
+GPU, plot those timings."""
+
+EPILOG = """\
+examples:
+  dsv41attn demo                                  tiny preset, random weights, CPU
+  dsv41attn demo --tokens 1 --decode-steps 3      one prompt token, three decode steps
+  dsv41attn demo --checkpoint DIR --layers 20-24  a HF checkpoint; its config.json is used
+  dsv41attn replay tests/fixtures/tiny_long_prefill.safetensors --out /tmp/o.safetensors
+  dsv41attn replay tests/fixtures/tiny_long_prefill.safetensors --out /tmp/o.safetensors \\
+      --schedule '13,1,1,4,20;7,6,26'
+  dsv41attn COMMAND --help                        every option of COMMAND"""
+
+# The tiny fixtures (tests/fixtures/README.md): batch 2, tiny_roles 46 positions,
+# tiny_long_prefill 39.
+SCHEDULE_EXAMPLE = "'13,1,1,4,20;7,6,26' for tiny_long_prefill (2 sequences of 39 tokens)"
 
 
-def _parse_layers(text: str | None, n: int) -> list[int] | None:
-    if not text:
-        return None
-    out: list[int] = []
-    for part in text.split(","):
-        if "-" in part:
-            a, b = part.split("-")
-            out.extend(range(int(a), int(b) + 1))
-        else:
-            out.append(int(part))
-    bad = [L for L in out if not 0 <= L < n]
-    if bad:
-        raise SystemExit(f"--layers: {bad} outside 0..{n - 1}")
-    return sorted(set(out))
+class CliError(Exception):
+    """A mistake in what the user asked for; the message is one line naming the bad value."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line: 'PROG: error: MESSAGE (see PROG --help)'."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ---- option types (argparse calls them; ArgumentTypeError messages are shown as they are) ----
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be >= {lo}")
+        return v
+
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def _device(text: str) -> torch.device:
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a device: use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: there are {torch.cuda.device_count()} CUDA device(s), "
+                f"0..{torch.cuda.device_count() - 1}")
+    elif dev.type != "cpu":
+        raise argparse.ArgumentTypeError(f"{text!r}: only cpu and cuda devices are supported")
+    return dev
+
+
+# ---- checks shared by the commands -----------------------------------------------------------
+
+def _one_line(e: BaseException) -> str:
+    """A library message on one line: a CheckpointError's list of problems shows its first."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    if len(lines) == 1:
+        return lines[0]
+    more = f" (and {len(lines) - 2} more; --debug shows all)" if len(lines) > 2 else ""
+    return f"{lines[0]} {lines[1]}{more}"
+
+
+def _check_backend(backend: str, device: torch.device) -> None:
+    if backend != "triton":
+        return
+    if importlib.util.find_spec("triton") is None:
+        raise CliError("--backend triton needs the triton package "
+                       "(pip install 'dsv41attn[gpu]'); use --backend reference")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise CliError("--backend triton on --device cpu runs only under the Triton "
+                       "interpreter: set TRITON_INTERPRET=1 (slow), or use --device cuda")
+
+
+def _check_out(path: str, option: str = "--out") -> None:
+    """Fail before any work when ``path`` cannot be written."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CliError(f"{option} {path}: is a directory; give a file name")
+    if not os.path.isdir(parent):
+        raise CliError(f"{option} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise CliError(f"{option} {path}: not writable")
 
 
 def _sync(device: torch.device) -> None:
@@ -39,14 +134,76 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# ---- demo ------------------------------------------------------------------------------------
+
+def _parse_layers(text: str, n: int, cfg_name: str) -> list[int]:
+    """'0-3,20' -> [0, 1, 2, 3, 20]: backbone layers 0..n-1."""
+    out: list[int] = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if m is None:
+            raise CliError(f"--layers {text!r}: {part.strip()!r} is not a layer number or a "
+                           "range like 20-24")
+        a = int(m[1])
+        b = a if m[2] is None else int(m[2])
+        if b < a:
+            raise CliError(f"--layers {text!r}: range {a}-{b} is empty (write it {b}-{a})")
+        out.extend(range(a, b + 1))
+    bad = sorted({L for L in out if L >= n})
+    if bad:
+        raise CliError(f"--layers {text!r}: {bad} outside 0..{n - 1}, the backbone layers of "
+                       f"config {cfg_name}")
+    return sorted(set(out))
+
+
+def _demo_config(args: argparse.Namespace):
+    """(config, its name for messages): --config, else the checkpoint's config.json, else tiny."""
+    source = args.config
+    if source is None and args.checkpoint is not None:
+        ckpt = args.checkpoint
+        where = ckpt if os.path.isdir(ckpt) else os.path.dirname(os.path.abspath(ckpt))
+        source = os.path.join(where, "config.json")
+        if not os.path.isfile(source):
+            raise CliError(f"--checkpoint {ckpt}: no config.json in {where}; pass --config "
+                           f"(a preset: {', '.join(PRESETS)}; or a config.json)")
+    source = source or "tiny"
+    if source not in PRESETS and not os.path.exists(source):
+        raise CliError(f"--config {source!r}: not a preset ({', '.join(PRESETS)}), "
+                       "a config.json or a checkpoint directory")
+    overrides = {} if args.max_seq_len is None else {"max_seq_len": args.max_seq_len}
+    try:
+        return load_config(source, **overrides), source
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CliError(f"--config {source}: not a JSON config file ({e})") from e
+
+
+def _check_checkpoint(path: str) -> None:
+    if not os.path.exists(path):
+        raise CliError(f"--checkpoint {path}: no such file or directory")
+    if os.path.isfile(path) and not path.endswith(".safetensors"):
+        hint = " (a config.json goes to --config)" if path.endswith(".json") else ""
+        raise CliError(f"--checkpoint {path}: expected a checkpoint directory or a "
+                       f".safetensors file{hint}")
+
+
 def demo(args: argparse.Namespace) -> int:
     """Prefill then decode through every layer role, one table row per layer."""
-    device = torch.device(args.device)
-    cfg = load_config(args.config)
-    layers = _parse_layers(args.layers, cfg.n_layers) or list(range(cfg.n_layers))
+    device = args.device
+    _check_backend(args.backend, device)
+    if args.checkpoint is not None:
+        _check_checkpoint(args.checkpoint)
+    cfg, cfg_name = _demo_config(args)
+    total = args.tokens + args.decode_steps
+    if total > cfg.max_seq_len:
+        raise CliError(f"--tokens {args.tokens} + --decode-steps {args.decode_steps} = {total} "
+                       f"positions, more than config {cfg_name} allows (max_position_embeddings "
+                       f"= {cfg.max_seq_len}); pass --max-seq-len {total} to raise the limit")
+    layers = (list(range(cfg.n_layers)) if args.layers is None
+              else _parse_layers(args.layers, cfg.n_layers, cfg_name))
     needed = sorted(set(layers) | {s for L in layers for s in (
         cfg.layer(L).kv_source, cfg.layer(L).index_source,
-        cfg.candidate_source_layer if cfg.layer(L).is_candidate_consumer else None) if s is not None})
+        cfg.candidate_source_layer if cfg.layer(L).is_candidate_consumer else None)
+        if s is not None})
     if needed != layers:
         print(f"adding source layers {sorted(set(needed) - set(layers))} that {layers} read")
     with tempfile.TemporaryDirectory() as tmp:
@@ -54,13 +211,23 @@ def demo(args: argparse.Namespace) -> int:
         if path is None:
             path = os.path.join(tmp, "synthetic")
             write_synthetic_checkpoint(path, cfg, seed=args.seed, layers=needed)
-            print(f"config {args.config}: synthetic checkpoint (seed {args.seed}) for layers {needed}")
+            print(f"config {cfg_name}: synthetic checkpoint (seed {args.seed}) for layers {needed}")
+        else:
+            print(f"config {cfg_name}: checkpoint {path}, layers {needed}")
         t0 = time.perf_counter()
-        weights = load_layer_weights(path, cfg, needed, device=device)
+        try:
+            weights = load_layer_weights(path, cfg, needed, device=device)
+        except SafetensorError as e:
+            raise CliError(f"--checkpoint {path}: a file in it is not readable safetensors "
+                           f"({e})") from e
+        except CheckpointError as e:
+            if args.checkpoint is None or args.config is None:
+                raise
+            raise CliError(f"{_one_line(e)} (does --config {args.config} fit this checkpoint? "
+                           "without --config its config.json is read)") from e
         print(f"loaded {sum(w.nbytes for w in weights.values()) / 2**20:.1f} MiB of attention "
               f"weights in {time.perf_counter() - t0:.2f} s")
     stack = AttentionStack(cfg, weights, backend=args.backend)
-    total = args.tokens + args.decode_steps
     state = stack.new_state(args.batch, capacity=total, device=device)
     gen = torch.Generator().manual_seed(args.seed)
 
@@ -73,6 +240,7 @@ def demo(args: argparse.Namespace) -> int:
     info: dict[int, tuple[int, int, int]] = {}
     for step_no in range(1 + args.decode_steps):
         m = args.tokens if step_no == 0 else 1
+        pos = args.tokens + step_no - 1  # the position of this step's last token
         xs = inputs(m)
         step = stack.step(state, m, semantics=args.semantics)
         for L in needed:
@@ -82,43 +250,90 @@ def demo(args: argparse.Namespace) -> int:
             _sync(device)
             times[L].append(time.perf_counter() - t)
             if not torch.isfinite(y.float()).all():
-                raise SystemExit(f"layer {L}: non-finite output")
+                raise SystemExit(f"dsv41attn demo: layer {L} produced a non-finite output")
             spec = cfg.layer(L)
-            pos = step.start_pos + m - 1
             win = min(pos + 1, cfg.window_size)
             n_cmp = (pos + 1) // spec.ratio if spec.ratio else 0
-            sel = int((step.topk(spec.index_source)[0, -1] >= 0).sum()) if spec.ratio else 0
+            # step.topk: [sum(tokens), k] int32, -1 padded; the step's last token is the last
+            # row (the last sequence's last token; every sequence is at the same position).
+            sel = int((step.topk(spec.index_source)[-1] >= 0).sum()) if spec.ratio else 0
             info[L] = (win, n_cmp, sel)
-    last = args.tokens + args.decode_steps - 1
-    print(f"\n{args.batch} sequence(s): prefill {args.tokens} tokens, then {args.decode_steps} "
-          f"decode steps; rows seen by the token at position {last}, backend {args.backend}, {device}")
+    last = total - 1
+    print(f"\n{args.batch} sequence(s): prefill {args.tokens} token(s), then {args.decode_steps} "
+          f"decode step(s); backend {args.backend}, {device}")
+    print(f"per layer, what the last token (position {last}) attends: its window rows, the "
+          f"compressed rows that exist,\nand top-k = the compressed rows it selected (the "
+          f"entries >= 0 of its row of step.topk(index source))")
     print(f"{'layer':>5} {'role':<8} {'ratio':>5} {'window':>6} {'compressed':>10} "
           f"{'top-k':>5} {'prefill ms':>10} {'decode ms':>9}")
     for L in needed:
         spec = cfg.layer(L)
         win, n_cmp, sel = info[L]
-        dec = sum(times[L][1:]) / max(1, len(times[L]) - 1) * 1e3
+        dec = (f"{sum(times[L][1:]) / (len(times[L]) - 1) * 1e3:>9.1f}" if len(times[L]) > 1
+               else f"{'-':>9}")
         role = spec.role.value + ("*" if spec.is_candidate_source else "")
         print(f"{L:>5} {role:<8} {spec.ratio:>5} {win:>6} {n_cmp:>10} {sel:>5} "
-              f"{times[L][0] * 1e3:>10.1f} {dec:>9.1f}")
-    print("(* candidate source)")
+              f"{times[L][0] * 1e3:>10.1f} {dec}")
+    if any(cfg.layer(L).is_candidate_source for L in needed):
+        print("(* candidate source)")
     b = state.kv_bytes_per_token()
-    print(f"\nKV cache, packed (SPEC §0.4): {b['compressed']:.0f} B per token of compressed rows + "
-          f"index keys over {len(state.sources)} KV source(s), plus {b['window_per_sequence']:.0f} B "
-          f"of window rows per sequence ({len(state.layers)} layers x {cfg.window_size} rows)")
+    print(f"\nKV cache, packed (window rows fp8, compressed rows and index keys fp4): "
+          f"{b['compressed']:.0f} B per token of compressed rows + index keys over "
+          f"{len(state.sources)} KV source(s), plus {b['window_per_sequence']:.0f} B of window "
+          f"rows per sequence ({len(state.layers)} layers x {cfg.window_size} rows)")
     return 0
+
+
+# ---- replay ----------------------------------------------------------------------------------
+
+def _load_fixture(path: str) -> Fixture:
+    if not os.path.exists(path):
+        raise CliError(f"fixture {path}: no such file (the shipped fixtures are in "
+                       "tests/fixtures/)")
+    if os.path.isdir(path):
+        raise CliError(f"fixture {path}: is a directory; give a .safetensors fixture file")
+    try:
+        return Fixture.load(path)
+    except SafetensorError as e:
+        raise CliError(f"fixture {path}: not a safetensors file ({e})") from e
+
+
+def _schedule(text: str, fixture: Fixture, semantics: str) -> list[list[int]]:
+    name = os.path.basename(fixture.path)
+    try:
+        seqs = parse_schedule(text)
+    except ValueError:
+        raise CliError(f"--schedule {text!r}: expected chunk lengths >= 1, sequences separated "
+                       f"by ';', chunks by ',' (e.g. {SCHEDULE_EXAMPLE})") from None
+    total = sum(t for _, t in fixture.schedule)
+    sums = [sum(s) for s in seqs]
+    if len(seqs) != fixture.batch or any(s != total for s in sums):
+        raise CliError(f"--schedule {text!r}: {name} holds {fixture.batch} sequence(s) of "
+                       f"{total} tokens each; this schedule has {len(seqs)}, of "
+                       f"{', '.join(map(str, sums))} tokens")
+    own = [t for _, t in fixture.schedule]
+    if semantics == "reference" and any(s != own for s in seqs):
+        shown = ",".join(map(str, own[:4])) + (f",... ({len(own)} chunks)" if len(own) > 4 else "")
+        raise CliError(f"--schedule {text!r}: --semantics reference replays the fixture's own "
+                       f"schedule only ({shown} per sequence); use --semantics fixed")
+    return seqs
 
 
 def replay_cmd(args: argparse.Namespace) -> int:
     """Run a fixture through the library and write its outputs (a stable contract)."""
-    fixture = Fixture.load(args.fixture)
-    schedule = parse_schedule(args.schedule) if args.schedule else None
+    _check_backend(args.backend, args.device)
+    _check_out(args.out)
+    fixture = _load_fixture(args.fixture)
+    schedule = _schedule(args.schedule, fixture, args.semantics) if args.schedule else None
     result = replay(fixture, [args.semantics], device=args.device, schedule=schedule,
                     backend=args.backend)[args.semantics]
-    save_file({k: v.contiguous() for k, v in result.items()}, args.out,
-              metadata={"fixture": os.path.basename(args.fixture), "semantics": args.semantics,
-                        "backend": args.backend, "device": str(args.device),
-                        "schedule": args.schedule or "fixture"})
+    try:
+        save_file({k: v.contiguous() for k, v in result.items()}, args.out,
+                  metadata={"fixture": os.path.basename(args.fixture),
+                            "semantics": args.semantics, "backend": args.backend,
+                            "device": str(args.device), "schedule": args.schedule or "fixture"})
+    except (OSError, SafetensorError) as e:
+        raise CliError(f"--out {args.out}: cannot write it ({e})") from e
     if args.semantics in fixture.semantics:
         c = compare(fixture, result, args.semantics)
         bad, total = c["topk_rows"]
@@ -130,14 +345,36 @@ def replay_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- bench, plot -----------------------------------------------------------------------------
+
 def bench_cmd(args: argparse.Namespace) -> int:
     """GPU timings of the Triton kernels against the reference path (needs CUDA + triton)."""
-    from .bench import main as bench_main
+    if not torch.cuda.is_available():
+        raise CliError(f"bench needs a CUDA GPU; this torch ({torch.__version__}) sees none")
+    if importlib.util.find_spec("triton") is None:
+        raise CliError("bench needs the triton package (pip install 'dsv41attn[gpu]')")
+    from .bench import ROLES, main as bench_main
 
+    if args.roles:
+        bad = [r for r in args.roles.split(",") if r not in ROLES]
+        if bad:
+            raise CliError(f"--roles {args.roles!r}: unknown {bad}; known: {', '.join(ROLES)}")
+    if args.decode and not re.fullmatch(r"\d+x\d+(,\d+x\d+)*,?", args.decode):
+        raise CliError(f"--decode {args.decode!r}: expected BATCHxCONTEXT,... like 1x4096,64x65536")
+    if args.prefill and not re.fullmatch(r"\d+(,\d+)*,?", args.prefill):
+        raise CliError(f"--prefill {args.prefill!r}: expected lengths like 8192,65536")
+    if args.csv:
+        _check_out(args.csv, "--csv")
     return bench_main(args)
 
 
 def plot_cmd(args: argparse.Namespace) -> int:
+    """A bench --csv file as a bar chart of the ratio to the floor (needs matplotlib)."""
+    if not os.path.isfile(args.csv):
+        raise CliError(f"{args.csv}: no such file (write one with bench --csv)")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise CliError("plot needs matplotlib (pip install 'dsv41attn[plot]')")
+    _check_out(args.png, "PNG")
     from .bench import plot_csv
 
     plot_csv(args.csv, args.png)
@@ -145,48 +382,132 @@ def plot_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dsv41attn", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="prefill + decode through every layer role, per-layer table")
-    d.add_argument("--config", default="tiny", help="preset name, config.json or checkpoint dir")
-    d.add_argument("--checkpoint", help="HF checkpoint dir (default: synthetic random weights)")
-    d.add_argument("--layers", help="e.g. 0-3,20 (default: all backbone layers)")
-    d.add_argument("--tokens", type=int, default=29, help="prefill length")
-    d.add_argument("--decode-steps", type=int, default=6)
-    d.add_argument("--batch", type=int, default=2)
-    d.add_argument("--device", default="cpu")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--semantics", choices=SEMANTICS, default="fixed")
-    d.add_argument("--backend", choices=BACKENDS, default="reference")
-    d.set_defaults(func=demo)
-    r = sub.add_parser("replay", help="run a golden fixture and write out.{sem}.l{L}/topk.{sem}.l{L}")
-    r.add_argument("fixture")
-    r.add_argument("--out", required=True)
-    r.add_argument("--semantics", choices=SEMANTICS, default="fixed")
-    r.add_argument("--device", default="cpu")
-    r.add_argument("--backend", choices=BACKENDS, default="reference")
-    r.add_argument("--schedule", help="per-sequence chunk lengths, sequences separated by ';', "
-                   "chunks by ',' (e.g. '13,1,1,4;7,6,1,1,1'); default: the fixture's own")
-    r.set_defaults(func=replay_cmd)
-    bn = sub.add_parser("bench", help="time the Triton kernels against the reference on a GPU")
-    bn.add_argument("--csv", help="write the layer rows as CSV")
-    bn.add_argument("--part", choices=("layers", "sparse_attn", "all"), default="all")
-    bn.add_argument("--roles", help="comma-separated subset of: SWA,Full r=2,Full r=1 cand,Reindex,Reuse")
+# ---- the parser ------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = _Parser(prog="dsv41attn", description=DESCRIPTION, epilog=EPILOG, formatter_class=fmt)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           title="commands (COMMAND --help lists its options)")
+    common = _Parser(add_help=False)
+    common.add_argument("--debug", action="store_true",
+                        help="show the Python traceback of an error (also DSV41ATTN_DEBUG=1)")
+
+    def device_opt(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--device", type=_device, default="cpu",
+                       help="torch device to run on: cpu, cuda or cuda:N (default: cpu)")
+        q.add_argument("--backend", choices=BACKENDS, default="reference",
+                       help="reference: plain PyTorch with DeepSeek's rounding; triton: the "
+                            "Triton kernels (CUDA, or the CPU with TRITON_INTERPRET=1) "
+                            "(default: reference)")
+        q.add_argument("--semantics", choices=SEMANTICS, default="fixed",
+                       help="index-key semantics: fixed (each KV source publishes its own index "
+                            "keys before scoring) or reference (DeepSeek's code as it is) "
+                            "(default: fixed)")
+
+    d = sub.add_parser("demo", parents=[common],
+                       help="prefill + decode through every layer role, one table row per layer",
+                       description="Prefill, then decode one token per step, through the "
+                                   "attention layers of a config, with random inputs; prints "
+                                   "per layer the rows the last token attends and the time "
+                                   "taken. Random weights unless --checkpoint is given.")
+    d.add_argument("--config", metavar="NAME|PATH",
+                   help=f"a preset ({', '.join(PRESETS)}), a config.json, or a checkpoint "
+                        "directory holding one (default: the --checkpoint's config.json, "
+                        "else tiny)")
+    d.add_argument("--checkpoint", metavar="DIR",
+                   help="HF checkpoint directory (config.json + safetensors shards) or a "
+                        ".safetensors file (default: random weights, written as a synthetic "
+                        "checkpoint and loaded)")
+    d.add_argument("--layers", metavar="LIST",
+                   help="backbone layers to run, e.g. 0-3,20; the source layers they read "
+                        "are added (default: all backbone layers)")
+    d.add_argument("--tokens", type=_int_at_least(1), default=29, metavar="N",
+                   help="prefill length per sequence (default: 29)")
+    d.add_argument("--decode-steps", type=_int_at_least(0), default=6, metavar="N",
+                   help="decode steps after the prefill, one token each (default: 6)")
+    d.add_argument("--batch", type=_int_at_least(1), default=2, metavar="B",
+                   help="sequences run together (default: 2)")
+    d.add_argument("--max-seq-len", type=_int_at_least(1), metavar="N",
+                   help="override the config's max_position_embeddings, the most positions a "
+                        "sequence may reach (tiny: 4096)")
+    d.add_argument("--seed", type=int, default=0,
+                   help="seed of the random weights and inputs (default: 0)")
+    device_opt(d)
+    d.set_defaults(func=demo, parser=d)
+
+    r = sub.add_parser("replay", parents=[common],
+                       help="run a golden fixture, compare with its recorded outputs, write "
+                            "ours",
+                       description="Replay a golden fixture (tests/fixtures/*.safetensors) "
+                                   "through the library, print how its outputs compare with "
+                                   "the fixture's, and write them: out.{semantics}.l{L} "
+                                   "[batch, tokens, hidden] bf16 per layer, and topk."
+                                   "{semantics}.l{L} (compressed row numbers, int32, -1 pad) "
+                                   "per index source.")
+    r.add_argument("fixture", metavar="FIXTURE",
+                   help="a fixture file, e.g. tests/fixtures/tiny_roles.safetensors")
+    r.add_argument("--out", required=True, metavar="FILE",
+                   help="safetensors file to write the outputs to")
+    r.add_argument("--schedule", metavar="CHUNKS",
+                   help="per-sequence chunk lengths, sequences separated by ';', chunks by ','; "
+                        "each sequence's chunks sum to the fixture's tokens, and batch step k "
+                        f"runs every sequence's k-th chunk, e.g. {SCHEDULE_EXAMPLE}; "
+                        "tiny_roles has 2 of 46 (default: the fixture's own schedule)")
+    device_opt(r)
+    r.set_defaults(func=replay_cmd, parser=r)
+
+    bn = sub.add_parser("bench", parents=[common],
+                        help="time the Triton kernels against the reference on a CUDA GPU",
+                        description="Time one V4.1-Flash layer per role and the sparse-attention "
+                                    "kernel alone on a CUDA GPU, against the reference path "
+                                    "and the floor (FLOPs and bytes moved).")
+    bn.add_argument("--csv", metavar="FILE", help="also write the layer rows as CSV")
+    bn.add_argument("--part", choices=("layers", "sparse_attn", "all"), default="all",
+                    help="layers: one layer per role; sparse_attn: the kernel alone; all: both "
+                         "(default: all)")
+    bn.add_argument("--roles", metavar="LIST",
+                    help="comma-separated subset of: SWA,Full r=2,Full r=1 cand,Reindex,Reuse "
+                         "(default: all)")
     bn.add_argument("--quick", action="store_true", help="a few cases only")
-    bn.add_argument("--decode", help="decode cases BATCHxCONTEXT,... (e.g. 1x4096,64x65536)")
-    bn.add_argument("--prefill", help="prefill lengths, e.g. 8192,65536 ('' for none)")
+    bn.add_argument("--decode", metavar="CASES",
+                    help="decode cases BATCHxCONTEXT,... (e.g. 1x4096,64x65536)")
+    bn.add_argument("--prefill", metavar="LENGTHS",
+                    help="prefill lengths, e.g. 8192,65536 ('' for none)")
     bn.add_argument("--compile", action="store_true",
                     help="also time the reference path under torch.compile (decode b=64 4K)")
     bn.add_argument("--profile", action="store_true",
                     help="per-kernel breakdown of each role's decode (b=64, 4K)")
-    bn.set_defaults(func=bench_cmd)
-    pl = sub.add_parser("plot", help="plot a bench --csv file (ratio to the floor); needs matplotlib")
-    pl.add_argument("csv")
-    pl.add_argument("png")
-    pl.set_defaults(func=plot_cmd)
-    args = p.parse_args(argv)
-    return args.func(args)
+    bn.set_defaults(func=bench_cmd, parser=bn)
+
+    pl = sub.add_parser("plot", parents=[common],
+                        help="plot a bench --csv file (ratio to the floor); needs matplotlib",
+                        description="Draw a bench --csv file as bars of the ratio to the floor "
+                                    "per role and case (needs matplotlib).")
+    pl.add_argument("csv", metavar="CSV", help="a file written by bench --csv")
+    pl.add_argument("png", metavar="PNG", help="the figure to write")
+    pl.set_defaults(func=plot_cmd, parser=pl)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; user errors exit with status 2 and one line on stderr."""
+    args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get("DSV41ATTN_DEBUG", "") not in ("", "0")
+    try:
+        return args.func(args)
+    except CliError as e:
+        if debug:
+            raise
+        message = str(e)
+    except (ConfigError, CheckpointError, StateError, ValueError) as e:
+        # The library's user-facing errors (the first three are ValueErrors). TypeError is not
+        # caught: the CLI builds every tensor itself, so one would be a bug, with a traceback.
+        if debug:
+            raise
+        message = _one_line(e)
+    sys.stderr.write(f"{args.parser.prog}: error: {message}\n")
+    raise SystemExit(2)
 
 
 if __name__ == "__main__":
