@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from .cache import compressed_row_bytes, index_key_bytes, window_row_bytes
 from .checkpoint import expected_tensors, random_layer_weights
 from .config import AttentionConfig, preset
-from .ops.common.packing import pack_compressed_rows, pack_index_keys, pack_window_rows
+from .ops.common.packing import (compressed_row_bytes, index_key_bytes, pack_compressed_rows,
+                                 pack_index_keys, pack_window_rows, window_row_bytes)
 from .stack import AttentionStack
 
 BF16_FLOPS = 790e12
@@ -84,14 +84,14 @@ def layer_floor(cfg: AttentionConfig, layer: int, batch: int, start: int, tokens
     win_rows = sum(min(p + 1, cfg.window_size) for p in range(start, end))
     cmp_rows = sum(min(cfg.index_topk, (p + 1) // spec.ratio) for p in range(start, end)) \
         if spec.ratio else 0
-    nbytes += batch * (win_rows * window_row_bytes(cfg) + cmp_rows * compressed_row_bytes(cfg))
+    nbytes += batch * (win_rows * window_row_bytes(cfg.head_dim) + cmp_rows * compressed_row_bytes(cfg.head_dim))
     flops += 4.0 * batch * cfg.n_heads * cfg.head_dim * (win_rows + cmp_rows)
     if spec.is_index_source:
         n_rows = end // spec.ratio
         scored = n_rows
         if spec.is_candidate_consumer:
             scored = min(n_rows, cfg.candidate_topk_blocks * cfg.candidate_block_size)
-        nbytes += batch * scored * index_key_bytes(cfg)
+        nbytes += batch * scored * index_key_bytes(cfg.index_head_dim)
         pairs = sum(min((p + 1) // spec.ratio, scored) for p in range(start, end))
         flops += 2.0 * batch * cfg.index_n_heads * cfg.index_head_dim * pairs
     return flops, nbytes, max(flops / BF16_FLOPS, nbytes / copy_bw)
@@ -169,17 +169,16 @@ class RoleBench:
         state, xs = self._decode_state(batch, ctx, reps + 2)
         plan = self.stack.plan_decode(state, steps=reps + 2)
         layer = self.stack.layers[self.target]
-        decode = torch.compile(layer.decode) if compile_target else layer.decode
+        runners = {self.target: torch.compile(layer.run)} if compile_target else None
         times = []
         for k in range(reps + 2):
+            steps = plan.iter_run(xs[k % len(xs)], runners)
             for L in plan.layers:
-                x = xs[k % len(xs)][L].unsqueeze(1)
-                pos = state.layers[L].positions[plan.group.rows]
                 if L == self.target:
-                    times.append(_events_ms(lambda x=x, pos=pos: decode(x, state, plan.group, pos), 1))
+                    times.append(_events_ms(lambda: next(steps), 1))
                 else:
-                    self.stack.layers[L].decode(x, state, plan.group, pos)
-            plan._advance()
+                    next(steps)
+            next(steps, None)  # the step counts once every layer ran
         return statistics.median(times[2:]) * 1e3  # the first two calls warm up (and compile)
 
     def prefill_us(self, tokens: int, reps: int) -> float:
@@ -203,16 +202,14 @@ class RoleBench:
         state, xs = self._decode_state(batch, ctx, 4)
         plan = self.stack.plan_decode(state, steps=3)
         plan.run(xs[0])
-        for L in plan.layers:  # sources run outside the profile
-            if L != self.target:
-                pos = state.layers[L].positions[plan.group.rows]
-                self.stack.layers[L].decode(xs[1][L].unsqueeze(1), state, plan.group, pos)
-        pos = state.layers[self.target].positions[plan.group.rows]
+        steps = plan.iter_run(xs[1])
+        for L in plan.layers[:plan.layers.index(self.target)]:  # sources run outside the profile
+            next(steps)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            self.stack.layers[self.target].decode(xs[1][self.target].unsqueeze(1), state,
-                                                  plan.group, pos)
+            next(steps)
             torch.cuda.synchronize()
+        steps.close()  # the step is undone: the profile needs only the target layer
         rows = [(e.key, e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total,
                  e.count) for e in prof.key_averages()]
         rows = [r for r in rows if r[1] > 0]
@@ -283,16 +280,20 @@ def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128
         pages = b * context // page_rows
         sets = []
         for _ in range(3):  # rotate inputs so rows are not served from L2
-            q = torch.randn(b, 1, h, d, device="cuda", generator=g).bfloat16()
+            q = torch.randn(b, h, d, device="cuda", generator=g).bfloat16()
+            # the ring holds the window before the step; the newest row is the step's own
             ring = pack_window_rows(torch.randn(b, window, d, device="cuda", generator=g).bfloat16())
+            new_rows = pack_window_rows(torch.randn(b, d, device="cuda", generator=g).bfloat16())
             pool = pack_compressed_rows(torch.randn(pages, page_rows, d, device="cuda",
                                                     generator=g).bfloat16())
             table = torch.randperm(pages, device="cuda", generator=g).view(b, -1)
-            widx = torch.arange(window, device="cuda", dtype=torch.int32).expand(b, 1, window).contiguous()
-            cidx = torch.rand(b, 1, context, device="cuda", generator=g).argsort(-1)[..., :topk]
+            seq = torch.arange(b, device="cuda")
+            widx = torch.cat([seq[:, None] * window + torch.arange(1, window, device="cuda"),
+                              b * window + seq[:, None]], 1).to(torch.int32)  # [b, W]
+            cidx = torch.rand(b, context, device="cuda", generator=g).argsort(-1)[..., :topk]
             cidx = cidx.sort(-1).values.to(torch.int32).contiguous()
             sink = torch.randn(h, device="cuda", generator=g)
-            sets.append((q, sink, d ** -0.5, ring, widx, pool, table, cidx))
+            sets.append((q, sink, d ** -0.5, ring, new_rows, widx, pool, table, seq, cidx))
         ref = reference(*sets[0])
         err = float((kernel(*sets[0]).double() - ref.double()).norm() / ref.double().norm())
         k = [0]
@@ -303,7 +304,7 @@ def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128
 
         call()
         ms = _events_ms(call, 50)
-        nbytes = b * (window * window_row_bytes(cfg) + topk * compressed_row_bytes(cfg)
+        nbytes = b * (window * window_row_bytes(cfg.head_dim) + topk * compressed_row_bytes(cfg.head_dim)
                       + 2 * h * d * 2 + (window + topk) * 4)
         flops = 4.0 * b * h * d * (window + topk)
         floor = max(flops / BF16_FLOPS, nbytes / copy_bw)

@@ -29,24 +29,24 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import AttentionConfig
-from .ops.common.packing import (paged_rows, unpack_compressed_rows, unpack_index_keys,
-                                 unpack_window_rows)
-
-
-def window_row_bytes(cfg: AttentionConfig) -> int:
-    return cfg.head_dim + cfg.head_dim // 32
-
-
-def compressed_row_bytes(cfg: AttentionConfig) -> int:
-    return cfg.head_dim // 2 + cfg.head_dim // 16
-
-
-def index_key_bytes(cfg: AttentionConfig) -> int:
-    return cfg.index_head_dim // 2 + cfg.index_head_dim // 32
+from .ops.common.packing import (compressed_row_bytes, index_key_bytes, paged_index_keys,
+                                 paged_rows, unpack_compressed_rows, unpack_window_rows,
+                                 window_row_bytes)
 
 
 class StateError(ValueError):
     """A call that does not fit the state (positions, capacity, sequences, pages, order)."""
+
+
+def _int_arg(name: str, value, minimum: int | None = None, error=ValueError) -> int:
+    """``value`` as an int (Python or numpy/torch integer; not bool, float or str), or an
+    error naming the argument and the value."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    value = int(value.__index__())
+    if minimum is not None and value < minimum:
+        raise error(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
 @dataclass
@@ -75,7 +75,12 @@ class SourceState:
 
 @dataclass
 class AttentionState:
-    """All caches of a stack of attention layers for ``batch_size`` sequence slots."""
+    """All caches of a stack of attention layers for ``batch_size`` sequence slots.
+
+    Host-side, per slot: ``position`` (committed tokens), ``written_end`` (one past the highest
+    position the rings have held since the slot started: what a rollback can restore),
+    ``generation`` (bumped by every change of the slot: steps and plans made before a change
+    refuse to run after it) and ``open_step`` (the step holding the slot until it finishes)."""
 
     config: AttentionConfig
     batch_size: int
@@ -90,7 +95,17 @@ class AttentionState:
     active: list[bool]  # per slot: holds a sequence
     index_key_slot: int | None = None
     max_tokens_per_call: int = field(default=0)
-    epoch: int = 0  # bumped by every host-side change (steps, pages, sequences): plans check it
+    position: dict[int, list[int]] = field(default_factory=dict)  # layer -> per slot
+    written_end: list[int] = field(default_factory=list)
+    generation: list[int] = field(default_factory=list)
+    open_step: list = field(default_factory=list)
+
+    def __post_init__(self):
+        b = self.batch_size
+        self.position = self.position or {layer: [0] * b for layer in self.layers}
+        self.written_end = self.written_end or [0] * b
+        self.generation = self.generation or [0] * b
+        self.open_step = self.open_step or [None] * b
 
     @classmethod
     def allocate(cls, cfg: AttentionConfig, batch_size: int, capacity: int | None = None,
@@ -101,29 +116,35 @@ class AttentionState:
         source they need. ``capacity``: positions per sequence (default cfg.max_seq_len);
         ``page_size``: token positions per page (a multiple of every ratio); ``num_pages``:
         pool size (default: enough for every slot at full capacity); ``rollback``: how many
-        tokens a sequence can be truncated by. Every slot starts active at position 0."""
-        capacity = cfg.max_seq_len if capacity is None else int(capacity)
-        if batch_size < 1:
-            raise StateError(f"batch_size must be >= 1, got {batch_size}")
+        tokens a sequence can be truncated by; ``max_tokens_per_call``: the most new tokens
+        of one sequence in one step (default capacity). Every slot starts active at 0."""
+        if not isinstance(cfg, AttentionConfig):
+            raise TypeError(f"cfg must be an AttentionConfig, got {type(cfg).__name__}")
+        batch_size = _int_arg("batch_size", batch_size, 1, StateError)
+        capacity = cfg.max_seq_len if capacity is None else _int_arg("capacity", capacity)
         if not 1 <= capacity <= cfg.max_seq_len:
             raise StateError(f"capacity must be in 1..max_seq_len={cfg.max_seq_len}, got {capacity}")
-        if rollback < 0:
-            raise StateError(f"rollback must be >= 0, got {rollback}")
+        rollback = _int_arg("rollback", rollback, 0, StateError)
+        max_tokens_per_call = capacity if max_tokens_per_call is None else \
+            _int_arg("max_tokens_per_call", max_tokens_per_call, 1, StateError)
         device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors report
-        ids = sorted(set(range(len(cfg.layer_specs)) if layers is None else layers))
+        ids = sorted(set(range(len(cfg.layer_specs)) if layers is None else
+                         (_int_arg("layers", layer, 0) for layer in layers)))
         for layer in ids:
             cfg.layer(layer)
         needed = sorted({cfg.layer(layer).kv_source for layer in ids} - {None})
+        page_size = _int_arg("page_size", page_size, 1, StateError)
         for src in needed:
-            if page_size < 1 or page_size % cfg.compress_ratios[src]:
+            if page_size % cfg.compress_ratios[src]:
                 raise StateError(f"page_size={page_size} must be a positive multiple of every "
                                  f"compress ratio (layer {src} has {cfg.compress_ratios[src]})")
         max_pages = -(-capacity // page_size)
-        num_pages = batch_size * max_pages if num_pages is None else int(num_pages)
+        num_pages = batch_size * max_pages if num_pages is None else \
+            _int_arg("num_pages", num_pages, 0, StateError)
         d, slots = cfg.head_dim, cfg.window_size + rollback
         layer_states = {
             layer: LayerState(
-                window=torch.zeros(batch_size, slots, window_row_bytes(cfg), dtype=torch.uint8,
+                window=torch.zeros(batch_size, slots, window_row_bytes(cfg.head_dim), dtype=torch.uint8,
                                    device=device),
                 positions=torch.zeros(batch_size, dtype=torch.int64, device=device))
             for layer in ids
@@ -135,9 +156,9 @@ class AttentionState:
             recent = (batch_size, r + rollback, d)
             sources[src] = SourceState(
                 ratio=r, page_rows=page_rows,
-                rows=torch.zeros(num_pages, page_rows, compressed_row_bytes(cfg),
+                rows=torch.zeros(num_pages, page_rows, compressed_row_bytes(cfg.head_dim),
                                  dtype=torch.uint8, device=device),
-                index_keys=torch.zeros(num_pages, page_rows, index_key_bytes(cfg),
+                index_keys=torch.zeros(num_pages, page_rows, index_key_bytes(cfg.index_head_dim),
                                        dtype=torch.uint8, device=device),
                 recent_kv=torch.zeros(recent, device=device) if r > 1 else None,
                 recent_score=torch.full(recent, float("-inf"), device=device) if r > 1 else None,
@@ -145,11 +166,21 @@ class AttentionState:
         return cls(cfg, batch_size, capacity, device, layer_states, sources, page_size, rollback,
                    torch.full((batch_size, max_pages), -1, dtype=torch.int64, device=device),
                    [0] * num_pages, [True] * batch_size,
-                   max_tokens_per_call=capacity if max_tokens_per_call is None else max_tokens_per_call)
+                   max_tokens_per_call=max_tokens_per_call)
+
+    # ---- geometry ----------------------------------------------------------------------------
+    @property
+    def ring_slots(self) -> int:
+        """Slots of every window ring: window + rollback."""
+        return self.config.window_size + self.rollback
+
+    def recent_slots(self, ratio: int) -> int:
+        """Slots of a ratio-r source's recent-projection ring: r + rollback."""
+        return ratio + self.rollback
 
     # ---- reading ---------------------------------------------------------------------------
     def positions(self, layer: int) -> torch.Tensor:
-        """[B] int64: tokens layer ``layer`` has processed per sequence."""
+        """[B] int64 on the device: tokens layer ``layer`` has processed per sequence."""
         return self.layers[layer].positions
 
     def read_compressed(self, source: int, rows: torch.Tensor, n: int) -> torch.Tensor:
@@ -160,19 +191,105 @@ class AttentionState:
     def read_index_keys(self, source: int, rows: torch.Tensor, n: int) -> torch.Tensor:
         """[b, n, d] bf16: index keys 0..n-1 of the sequences ``rows`` (rows never written
         read as zeros, as the reference's zero-initialised cache)."""
-        table = self.block_table[rows]
-        g = torch.arange(n, device=self.device)
-        keys = unpack_index_keys(paged_rows(self.sources[source].index_keys, table, g))
-        unallocated = torch.gather(table, 1, (g // self.sources[source].page_rows).expand(len(rows), -1)) < 0
-        return keys.masked_fill(unallocated.unsqueeze(-1), 0)
+        return paged_index_keys(self.sources[source].index_keys, self.block_table[rows], n)
 
-    def write_compressed(self, source: int, rows: torch.Tensor, g: torch.Tensor,
-                         packed_rows: torch.Tensor, packed_keys: torch.Tensor) -> None:
-        """Store packed compressed rows / index keys [b, n, bytes] at row numbers ``g`` [n]."""
-        src = self.sources[source]
-        pages = self.block_table[rows][:, g // src.page_rows]
-        src.rows[pages, g % src.page_rows] = packed_rows
-        src.index_keys[pages, g % src.page_rows] = packed_keys
+    # ---- writes of a step (each saves what it overwrites in the step's undo log) -------------
+    def write_window(self, layer: int, plan, new_rows: torch.Tensor, undo) -> None:
+        """The step's packed window rows [T, D + D/32] into layer ``layer``'s ring (the rows
+        that survive the step: ``plan.ring_write``), and the layer's positions advanced."""
+        state = self.layers[layer]
+        tokens, flat = plan.ring_write
+        ring = state.window.view(-1, state.window.shape[-1])  # [B * S, bytes]
+        undo.save(ring, flat)
+        ring[flat] = new_rows[tokens]
+        undo.save(state.positions, plan.seq_rows)
+        state.positions[plan.seq_rows] = plan.seq_end
+
+    @staticmethod
+    def recent_group(recent: torch.Tensor, new: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+        """[N, r, D] fp32: each completed group's r token projections, from the recent ring
+        ``recent`` [B, r + R, D] (member id < B*(r+R)) or this step's ``new`` [T, D]."""
+        flat = recent.view(-1, recent.shape[-1])
+        n = flat.shape[0]
+        old = flat[members.clamp(max=n - 1)]
+        fresh = new[(members - n).clamp(0, new.shape[0] - 1)]
+        return torch.where((members < n).unsqueeze(-1), old, fresh)
+
+    def write_recent(self, source: SourceState, writes, new_kv: torch.Tensor,
+                     new_score: torch.Tensor, undo) -> None:
+        """This step's fp32 projections [T, D] into the source's recent ring (those that
+        survive the step: ``writes`` = (tokens, flat slots))."""
+        tokens, flat = writes
+        for recent, new in ((source.recent_kv, new_kv), (source.recent_score, new_score)):
+            view = recent.view(-1, recent.shape[-1])
+            undo.save(view, flat)
+            view[flat] = new[tokens]
+
+    def set_index_key_slot(self, layer: int, undo) -> None:
+        """KV source ``layer`` takes the shared index-key slot (SPEC §10.1)."""
+        old = self.index_key_slot
+        undo.on_undo(lambda: setattr(self, "index_key_slot", old))
+        self.index_key_slot = layer
+
+    def index_key_source(self, layer: int) -> int:
+        """The KV source whose index keys index source ``layer`` scores against."""
+        if self.index_key_slot is None:
+            raise StateError(f"layer {layer}: no KV source has published index keys")
+        return self.index_key_slot
+
+    # ---- checks ------------------------------------------------------------------------------
+    def check_config(self, cfg: AttentionConfig) -> None:
+        """Raise unless this state was allocated for ``cfg``."""
+        if self.config is not cfg and self.config != cfg:
+            raise StateError("the state was allocated for a different AttentionConfig than this "
+                             "stack's (allocate it with stack.new_state)")
+
+    def check_row(self, row) -> int:
+        """``row`` as a slot number, or a clear error."""
+        row = _int_arg("row", row, 0)
+        if row >= self.batch_size:
+            raise IndexError(f"sequence slot {row} out of range 0..{self.batch_size - 1}")
+        return row
+
+    def check_active(self, rows: list[int]) -> None:
+        for row in rows:
+            self.check_row(row)
+            if not self.active[row]:
+                raise StateError(f"sequence slot {row} was released; add_sequence() reuses it")
+
+    def check_not_mid_step(self, rows: list[int], action: str) -> None:
+        """Raise if a step that has started running holds one of ``rows``."""
+        for row in rows:
+            step = self.open_step[row]
+            if step is not None and step.started:
+                raise StateError(f"cannot {action}: sequence {row} is mid-step (layers "
+                                 f"{step.done} of {step.layers} ran): run the remaining layers "
+                                 "or step.abort()")
+
+    def _drop_unstarted_steps(self, rows: list[int]) -> None:
+        """A step opened on ``rows`` that has not run any layer is aborted (its pages return)."""
+        for row in rows:
+            step = self.open_step[row]
+            if step is not None:
+                step.abort()
+
+    def position_of(self, row: int, layers=None) -> int:
+        """The sequence's position in ``layers`` (default: all of the state's), from the host
+        mirror (no device read); they must agree: a step over some layers only leaves the
+        others behind until a step runs them."""
+        row = self.check_row(row)
+        ps = {self.position[L][row] for L in (self.layers if layers is None else layers)}
+        if len(ps) != 1:
+            where = {L: self.position[L][row] for L in (self.layers if layers is None else layers)}
+            raise StateError(f"sequence slot {row} is mid-step: its layers are at different "
+                             f"positions {where} (run the layers that are behind)")
+        return ps.pop()
+
+    def advance(self, row: int, layers, end: int) -> None:
+        """Host mirror: ``layers`` of sequence ``row`` are now at ``end``."""
+        for L in layers:
+            self.position[L][row] = end
+        self.written_end[row] = max(self.written_end[row], end)
 
     # ---- pages and sequences ---------------------------------------------------------------
     @property
@@ -181,64 +298,62 @@ class AttentionState:
 
     def pages_needed(self, rows: list[int], ends: list[int]) -> list[int]:
         """Pages each sequence must gain to hold positions < ends[i]."""
+        if not self.sources:
+            return [0] * len(rows)
         held = (self.block_table >= 0).sum(1).tolist()
         return [max(0, -(-e // self.page_size) - held[r]) for r, e in zip(rows, ends)]
 
-    def reserve(self, rows: list[int], ends: list[int]) -> None:
+    def reserve(self, rows: list[int], ends: list[int]) -> list[tuple[int, int, int]]:
         """Give each sequence the pages for positions < ends[i]; raises before allocating
-        anything if the pool runs out."""
-        if not self.sources:
-            return
+        anything if the pool runs out. Returns the (row, block-table column, page) taken."""
         need = self.pages_needed(rows, ends)
         if sum(need) > self.free_pages:
             raise StateError(f"out of cache pages: this step needs {sum(need)} more pages "
                              f"({self.page_size} positions each), the pool has {self.free_pages} "
                              f"free of {len(self.page_refs)}")
-        if sum(need):
-            self.epoch += 1
+        taken = []
         free = (p for p, r in enumerate(self.page_refs) if r == 0)
+        held = (self.block_table >= 0).sum(1).tolist()
         for row, n in zip(rows, need):
-            held = int((self.block_table[row] >= 0).sum())
-            for k in range(held, held + n):
+            for k in range(held[row], held[row] + n):
                 page = next(free)
                 self.page_refs[page] = 1
                 self.block_table[row, k] = page
+                taken.append((row, k, page))
+        return taken
 
-    def _check_row(self, row: int) -> None:
-        if not 0 <= row < self.batch_size:
-            raise IndexError(f"sequence slot {row} out of range 0..{self.batch_size - 1}")
-
-    def check_active(self, rows: list[int]) -> None:
-        for row in rows:
-            self._check_row(row)
-            if not self.active[row]:
-                raise StateError(f"sequence slot {row} was released; add_sequence() reuses it")
-
-    def position_of(self, row: int) -> int:
-        """The sequence's position; every layer of the state must agree."""
-        ps = {int(s.positions[row]) for s in self.layers.values()}
-        if len(ps) != 1:
-            raise StateError(f"sequence slot {row} is mid-step: its layers are at positions "
-                             f"{sorted(ps)}")
-        return ps.pop()
+    def unreserve(self, taken: list[tuple[int, int, int]]) -> None:
+        """Give back pages ``reserve`` took (a step undone)."""
+        for row, k, page in reversed(taken):
+            if int(self.block_table[row, k]) == page:
+                self.block_table[row, k] = -1
+                self.page_refs[page] -= 1
 
     def add_sequence(self) -> int:
         """Claim a released slot for a new sequence at position 0; returns its row."""
         for row, on in enumerate(self.active):
             if not on:
-                self.epoch += 1
+                self._reset_slot(row)
                 self.active[row] = True
                 return row
         raise StateError(f"all {self.batch_size} sequence slots are in use; release one first")
 
-    def release(self, row: int) -> None:
-        """Free a sequence's pages and slot; its row can no longer be used until re-added."""
-        self.check_active([row])
-        self.position_of(row)
-        self.epoch += 1
-        self._drop_pages(row, 0)
+    def _reset_slot(self, row: int) -> None:
+        self.generation[row] += 1
+        self.written_end[row] = 0
+        for L in self.layers:
+            self.position[L][row] = 0
         for layer in self.layers.values():
             layer.positions[row] = 0
+
+    def release(self, row: int) -> None:
+        """Free a sequence's pages and slot (aborting a step that holds it, if any); its row
+        can no longer be used until re-added. Always possible for an active slot."""
+        self.check_active([row])
+        if self.open_step[row] is not None:
+            self.open_step[row].abort()
+        self._drop_pages(row, 0)
+        self._reset_slot(row)
         self.active[row] = False
 
     def _drop_pages(self, row: int, keep: int) -> None:
@@ -250,33 +365,44 @@ class AttentionState:
 
     def truncate(self, row: int, position: int) -> None:
         """Roll a sequence back to ``position`` (it will continue from there), e.g. after
-        rejected draft tokens; at most ``rollback`` tokens back."""
+        rejected draft tokens: at most ``rollback`` tokens behind the furthest position its
+        rings have held (two rollbacks in a row count together). A step opened on the
+        sequence and not yet run is aborted."""
+        row = self.check_row(row)
         self.check_active([row])
+        position = _int_arg("position", position)
+        self.check_not_mid_step([row], f"truncate sequence {row}")
         now = self.position_of(row)
         if not 0 <= position <= now:
             raise StateError(f"cannot roll sequence {row} back to {position}: it is at {now} "
                              "(the target must be in 0..current position)")
-        if now - position > self.rollback:
-            raise StateError(f"cannot roll sequence {row} back by {now - position} tokens: the "
-                             f"state keeps history for {self.rollback} (allocate rollback=...)")
+        if self.written_end[row] - position > self.rollback:
+            raise StateError(
+                f"cannot roll sequence {row} back to {position}: its rings have held positions "
+                f"up to {self.written_end[row] - 1}, and they keep history for "
+                f"rollback={self.rollback} tokens behind that (allocate rollback=...)")
         keep = -(-position // self.page_size)
-        self.epoch += 1
+        cow = keep and position % self.page_size and \
+            self.page_refs[int(self.block_table[row, keep - 1])] > 1
+        if cow and self.free_pages < 1:
+            raise StateError("out of cache pages for a copy-on-write of a shared page")
+        self._drop_unstarted_steps([row])
+        self.generation[row] += 1
         self._drop_pages(row, keep)
-        if keep and position % self.page_size:
+        if cow:
             self._own_page(row, keep - 1)
+        for L in self.layers:
+            self.position[L][row] = position
         for layer in self.layers.values():
             layer.positions[row] = position
 
     def _own_page(self, row: int, k: int) -> None:
         """Copy-on-write: a page shared with a fork becomes this sequence's own before it is
-        written again."""
+        written again (the caller checked a page is free)."""
         page = int(self.block_table[row, k])
         if self.page_refs[page] <= 1:
             return
-        try:
-            new = self.page_refs.index(0)
-        except ValueError:
-            raise StateError("out of cache pages for a copy-on-write of a shared page")
+        new = self.page_refs.index(0)
         for src in self.sources.values():
             src.rows[new] = src.rows[page]
             src.index_keys[new] = src.index_keys[page]
@@ -288,15 +414,19 @@ class AttentionState:
         """A new sequence (returned slot) continuing from ``row``'s state: its ring, open group
         and compressed rows. ``share``: full pages are shared (copy-on-write) rather than
         copied; a partially filled last page is always copied."""
+        row = self.check_row(row)
         self.check_active([row])
+        if not isinstance(share, bool):
+            raise TypeError(f"share must be a bool, got {share!r}")
+        self.check_not_mid_step([row], f"fork sequence {row}")
         position = self.position_of(row)
-        held = -(-position // self.page_size)  # pages holding written rows (not reserved ones)
-        partial = 1 if position % self.page_size else 0
+        held = -(-position // self.page_size) if self.sources else 0  # pages with written rows
+        partial = 1 if held and position % self.page_size else 0
         copies = held if not share else partial
         if copies > self.free_pages or all(self.active):
             raise StateError(f"cannot fork sequence {row}: needs a free slot and {copies} free "
                              f"pages ({self.free_pages} free)")
-        new = self.add_sequence()  # bumps the epoch
+        new = self.add_sequence()
         for layer in self.layers.values():
             layer.window[new] = layer.window[row]
             layer.positions[new] = position
@@ -304,6 +434,8 @@ class AttentionState:
             if src.recent_kv is not None:
                 src.recent_kv[new] = src.recent_kv[row]
                 src.recent_score[new] = src.recent_score[row]
+        self.advance(new, self.layers, position)
+        self.written_end[new] = self.written_end[row]
         self.block_table[new, :held] = self.block_table[row, :held]
         for k in range(held):
             self.page_refs[int(self.block_table[row, k])] += 1
@@ -313,7 +445,10 @@ class AttentionState:
 
     # ---- bookkeeping -----------------------------------------------------------------------
     def clone(self) -> "AttentionState":
-        """A deep copy of every cache."""
+        """A deep copy of every cache (no step may be open)."""
+        busy = [row for row, step in enumerate(self.open_step) if step is not None]
+        if busy:
+            raise StateError(f"cannot clone the state while a step is open on sequences {busy}")
         return copy.deepcopy(self)
 
     def kv_bytes_per_token(self) -> dict[str, float]:
@@ -323,7 +458,7 @@ class AttentionState:
         "window_per_sequence": the rings' W rows, a fixed cost per sequence, not per token.
         """
         cfg = self.config
-        per_token = sum((compressed_row_bytes(cfg) + index_key_bytes(cfg)) / s.ratio
+        per_token = sum((compressed_row_bytes(cfg.head_dim) + index_key_bytes(cfg.index_head_dim)) / s.ratio
                         for s in self.sources.values())
-        window = len(self.layers) * cfg.window_size * window_row_bytes(cfg)
+        window = len(self.layers) * cfg.window_size * window_row_bytes(cfg.head_dim)
         return {"compressed": per_token, "window_per_sequence": float(window)}

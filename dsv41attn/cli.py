@@ -382,6 +382,21 @@ def plot_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def soak_cmd(args: argparse.Namespace) -> int:
+    """The serving soak: a randomized mix of calls, every output checked against the oracle."""
+    from .soak import soak
+
+    if args.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1" \
+            and not torch.cuda.is_available():
+        raise CliError("--backend triton needs a CUDA GPU or TRITON_INTERPRET=1")
+    fig = soak(seconds=args.minutes * 60, seed=args.seed, backend=args.backend)
+    print(fig.line())
+    if fig.mismatches:
+        print(f"first mismatch: {fig.first_mismatch}")
+        return 1
+    return 0
+
+
 # ---- the parser ------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -487,6 +502,20 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("csv", metavar="CSV", help="a file written by bench --csv")
     pl.add_argument("png", metavar="PNG", help="the figure to write")
     pl.set_defaults(func=plot_cmd, parser=pl)
+
+    sk = sub.add_parser("soak", parents=[common],
+                        help="randomized serving soak: every output against token-by-token decode",
+                        description="Drive a small paged state (tiny preset) with a seeded random "
+                                    "mix of ragged steps, chunks, decode plans, draft verification "
+                                    "and rollbacks, forks, releases, failing and aborted steps, and "
+                                    "compare every output with the same tokens decoded one by one "
+                                    "on a fresh state, bit for bit. Exit status 1 on a mismatch.")
+    sk.add_argument("--minutes", type=float, default=1.0, help="how long to run (default: 1)")
+    sk.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    sk.add_argument("--backend", choices=BACKENDS, default="reference",
+                    help="ops backend of the state under test; the oracle runs the reference "
+                         "(default: reference)")
+    sk.set_defaults(func=soak_cmd, parser=sk)
     return p
 
 

@@ -104,6 +104,14 @@ class LayerSpec:
     yarn: bool
     is_draft: bool
     weight_prefix: str
+    candidate_source: int | None = None  # the candidate source a consumer reads
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        """The layers whose publications this layer reads in the same step (its KV source,
+        its index source, the candidate source for a consumer), itself excluded."""
+        return tuple(sorted({self.kv_source, self.index_source, self.candidate_source}
+                            - {None, self.layer}))
 
     @property
     def is_kv_source(self) -> bool:
@@ -333,6 +341,8 @@ class AttentionConfig:
             yarn=ratio > 0,
             is_draft=is_draft,
             weight_prefix=prefix,
+            candidate_source=self.candidate_source_layer if cand and layer in
+            self.index_source_layers and layer > self.candidate_source_layer else None,
         )
 
     def _validate(self) -> None:

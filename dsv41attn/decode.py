@@ -9,8 +9,9 @@ positions read and advanced on the device: no host sync and no data-dependent sh
 can run inside ``torch.cuda.graph``. ``DecodePlan.capture`` does that: one eager warm-up step
 (it compiles the kernels), then a graph of the next step, replayed by ``DecodeGraph.replay``.
 
-A plan is valid until ``steps`` tokens are decoded or the state is changed by anything else
-(a step, truncate, fork, release, add_sequence): ``AttentionState.epoch`` tells.
+A plan is valid until ``steps`` tokens are decoded or its sequences are changed by anything
+else (a step, another plan, truncate, fork, release, add_sequence): each slot's
+``AttentionState.generation`` tells.
 Plans use "fixed" index-key semantics (every KV source publishes its keys every step);
 "reference" semantics depends on each step's position, so it runs through ``stack.step``.
 """
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 import torch
 
 from .cache import AttentionState, StateError
+from .plan import Board, StepPlan, UndoLog
 
 if TYPE_CHECKING:
     from .stack import AttentionStack
@@ -30,59 +32,42 @@ Inputs = Mapping[int, torch.Tensor] | Callable[[int], torch.Tensor]
 
 class DecodePlan:
     """``steps`` decode steps (one token per sequence) of the sequences in state rows ``rows``
-    (default: all) through ``layers`` (default: the stack's layers in the state)."""
+    through ``layers`` (``AttentionStack.plan_decode`` checks both and builds it)."""
 
-    def __init__(self, stack: "AttentionStack", state: AttentionState,
-                 rows: Sequence[int] | torch.Tensor | None = None, steps: int = 1,
-                 layers: Sequence[int] | None = None):
-        from .stack import Group
-
+    def __init__(self, stack: "AttentionStack", state: AttentionState, rows: list[int],
+                 steps: int, layers: list[int]):
         cfg = stack.cfg
         if cfg.index_semantics != "fixed":
             raise ValueError(f"a DecodePlan runs 'fixed' index-key semantics; this config has "
                              f"{cfg.index_semantics!r} (use stack.step for it)")
-        if not isinstance(steps, int) or steps < 1:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-        if rows is None:
-            rows = torch.arange(state.batch_size)
-        rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1).cpu()
-        if rows.numel() == 0 or rows.unique().numel() != rows.numel():
-            raise ValueError(f"rows must name distinct sequences, got {rows.tolist()}")
-        state.check_active(rows.tolist())
-        order = sorted(L for L in (stack.layers if layers is None else layers) if L in state.layers)
-        if not order:
-            raise StateError(f"none of the layers has caches in this state "
-                             f"(allocated for {sorted(state.layers)})")
-        missing = [L for L in order if L not in stack.layers]
-        if missing:
-            raise KeyError(f"layers {missing} are not in this stack ({sorted(stack.layers)})")
-        for L in order:
-            spec = cfg.layer(L)
-            for src in (spec.kv_source, spec.index_source,
-                        cfg.candidate_source_layer if spec.is_candidate_consumer else None):
-                if src is not None and src != L and src not in order:
-                    raise StateError(f"layer {L} reads what layer {src} publishes; plan both")
-        dev_rows = rows.to(state.device)
-        # the one host read of the plan: every layer's position for these sequences
-        held = torch.stack([state.layers[L].positions[dev_rows] for L in order]).cpu()
-        if not bool((held == held[0]).all()):
-            raise StateError(f"sequences {rows.tolist()} are mid-step: their layers are at "
-                             f"different positions")
-        positions = held[0].tolist()
-        for row, p in zip(rows.tolist(), positions):
+        state.check_not_mid_step(rows, "plan decoding")
+        positions = [state.position_of(r, layers) for r in rows]
+        for row, p in zip(rows, positions):
             if p + steps > state.capacity:
                 raise StateError(f"sequence {row}: {steps} steps from position {p} exceed the "
                                  f"cache capacity of {state.capacity} positions")
-        state.reserve(rows.tolist(), [p + steps for p in positions])
-
-        self.stack, self.state, self.layers = stack, state, order
+        if sum(state.pages_needed(rows, [p + steps for p in positions])) > state.free_pages:
+            state.reserve(rows, [p + steps for p in positions])  # raises: out of pages
+        state._drop_unstarted_steps(rows)
+        state.reserve(rows, [p + steps for p in positions])  # the plan's pages stay with them
+        for row in rows:
+            state.generation[row] += 1  # an older plan or step on these rows is now stale
+        self.stack, self.state, self.layers, self.rows = stack, state, layers, rows
+        self.generations = [state.generation[r] for r in rows]
         self.steps_left = steps
         self.positions = positions  # host mirror, advanced by each run
-        self.group = Group(state, dev_rows, None, 1, torch.arange(len(positions), device=state.device),
-                           "fixed")
-        ratios = {cfg.layer(L).ratio for L in order if cfg.layer(L).is_index_source}
-        self.group.scan = {r: (max(positions) + steps) // r for r in ratios}
-        self.epoch = state.epoch
+        dev = state.device
+        b = len(rows)
+        dev_rows = torch.tensor(rows, dtype=torch.int64).to(dev)
+        self.plan = StepPlan(cfg, state, rows, [1] * b, list(range(b + 1)), dev_rows,
+                             stack.freqs_for(layers), stack.ratios_for(layers), compact=False)
+        self.plan.seq_rows = dev_rows
+        self.plan.token_groups = [(1, torch.arange(b, device=dev))]
+        self._first = torch.arange(b, device=dev)
+        # rows each indexer scans: enough for the last planned step
+        self._scans = {r: (max(positions) + steps) // r for r in self.plan.ratios_used}
 
     @property
     def batch_size(self) -> int:
@@ -90,12 +75,27 @@ class DecodePlan:
 
     def run(self, xs: Inputs) -> dict[int, torch.Tensor]:
         """Decode one token per sequence: xs maps layer -> [b, dim] (or [b, 1, dim]) bf16
-        (or is a function of the layer). Returns layer -> output in x's layout. GPU only."""
+        (or is a function of the layer). Returns layer -> output in x's layout. No host sync
+        on a capturable backend. If a layer raises, every sequence is left as before."""
+        return dict(self.iter_run(xs))
+
+    def iter_run(self, xs: Inputs, runners: Mapping[int, Callable] | None = None):
+        """``run`` one layer at a time: yields (layer, output) after each layer (to time or
+        inspect them); the step counts once the last layer has run. Closing the generator
+        early, or an exception in a layer, undoes the step. ``runners``: layer -> a callable
+        with ``AttentionLayer.run``'s signature to use instead (e.g. a compiled one)."""
         self._check_live()
         inputs = self._inputs(xs)
-        out = self._launch(inputs)
+        undo = UndoLog()
+        finished = False
+        try:
+            for L, y in self._launch(inputs, undo, runners or {}):
+                yield L, y
+            finished = True
+        finally:
+            if not finished:
+                undo.undo()
         self._advance()
-        return out
 
     def capture(self, xs: Inputs) -> "DecodeGraph":
         """Run one step eagerly on a side stream (the warm-up: kernels compile, workspaces
@@ -104,10 +104,10 @@ class DecodePlan:
         if self.state.device.type != "cuda":
             raise ValueError(f"CUDA-graph capture needs a CUDA state, this one is on "
                              f"{self.state.device}")
-        backend = self.stack.layers[self.layers[0]].ops.name
-        if backend != "triton":
-            raise ValueError(f"capture needs backend='triton': the {backend!r} ops read the host "
-                             "(boolean-mask writes), which a CUDA graph cannot record")
+        ops = self.stack.layers[self.layers[0]].ops
+        if not ops.capturable:
+            raise ValueError(f"the {ops.name!r} backend's ops read the host (boolean-mask "
+                             "writes), which a CUDA graph cannot record: use backend='triton'")
         if self.steps_left < 2:
             raise StateError(f"capture needs 2 steps left in the plan (warm-up + captured), "
                              f"it has {self.steps_left}")
@@ -115,9 +115,12 @@ class DecodePlan:
 
     # ---- internals -------------------------------------------------------------------------
     def _check_live(self) -> None:
-        if self.state.epoch != self.epoch:
-            raise StateError("the state changed since this plan was made (a step, truncate, "
-                             "fork, release or add_sequence): plan again")
+        st = self.state
+        for row, gen in zip(self.rows, self.generations):
+            if st.generation[row] != gen:
+                raise StateError(f"sequence {row} changed since this plan was made (a step, "
+                                 "another plan, truncate, fork, release or add_sequence): "
+                                 "plan again")
         if self.steps_left < 1:
             raise StateError("this plan's steps are used up (its pages were reserved for them): "
                              "plan again")
@@ -126,7 +129,10 @@ class DecodePlan:
         get = xs if callable(xs) else xs.__getitem__
         cfg, b, out = self.stack.cfg, self.batch_size, {}
         for L in self.layers:
-            x = get(L)
+            try:
+                x = get(L)
+            except KeyError:
+                raise KeyError(f"xs has no input for layer {L} (the plan runs {self.layers})")
             if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
                 raise TypeError(f"layer {L}: x must be a bfloat16 torch.Tensor, got "
                                 f"{getattr(x, 'dtype', type(x).__name__)}")
@@ -138,19 +144,27 @@ class DecodePlan:
             out[L] = x
         return out
 
-    def _launch(self, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """The GPU-only part: every layer's decode, positions read from the state."""
-        g, out = self.group, {}
+    def _launch(self, inputs: dict[int, torch.Tensor], undo: UndoLog,
+                runners: Mapping[int, Callable] | None = None):
+        """The GPU-only part: the plan's facts derived from the positions on the device,
+        then every layer over the b tokens; yields (layer, output)."""
+        plan, runners = self.plan, runners or {}
+        pos = self.state.layers[self.layers[0]].positions[plan.seq_rows]  # [b] int64
+        plan.derive(pos, pos, self._first, pos, self._scans)
+        board = Board()
         for L in self.layers:
             x = inputs[L]
-            pos = self.state.layers[L].positions[g.rows]  # [b] int64, on the device
-            y = self.stack.layers[L].decode(x.reshape(-1, 1, x.shape[-1]), self.state, g, pos)
-            out[L] = y.view(x.shape)
-        return out
+            run = runners.get(L, self.stack.layers[L].run)
+            with torch.no_grad():
+                y = run(x.reshape(-1, x.shape[-1]), self.state, plan, board, undo, "fixed")
+            yield L, y.view(x.shape)
 
     def _advance(self) -> None:
         self.steps_left -= 1
         self.positions = [p + 1 for p in self.positions]
+        st = self.state
+        for row, p in zip(self.rows, self.positions):
+            st.advance(row, self.layers, p)
 
 
 class DecodeGraph:
@@ -170,7 +184,7 @@ class DecodeGraph:
         self.warmup_outputs = {L: y.clone() for L, y in warm.items()}
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.outputs = plan._launch(self.inputs)
+            self.outputs = dict(plan._launch(self.inputs, UndoLog(enabled=False)))
 
     def replay(self, xs: Inputs | None = None) -> dict[int, torch.Tensor]:
         """One decode step (xs: as ``DecodePlan.run``; None reuses the static inputs)."""

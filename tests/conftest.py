@@ -1,3 +1,6 @@
+import contextlib
+import copy
+import dataclasses
 import os
 from pathlib import Path
 
@@ -5,6 +8,10 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# The session picks Triton's mode once, before any test module imports triton: the CPU
+# interpreter only where no CUDA device is present (an explicit TRITON_INTERPRET wins).
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 
 def fixture_files() -> list[Path]:
@@ -37,3 +44,85 @@ def _deterministic():
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
+
+
+# ---- state helpers shared by the serving tests ----------------------------------------------
+BF16 = torch.bfloat16
+
+
+def make_x(cfg, b: int, m: int, seed: int) -> torch.Tensor:
+    """[b, m, dim] bf16 rows of unit RMS, deterministic in ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, m, cfg.dim, generator=g)
+    return (x / x.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)).to(BF16)
+
+
+def make_xs(cfg, b: int, m: int, seed: int, layers=None) -> dict[int, torch.Tensor]:
+    layers = range(cfg.n_layers) if layers is None else layers
+    return {L: make_x(cfg, b, m, 1000 * seed + L) for L in layers}
+
+
+def run_valid(stack, state, calls) -> list[dict[int, torch.Tensor]]:
+    return [stack.forward(make_xs(stack.cfg, len(rows), m, seed, stack.layers), state, rows=list(rows))
+            for rows, m, seed in calls]
+
+
+def clone_state(s: "AttentionState") -> "AttentionState":
+    """Independent deep copy of every cache; the config object is shared (as a caller's is)."""
+    return copy.deepcopy(s, {id(s.config): s.config})
+
+
+def _walk(state: "AttentionState"):
+    """(name, value) of everything a call may change: every field of the state (but its config,
+    its step bookkeeping
+    and device), of each LayerState and of each SourceState, whatever the layout is."""
+    for f in dataclasses.fields(state):
+        if f.name in ("config", "device", "layers", "sources", "open_step", "generation"):
+            continue
+        yield f.name, getattr(state, f.name)
+    yield "layer ids", sorted(state.layers)
+    yield "source ids", sorted(state.sources)
+    for kind, part in (("layers", state.layers), ("sources", state.sources)):
+        for key, obj in sorted(part.items()):
+            for f in dataclasses.fields(obj):
+                yield f"{kind}[{key}].{f.name}", getattr(obj, f.name)
+
+
+def snapshot(state: "AttentionState") -> dict[str, object]:
+    """A copy of every tensor (window, positions, compressed rows, index keys, open group,
+    block table...) and every scalar or list (index_key_slot, page refs...) of the state."""
+    snap = {}
+    for name, v in _walk(state):
+        snap[name] = v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+    return snap
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(before: dict[str, object], after: dict[str, object]) -> None:
+    assert before.keys() == after.keys()
+    for k, a in before.items():
+        b = after[k]
+        if isinstance(a, torch.Tensor):
+            assert isinstance(b, torch.Tensor), k
+            assert (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device), k
+            assert torch.equal(_bits(a), _bits(b)), f"{k} changed"
+        else:
+            assert a == b, f"{k}: {a!r} -> {b!r}"
+
+
+def assert_unchanged(state: "AttentionState", snap: dict[str, object]) -> None:
+    assert_same(snap, snapshot(state))
+
+
+@contextlib.contextmanager
+def rejected(state: "AttentionState", exc, match: str):
+    """The body must raise ``exc`` matching ``match`` and leave ``state`` bit-identical."""
+    snap = snapshot(state)
+    with pytest.raises(exc, match=match):
+        yield
+    assert_unchanged(state, snap)
+
+

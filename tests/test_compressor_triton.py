@@ -2,7 +2,6 @@
 the reference (SPEC §2.3-2.5, §4.3, §4.4.1); runs under TRITON_INTERPRET=1 on CPU."""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 import pytest
 import torch

@@ -1,7 +1,6 @@
 """Triton fp8 linear against the reference (SPEC §2.1-2.2); runs under TRITON_INTERPRET=1 on CPU."""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 import pytest
 import torch

@@ -2,7 +2,6 @@
 runs under TRITON_INTERPRET=1 on the CPU, and on a GPU when there is one."""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 import pytest
 import torch

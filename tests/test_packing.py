@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dsv41attn import preset
-from dsv41attn.cache import compressed_row_bytes, index_key_bytes, window_row_bytes
+from dsv41attn.ops.common.packing import compressed_row_bytes, index_key_bytes, window_row_bytes
 from dsv41attn.ops.common.packing import (pack_fp4, quantize_compressed_rows, quantize_index_keys,
                                           quantize_window_rows, unpack_compressed_rows,
                                           unpack_fp4, unpack_index_keys, unpack_window_rows)
@@ -34,7 +34,8 @@ def _hard_rows(d: int) -> torch.Tensor:
 
 def test_row_bytes_match_spec():
     cfg = preset("v41-flash")
-    assert (window_row_bytes(cfg), compressed_row_bytes(cfg), index_key_bytes(cfg)) == (528, 288, 68)
+    assert (window_row_bytes(cfg.head_dim), compressed_row_bytes(cfg.head_dim),
+            index_key_bytes(cfg.index_head_dim)) == (528, 288, 68)
 
 
 @pytest.mark.parametrize("name", list(CODECS))

@@ -21,86 +21,12 @@ from dsv41attn.config import ConfigError, preset
 from dsv41attn.layer import AttentionLayer
 from dsv41attn.stack import AttentionStack
 
+from conftest import (_bits, assert_same, assert_unchanged, clone_state, make_x, make_xs, rejected,
+                      run_valid, snapshot)
+
 B, CAP = 3, 16
 PREP = [((0, 1, 2), 11, 1), ((0,), 1, 2)]  # (rows, tokens, seed): the valid calls of the base
 BF16 = torch.bfloat16
-
-
-# ---- helpers ----------------------------------------------------------------------------------
-
-def make_x(cfg, b: int, m: int, seed: int) -> torch.Tensor:
-    """[b, m, dim] bf16 rows of unit RMS, deterministic in ``seed``."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(b, m, cfg.dim, generator=g)
-    return (x / x.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)).to(BF16)
-
-
-def make_xs(cfg, b: int, m: int, seed: int, layers=None) -> dict[int, torch.Tensor]:
-    layers = range(cfg.n_layers) if layers is None else layers
-    return {L: make_x(cfg, b, m, 1000 * seed + L) for L in layers}
-
-
-def run_valid(stack, state, calls) -> list[dict[int, torch.Tensor]]:
-    return [stack.forward(make_xs(stack.cfg, len(rows), m, seed, stack.layers), state, rows=list(rows))
-            for rows, m, seed in calls]
-
-
-def clone_state(s: AttentionState) -> AttentionState:
-    """Independent deep copy of every cache; the config object is shared (as a caller's is)."""
-    return copy.deepcopy(s, {id(s.config): s.config})
-
-
-def _walk(state: AttentionState):
-    """(name, value) of everything a call may change: every field of the state (but its config
-    and device), of each LayerState and of each SourceState, whatever the layout is."""
-    for f in dataclasses.fields(state):
-        if f.name in ("config", "device", "layers", "sources"):
-            continue
-        yield f.name, getattr(state, f.name)
-    yield "layer ids", sorted(state.layers)
-    yield "source ids", sorted(state.sources)
-    for kind, part in (("layers", state.layers), ("sources", state.sources)):
-        for key, obj in sorted(part.items()):
-            for f in dataclasses.fields(obj):
-                yield f"{kind}[{key}].{f.name}", getattr(obj, f.name)
-
-
-def snapshot(state: AttentionState) -> dict[str, object]:
-    """A copy of every tensor (window, positions, compressed rows, index keys, open group,
-    block table...) and every scalar or list (index_key_slot, page refs...) of the state."""
-    snap = {}
-    for name, v in _walk(state):
-        snap[name] = v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-    return snap
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_same(before: dict[str, object], after: dict[str, object]) -> None:
-    assert before.keys() == after.keys()
-    for k, a in before.items():
-        b = after[k]
-        if isinstance(a, torch.Tensor):
-            assert isinstance(b, torch.Tensor), k
-            assert (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device), k
-            assert torch.equal(_bits(a), _bits(b)), f"{k} changed"
-        else:
-            assert a == b, f"{k}: {a!r} -> {b!r}"
-
-
-def assert_unchanged(state: AttentionState, snap: dict[str, object]) -> None:
-    assert_same(snap, snapshot(state))
-
-
-@contextlib.contextmanager
-def rejected(state: AttentionState, exc, match: str):
-    """The body must raise ``exc`` matching ``match`` and leave ``state`` bit-identical."""
-    snap = snapshot(state)
-    with pytest.raises(exc, match=match):
-        yield
-    assert_unchanged(state, snap)
 
 
 # ---- fixtures -----------------------------------------------------------------------------------
@@ -152,40 +78,6 @@ def test_base_is_reproducible(stack, base):
     assert_same(snapshot(base), snapshot(fresh))
 
 
-def _flip_one_bit(t: torch.Tensor) -> None:
-    assert t.is_contiguous()
-    flat = t.view(-1).view(torch.uint8)
-    flat[flat.numel() // 2] ^= 1
-
-
-def test_snapshot_helper_sees_every_tensor(state):
-    snap = snapshot(state)
-    assert_unchanged(state, snap)
-    names = [n for n, v in _walk(state) if isinstance(v, torch.Tensor)]
-    # the documented caches are all covered, whatever else the state holds
-    for L in state.layers:
-        assert f"layers[{L}].window" in names and f"layers[{L}].positions" in names
-    for S in state.sources:
-        assert f"sources[{S}].rows" in names and f"sources[{S}].index_keys" in names
-    assert "index_key_slot" in snap
-    for name in names:
-        s2 = clone_state(state)
-        _flip_one_bit(dict(_walk(s2))[name])
-        with pytest.raises(AssertionError, match="changed"):
-            assert_unchanged(s2, snap)
-    s2 = clone_state(state)
-    s2.index_key_slot = 1
-    with pytest.raises(AssertionError, match="index_key_slot"):
-        assert_unchanged(s2, snap)
-    # the clone is independent of the original
-    s2 = clone_state(state)
-    s2.layers[0].positions += 1
-    assert_unchanged(state, snap)
-
-
-# ---- bad calls that are rejected before any layer writes -----------------------------------------
-# Each: (id, call(stack, cfg, state), exception, message regex). Row 0 is at 12, rows 1, 2 at 11.
-
 def _layer0(stack, cfg, s, x, tokens=1, rows=(1, 2)):
     return stack.layers[0](x, s, stack.step(s, tokens=tokens, rows=list(rows)))
 
@@ -193,13 +85,13 @@ def _layer0(stack, cfg, s, x, tokens=1, rows=(1, 2)):
 BAD_CALLS = [
     ("zero_tokens_forward",
      lambda st, cfg, s: st.forward(lambda L: make_x(cfg, 2, 0, L), s, rows=[1, 2]),
-     ValueError, r"token counts \[0, 0\]: each must be >= 0 and one at least >= 1"),
+     ValueError, r"token counts \[0, 0\]: at least one must be >= 1"),
     ("zero_tokens_x",
      lambda st, cfg, s: _layer0(st, cfg, s, make_x(cfg, 2, 0, 0)),
-     ValueError, r"x has m=0 tokens but the step was opened for 1"),
+     ValueError, r"x has shape \[2, 0, 64\]; a \[b, m, dim\] input needs .*\[2, 1, 64\]"),
     ("negative_tokens",
      lambda st, cfg, s: st.step(s, [-1, 2], rows=[1, 2]),
-     ValueError, r"token counts \[-1, 2\]: each must be >= 0"),
+     ValueError, r"tokens must be >= 0, got -1"),
     ("token_counts_not_rows",
      lambda st, cfg, s: st.step(s, [1, 1, 1], rows=[1, 2]),
      ValueError, r"3 token counts for 2 sequences"),
@@ -226,8 +118,8 @@ BAD_CALLS = [
      ValueError, r"forward takes \[b, m, dim=64\] inputs of one shape, got \[2, 1, 96\]"),
     ("hidden_size_packed",
      lambda st, cfg, s: _layer0(st, cfg, s, torch.zeros(2, 96, dtype=BF16)),
-     ValueError, r"x must have shape \[sum\(tokens\)=2, dim=64\] \(or \[b, m, dim\] for a uniform "
-                 r"step\), got \[2, 96\]"),
+     ValueError, r"x must have shape \[sum\(tokens\)=2, dim=64\] \(or \[b, m, dim\] when every "
+                 r"sequence has m tokens\), got \[2, 96\]"),
     ("packed_token_count",
      lambda st, cfg, s: _layer0(st, cfg, s, torch.zeros(3, 64, dtype=BF16)),
      ValueError, r"x must have shape \[sum\(tokens\)=2, dim=64\] .*got \[3, 64\]"),
@@ -239,7 +131,7 @@ BAD_CALLS = [
      ValueError, r"x must have shape \[sum\(tokens\)=2, dim=64\] .*got \[2, 1, 1, 64\]"),
     ("batch_not_rows",
      lambda st, cfg, s: st.forward(lambda L: make_x(cfg, 3, 1, L), s, rows=[1, 2]),
-     ValueError, r"x has shape \[3, 1, 64\]; a \[b, m, dim\] input needs .*b=2"),
+     ValueError, r"x has shape \[3, 1, 64\]; a \[b, m, dim\] input needs .*\[2, 1, 64\]"),
     ("meta_device",
      lambda st, cfg, s: st.forward(lambda L: torch.empty(2, 1, 64, dtype=BF16, device="meta"), s,
                                    rows=[1, 2]),
@@ -256,27 +148,20 @@ BAD_CALLS = [
     ("rows_empty",
      lambda st, cfg, s: st.step(s, tokens=1, rows=[]),
      ValueError, r"rows must name at least one sequence"),
-    # Sequences at different positions form a ragged step: x must then be packed ...
-    ("rows_at_different_positions_unpacked",
-     lambda st, cfg, s: st.forward(lambda L: make_x(cfg, 2, 1, L), s, rows=[0, 1]),
-     ValueError, r"x has shape \[2, 1, 64\]; a \[b, m, dim\] input needs every sequence at one "
-                 r"position with one token count"),
-    ("all_rows_at_different_positions_unpacked",
-     lambda st, cfg, s: st.forward(lambda L: make_x(cfg, 3, 1, L), s),
-     ValueError, r"a \[b, m, dim\] input needs every sequence at one position"),
     # ... and DeepSeek's own schedule ("reference" semantics) has no ragged steps at all.
     ("rows_at_different_positions_reference",
      lambda st, cfg, s: st.step(s, 1, rows=[0, 1], semantics="reference"),
      ValueError, r"reference semantics reproduces DeepSeek's schedule only"),
     ("step_tokens_differ_from_x",
      lambda st, cfg, s: _layer0(st, cfg, s, make_x(cfg, 2, 1, 0), tokens=2),
-     ValueError, r"x has m=1 tokens but the step was opened for 2"),
+     ValueError, r"x has shape \[2, 1, 64\]; .*i\.e\. \[2, 2, 64\]"),
     ("reuse_before_its_source",
      lambda st, cfg, s: st.layers[2](make_x(cfg, 2, 1, 2), s, st.step(s, 1, rows=[1, 2])),
-     StateError, r"layer 2 \(Reuse\) reads what layer 1 publishes, but layer 1 has not run in this step"),
+     StateError, r"layer 2 called out of order: this step runs \[0, 1, 2, .*\] in order, each once, "
+                 r"and layer 0 is next"),
     ("reindex_before_its_sources",
      lambda st, cfg, s: st.layers[5](make_x(cfg, 2, 1, 5), s, st.step(s, 1, rows=[1, 2])),
-     StateError, r"layer 5 \(Reindex\) reads what layer 3 publishes, but layer 3 has not run"),
+     StateError, r"layer 5 called out of order: .*layer 0 is next"),
     ("step_of_another_state",
      lambda st, cfg, s: st.layers[0](make_x(cfg, 1, 1, 0), s, st.step(st.new_state(1, CAP), 1)),
      StateError, r"the step was opened on a different state"),
@@ -303,9 +188,9 @@ def test_too_many_tokens(cfg, weights):
     stack = AttentionStack(cfg, {L: weights[L] for L in (0, 1, 2)})  # SWA, Full, Reuse: fast
     s = stack.new_state(batch_size=2, capacity=CAP, max_tokens_per_call=4)
     run_valid(stack, s, [((0, 1), 3, 5)])
-    with rejected(s, ValueError, r"sequence 0: m=5 tokens outside 0\.\.4"):
+    with rejected(s, ValueError, r"sequence 0: 5 tokens in one step, more than the state's max_tokens_per_call=4"):
         stack.forward(make_xs(cfg, 2, 5, 6, stack.layers), s)
-    with rejected(s, ValueError, r"sequence 1: m=5 tokens outside 0\.\.4"):
+    with rejected(s, ValueError, r"sequence 1: 5 tokens in one step"):
         stack.step(s, [4, 5])
     with rejected(s, ValueError, r"token counts \[0, 0\]"):
         stack.forward(make_xs(cfg, 2, 0, 6, stack.layers), s)
@@ -352,31 +237,27 @@ def test_layer_twice_in_one_step(stack, cfg, state):
     step = stack.step(state, 1, rows=[1, 2])
     stack.layers[0](make_x(cfg, 2, 1, 0), state, step)
     assert state.layers[0].positions.tolist() == [12, 12, 12]
-    with rejected(state, StateError, r"layer 0: sequence 1 is at position 12, but this step continues "
-                                     r"it from 11: positions must neither skip nor repeat"):
+    with rejected(state, StateError, r"layer 0 called out of order: .*layer 1 is next \(done: \[0\]\)"):
         stack.layers[0](make_x(cfg, 2, 1, 0), state, step)
-    # a KV source too (it owns the compressed caches)
-    stack.layers[1](make_x(cfg, 2, 1, 1), state, step)
-    with rejected(state, StateError, r"layer 1: sequence 1 is at position 12, .*neither skip nor repeat"):
+    stack.layers[1](make_x(cfg, 2, 1, 1), state, step)  # a KV source too
+    with rejected(state, StateError, r"layer 1 called out of order: .*layer 2 is next"):
         stack.layers[1](make_x(cfg, 2, 1, 1), state, step)
 
 
 def test_layer_after_a_later_layer(stack, cfg, state):
-    step = stack.step(state, 1, rows=[1, 2])
+    step = stack.step(state, 1, rows=[1, 2], layers=[0, 3])  # Full r=1: needs nothing earlier
     stack.layers[0](make_x(cfg, 2, 1, 0), state, step)
-    stack.layers[3](make_x(cfg, 2, 1, 3), state, step)  # Full: needs nothing earlier
-    with rejected(state, StateError, r"layer 1 called after layer 3 in the same step: layers run in "
-                                     r"increasing order, each once per step"):
+    with rejected(state, StateError, r"layer 1 is not one of this step's layers \[0, 3\]"):
         stack.layers[1](make_x(cfg, 2, 1, 1), state, step)
+    stack.layers[3](make_x(cfg, 2, 1, 3), state, step)
+    with rejected(state, StateError, r"this step is done"):
+        stack.layers[3](make_x(cfg, 2, 1, 3), state, step)
 
 
 def test_reindex_when_candidate_source_has_not_run(stack, cfg, state):
-    step = stack.step(state, 1, rows=[1, 2])
-    for L in (0, 1, 2):
-        stack.layers[L](make_x(cfg, 2, 1, L), state, step)
-    with rejected(state, StateError, r"layer 5 \(Reindex\) reads what layer 3 publishes, but layer 3 "
-                                     r"has not run in this step"):
-        stack.layers[5](make_x(cfg, 2, 1, 5), state, step)
+    with rejected(state, StateError, r"layer 5 \(Reindex\) reads what layer 3 publishes in the same "
+                                     r"step, but layer 3 is not among the step's layers before it"):
+        stack.step(state, 1, rows=[1, 2], layers=[0, 1, 2, 5])
 
 
 def test_candidate_consumer_needs_candidate_source(cfg, weights):
@@ -386,12 +267,9 @@ def test_candidate_consumer_needs_candidate_source(cfg, weights):
     stack5 = AttentionStack(cfg5, {L: weights[L] for L in range(8)})
     s = stack5.new_state(batch_size=1, capacity=CAP)
     run_valid(stack5, s, [((0,), 3, 9)])
-    step = stack5.step(s, 1)
-    for L in (0, 1, 2, 3, 4):
-        stack5.layers[L](make_x(cfg, 1, 1, L), s, step)
-    with rejected(s, StateError, r"layer 7 \(Reindex\) reads what layer 5 publishes, but layer 5 has "
-                                 r"not run in this step"):
-        stack5.layers[7](make_x(cfg, 1, 1, 7), s, step)
+    with rejected(s, StateError, r"layer 7 \(Reindex\) reads what layer 5 publishes in the same "
+                                 r"step, but layer 5 is not among"):
+        stack5.step(s, 1, layers=[0, 1, 2, 3, 4, 7])
 
 
 # ---- states that do not fit the layer -----------------------------------------------------------
@@ -408,15 +286,16 @@ def test_state_without_the_layer(stack, cfg):
 
 def test_state_without_the_kv_source(stack, cfg, state):
     del state.sources[1]
-    with rejected(state, StateError, r"layer 2 needs KV source 1, which has no caches in this state"):
-        stack.layers[2](make_x(cfg, 2, 1, 2), state, stack.step(state, 1, rows=[1, 2]))
+    with rejected(state, StateError, r"layer 1 needs KV source 1, which has no caches in this state"):
+        stack.step(state, 1, rows=[1, 2])
 
 
 def test_state_of_another_config(stack, cfg):
     other = AttentionState.allocate(cfg.replace(window_size=16), 2, capacity=CAP)
-    step = stack.step(other, 1)
     with rejected(other, StateError, r"the state was allocated for a different AttentionConfig"):
-        stack.layers[0](make_x(cfg, 2, 1, 11), other, step)
+        stack.step(other, 1)
+    with rejected(other, StateError, r"the state was allocated for a different AttentionConfig"):
+        stack.plan_decode(other)
 
 
 def test_step_of_another_state_changes_neither(stack, cfg, base):
@@ -498,23 +377,23 @@ def test_rejections_leave_no_trace_in_later_outputs(stack, cfg, base):
     f_xs = {L: make_x(cfg, 1, 3, 5000 + L)[0] for L in range(cfg.n_layers)}  # packed [1+0+2]
     step = stack.step(s, 1, rows=[1, 2])
     out_d = {0: stack.layers[0](d_xs[0], s, step)}
-    with rejected(s, StateError, r"positions must neither skip nor repeat"):
+    with rejected(s, StateError, r"layer 0 called out of order"):
         stack.layers[0](d_xs[0], s, step)
-    with rejected(s, StateError, r"layer 2 \(Reuse\) reads what layer 1 publishes"):
+    with rejected(s, StateError, r"layer 2 called out of order: .*layer 1 is next"):
         stack.layers[2](d_xs[2], s, step)
     with rejected(s, TypeError, r"x must be bfloat16"):
         stack.layers[1](d_xs[1].float(), s, step)
-    with rejected(s, ValueError, r"x has m=2 tokens but the step was opened for 1"):
+    with rejected(s, ValueError, r"x has shape \[2, 2, 64\]"):
         stack.layers[1](d_xs[1].repeat(1, 2, 1), s, step)
     for L in (1, 2, 3):
         out_d[L] = stack.layers[L](d_xs[L], s, step)
-    with rejected(s, StateError, r"layer 3: .*neither skip nor repeat"):
+    with rejected(s, StateError, r"layer 3 called out of order"):
         stack.layers[3](d_xs[3], s, step)
     with rejected(s, ValueError, r"x has shape \[1, 1, 64\]"):
         stack.layers[4](d_xs[4][:1], s, step)
     for L in (4, 5, 6, 7):
         out_d[L] = stack.layers[L](d_xs[L], s, step)
-    with rejected(s, StateError, r"layer 7: .*neither skip nor repeat"):
+    with rejected(s, StateError, r"this step is done"):
         stack.layers[7](d_xs[7], s, step)
     with rejected(s, StateError, r"positions 12\.\.16 exceed the cache capacity"):
         stack.forward(make_xs(cfg, 3, 5, 5), s)

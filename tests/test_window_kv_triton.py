@@ -2,7 +2,6 @@
 reference (SPEC §2.4, §2.5, §4.1-4.2); runs under TRITON_INTERPRET=1 on CPU."""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 import pytest
 import torch

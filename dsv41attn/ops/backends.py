@@ -25,9 +25,13 @@ class Ops:
     rope_heads: Callable  # the query's RoPE
     pool_norm_rope_pack: Callable  # compressor epilogue: rows and index keys into the pools
     inverse_rope_wo_a: Callable  # inverse RoPE + block-diagonal wo_a
+    index_topk: Callable  # the lightning indexer: scores, candidate blocks, top-k
+    capturable: bool  # every op runs without host syncs: a decode step can be graph-captured
 
 
 def get_ops(backend: str) -> Ops:
+    from .indexer.reference import index_topk  # the Triton indexer is not written yet
+
     if backend == "reference":
         from .compressor.reference import pool_norm_rope_pack
         from .linear.reference import fp8_linear
@@ -45,5 +49,6 @@ def get_ops(backend: str) -> Ops:
             raise ValueError(f"backend 'triton' needs the triton package: {e}") from e
     else:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    # the reference ops write through boolean masks (host syncs): not capturable
     return Ops(backend, sparse_attn_paged, fp8_linear, norm_rope_pack, rope_heads,
-               pool_norm_rope_pack, inverse_rope_wo_a)
+               pool_norm_rope_pack, inverse_rope_wo_a, index_topk, backend == "triton")

@@ -17,6 +17,21 @@ import torch
 from .quant import FP8_BLOCK, INDEX_FP4_BLOCK, LATENT_FP4_BLOCK, act_quant, fp4_quant
 
 
+def window_row_bytes(head_dim: int) -> int:
+    """Bytes of a packed window row: D e4m3 codes + D/32 ue8m0 exponents (528 at D = 512)."""
+    return head_dim + head_dim // FP8_BLOCK
+
+
+def compressed_row_bytes(head_dim: int) -> int:
+    """Bytes of a packed compressed row: D/2 e2m1 pairs + D/16 e4m3 scales (288 at D = 512)."""
+    return head_dim // 2 + head_dim // LATENT_FP4_BLOCK
+
+
+def index_key_bytes(index_head_dim: int) -> int:
+    """Bytes of a packed index key: d/2 e2m1 pairs + d/32 ue8m0 exponents (68 at d = 128)."""
+    return index_head_dim // 2 + index_head_dim // INDEX_FP4_BLOCK
+
+
 def _e8m0_bytes(s: torch.Tensor) -> torch.Tensor:
     return ((s.float().contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
 
@@ -117,3 +132,13 @@ def paged_rows(pool: torch.Tensor, block_table: torch.Tensor, g: torch.Tensor) -
     page_rows = pool.shape[1]
     pages = torch.gather(block_table, 1, (g // page_rows).expand(block_table.shape[0], -1))
     return pool[pages.clamp_min(0), g % page_rows]
+
+
+def paged_index_keys(pool: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, n, d] bf16: index keys 0..n-1 of each sequence of ``block_table`` [B, pages] from
+    the paged pool [P, page_rows, d/2 + d/32]; rows on unallocated pages read as zeros (the
+    reference's zero-initialised key cache)."""
+    g = torch.arange(n, device=pool.device)
+    keys = unpack_index_keys(paged_rows(pool, block_table, g))
+    pages = torch.gather(block_table, 1, (g // pool.shape[1]).expand(block_table.shape[0], -1))
+    return keys.masked_fill((pages < 0).unsqueeze(-1), 0)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ..common.packing import paged_index_keys
+
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """s[b,i,t] = sum_h w[b,i,h] * relu(q[b,i,h,:] . k[b,t,:]), in bf16 as the reference.
@@ -76,3 +78,62 @@ def select_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch
     k = min(topk, scores.shape[-1])
     sel = top_indices(scores, k).sort(dim=-1).values
     return torch.where(sel < visible.unsqueeze(-1), sel, -1).to(torch.int32)
+
+
+def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
+               block_table: torch.Tensor, token_row: torch.Tensor, visible: torch.Tensor,
+               n_rows: int, topk: int, token_groups: list[tuple[int, torch.Tensor]],
+               candidates: torch.Tensor | None = None, candidate_topk: int | None = None,
+               block_size: int = 8, score_budget: int = 1 << 30
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The lightning indexer over the paged fp4 index keys, one query per packed token.
+
+    q_index: [T, I, d] bf16 index queries (post-RoPE, fp4-fake-quantised); head_weights: [T, I]
+    bf16 (already scaled); key_pool: [P, page_rows, d/2 + d/32] uint8 packed index keys;
+    block_table: [B, pages] int64 page ids of every state row; token_row: [T] int64 each
+    query's state row; visible: [T] int64 rows the query may see ((P + 1) // r); n_rows: rows
+    per sequence to score (>= every visible; rows beyond a query's ``visible`` are masked, so
+    a wider scan selects the same rows). token_groups: the packed tokens as (m, token ids
+    [g * m]) of sequences with m tokens each, sequence-major: how this reference batches
+    (a kernel reads ``token_row`` instead). candidates: [T, ceil(n_rows / block_size)] bool
+    blocks a candidate source kept (a consumer scores only rows inside them) or None.
+    candidate_topk: for the candidate source, the blocks to keep per query (newest visible
+    block pinned). score_budget: bytes of bf16 scores per query tile (bounds memory at long
+    context, SPEC §10.5; results do not depend on it).
+
+    Returns (selected [T, min(topk, n_rows)] int32 row numbers ascending, -1 padded;
+    kept blocks [T, nblk] bool for the candidate source, else None).
+    """
+    t_all, dev = q_index.shape[0], q_index.device
+    k = min(topk, n_rows)
+    selected = torch.empty(t_all, k, dtype=torch.int32, device=dev)
+    nblk = -(-n_rows // block_size)
+    keep = torch.empty(t_all, nblk, dtype=torch.bool, device=dev) \
+        if candidate_topk is not None else None
+    if n_rows == 0:
+        return selected, keep
+    n_heads = q_index.shape[1]
+    for m, tokens in token_groups:
+        g = tokens.numel() // m
+        rows = token_row[tokens].view(g, m)[:, 0]
+        keys = paged_index_keys(key_pool, block_table[rows], n_rows)  # [g, n, d] bf16
+        q = q_index[tokens].view(g, m, *q_index.shape[1:])
+        w = head_weights[tokens].view(g, m, n_heads)
+        vis = visible[tokens].view(g, m)
+        cand = candidates[tokens].view(g, m, -1) if candidates is not None else None
+        sel = torch.empty(g, m, k, dtype=torch.int32, device=dev)
+        kept = torch.empty(g, m, nblk, dtype=torch.bool, device=dev) if keep is not None else None
+        tile = max(1, min(m, score_budget // max(1, g * n_heads * n_rows * 2)))
+        for i0 in range(0, m, tile):
+            t = slice(i0, i0 + tile)
+            scores = mask_invisible(index_scores(q[:, t], w[:, t], keys), vis[:, t])
+            if kept is not None:
+                kept[:, t] = candidate_blocks(scores, vis[:, t], candidate_topk, block_size)
+            if cand is not None:
+                scores = scores.masked_fill(~expand_blocks(cand[:, t], block_size, n_rows),
+                                            float("-inf"))
+            sel[:, t] = select_topk(scores, vis[:, t], topk)
+        selected[tokens] = sel.flatten(0, 1)
+        if keep is not None:
+            keep[tokens] = kept.flatten(0, 1)
+    return selected, keep

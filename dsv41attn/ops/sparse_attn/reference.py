@@ -28,7 +28,10 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     sink = sink.float()
     for i0 in range(0, m, max_queries):
         qs = q[:, i0:i0 + max_queries].to(torch.float64)  # [B, m', H, D]
+        # whole 64-blocks: a list's trailing -1 pads (their number depends on the call) then
+        # never change how a block's probabilities are summed
         ids = idx[:, i0:i0 + max_queries].long()
+        ids = torch.nn.functional.pad(ids, (0, -ids.shape[-1] % BLOCK), value=-1)
         mq = qs.shape[1]
         run_max = torch.full((b, mq, h), NEG_INIT, dtype=torch.float32, device=q.device)
         run_sum = torch.zeros(b, mq, h, dtype=torch.float32, device=q.device)
@@ -55,32 +58,43 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
 
 
 def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
-                      window_rows: torch.Tensor, window_idx: torch.Tensor,
+                      window_ring: torch.Tensor, new_rows: torch.Tensor, window_ids: torch.Tensor,
                       compressed_pool: torch.Tensor | None, block_table: torch.Tensor | None,
-                      compressed_idx: torch.Tensor) -> torch.Tensor:
-    """Sparse attention over packed caches: the list of each query is its window entries then
-    its compressed entries, walked as one list (``sparse_attn``'s numerics).
+                      token_row: torch.Tensor, compressed_idx: torch.Tensor,
+                      max_queries: int = 64) -> torch.Tensor:
+    """Sparse attention over the packed caches, one query per packed token of a step: each
+    query's list is its window entries then its compressed entries, walked as one list
+    (``sparse_attn``'s numerics). The window ring is read in place: no copy of it.
 
-    q: [B, M, H, D] bf16; sink: [H] fp32; window_rows: [B, Nw, D + D/32] uint8 packed fp8 rows
-    (ring and/or this call's rows); window_idx: [B, M, Ww] int32 rows of window_rows, -1 skip;
+    q: [T, H, D] bf16; sink: [H] fp32.
+    window_ring: [B, S, D + D/32] uint8, the layer's ring (packed fp8 rows) as before the step.
+    new_rows: [T, D + D/32] uint8, the step's own packed window rows.
+    window_ids: [T, Ww] int32: id in 0..B*S-1 is ring row ``window_ring.view(B*S, -1)[id]``,
+    id >= B*S is ``new_rows[id - B*S]``, -1 skips.
     compressed_pool: [P, page_rows, D/2 + D/16] uint8 packed fp4 rows (None without any);
-    block_table: [B, pages] int64 page ids of these sequences; compressed_idx: [B, M, K] int32
-    compressed row numbers g, -1 skip. Returns [B, M, H, D] bf16.
+    block_table: [B, pages] int64 page ids of every state row (None without any);
+    token_row: [T] int64 state row of each token (its block-table row);
+    compressed_idx: [T, K] int32 compressed row numbers g (row g = pool[block_table[row,
+    g // page_rows], g % page_rows]), -1 skips. Returns [T, H, D] bf16 (0 for an empty list).
     """
-    window = unpack_window_rows(window_rows)  # [B, Nw, D]
-    kv, idx = window, window_idx
-    b, m, k = compressed_idx.shape
-    if k and m == 1:  # decode: each entry's own row (no host read: capturable in a CUDA graph)
-        g = compressed_idx.clamp_min(0).flatten(1).long()  # [B, K]
-        compressed = unpack_compressed_rows(paged_rows(compressed_pool, block_table, g))
-        kv = torch.cat([window, compressed], dim=1)
-        own = window.shape[1] + torch.arange(k, device=q.device, dtype=torch.int32)
-        idx = torch.cat([window_idx, torch.where(compressed_idx >= 0, own, -1)], dim=-1)
-    elif k:  # many queries share rows: unpack rows 0..n-1 once
-        n = int(compressed_idx.max()) + 1  # rows 0..n-1 cover every entry
-        g = torch.arange(max(n, 0), device=q.device)
-        compressed = unpack_compressed_rows(paged_rows(compressed_pool, block_table, g))
-        kv = torch.cat([window, compressed], dim=1)
-        shifted = torch.where(compressed_idx >= 0, compressed_idx + window.shape[1], -1)
-        idx = torch.cat([window_idx, shifted.to(torch.int32)], dim=-1)
-    return sparse_attn(q, kv, sink, idx, scale)
+    t_all, h, d = q.shape
+    out = torch.empty_like(q)
+    ring = window_ring.reshape(-1, window_ring.shape[-1])
+    n_ring, k = ring.shape[0], compressed_idx.shape[-1]
+    for t0 in range(0, t_all, max_queries):
+        t = slice(t0, t0 + max_queries)
+        ids = window_ids[t].long()  # [t, Ww]
+        from_ring = ids < n_ring
+        packed = torch.where(from_ring.unsqueeze(-1), ring[ids.clamp(0, n_ring - 1)],
+                             new_rows[(ids - n_ring).clamp(0, t_all - 1)])
+        kv = unpack_window_rows(packed)  # [t, Ww, D]
+        idx = torch.where(ids >= 0, torch.arange(ids.shape[1], device=q.device), -1)
+        if k:
+            g = compressed_idx[t].long()  # [t, K]
+            rows = paged_rows(compressed_pool, block_table[token_row[t]], g.clamp_min(0))
+            kv = torch.cat([kv, unpack_compressed_rows(rows)], dim=1)  # [t, Ww + K, D]
+            own = ids.shape[1] + torch.arange(k, device=q.device)
+            idx = torch.cat([idx, torch.where(g >= 0, own, -1)], dim=1)
+        out[t] = sparse_attn(q[t].unsqueeze(1), kv, sink, idx.unsqueeze(1).to(torch.int32),
+                             scale).squeeze(1)
+    return out
