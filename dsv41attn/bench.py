@@ -104,6 +104,8 @@ def fill_context(state, ctx: int, seed: int = 0) -> None:
     g = torch.Generator(device=dev).manual_seed(seed)
     rows = list(range(state.batch_size))
     state.reserve(rows, [ctx] * len(rows))
+    for row in rows:  # the host mirror of the positions set below
+        state.advance(row, state.layers, ctx)
     for layer in state.layers.values():
         layer.window.copy_(pack_window_rows(torch.randn(
             *layer.window.shape[:2], cfg.head_dim, generator=g, device=dev).bfloat16()))

@@ -17,7 +17,7 @@ Plans use "fixed" index-key semantics (every KV source publishes its keys every 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 
@@ -62,7 +62,8 @@ class DecodePlan:
         b = len(rows)
         dev_rows = torch.tensor(rows, dtype=torch.int64).to(dev)
         self.plan = StepPlan(cfg, state, rows, [1] * b, list(range(b + 1)), dev_rows,
-                             stack.freqs_for(layers), stack.ratios_for(layers), compact=False)
+                             stack.freqs_for(layers), stack.ratios_for(layers), compact=False,
+                             kernels=stack.layers[layers[0]].ops.capturable)
         self.plan.seq_rows = dev_rows
         self.plan.token_groups = [(1, torch.arange(b, device=dev))]
         self._first = torch.arange(b, device=dev)

@@ -39,6 +39,7 @@ import torch
 from .cache import AttentionState, StateError
 from .config import AttentionConfig, LayerSpec
 from .ops.common.rope import rope_rotations
+from .ops.step_facts import reference as facts
 
 
 def rope_variant(spec: LayerSpec) -> tuple[float, bool]:
@@ -146,6 +147,7 @@ class StepPlan:
     freqs: dict[tuple[float, bool], torch.Tensor]  # RoPE variant -> [R/2] fp32 on the device
     ratios_used: dict[int, tuple | None]  # ratio -> RoPE variant of its KV source if one runs
     compact: bool  # host plan: compressor and ring lists hold only the tokens that write
+    kernels: bool = False  # decode plan on a GPU backend: derive the facts in Triton
     seq_rows: torch.Tensor = None  # [b] int64 state rows (device)
     seq_end: torch.Tensor = None  # [b] int64 each sequence's position after the step
     # per-token facts (set by derive)
@@ -197,7 +199,9 @@ class StepPlan:
         """Every per-token fact from the positions (pure device ops: capturable).
 
         pos, start, first, last: [T] int64: each token's position, its sequence's first
-        position in this step, the packed index of that first token, and its last position."""
+        position in this step, the packed index of that first token, and its last position.
+        A decode plan with ``kernels`` set derives the integer facts in two Triton kernels
+        (the same values as ``ops/step_facts/reference``)."""
         cfg, st = self.cfg, self.state
         w, slots, n_ring = cfg.window_size, st.ring_slots, st.batch_size * st.ring_slots
         row = self.token_row
@@ -205,19 +209,41 @@ class StepPlan:
         if not self.compact:  # a decode plan: one token per sequence
             self.seq_end = pos + 1
         self.rotations = {v: rope_rotations(f, pos) for v, f in self.freqs.items()}
-        # window list: positions max(0, P-W+1)..P ascending, then -1
-        p = (pos - w + 1).clamp_min(0).unsqueeze(1) + torch.arange(w, device=pos.device)
-        in_step = p >= start.unsqueeze(1)
-        ids = torch.where(in_step, n_ring + first.unsqueeze(1) + p - start.unsqueeze(1),
-                          row.unsqueeze(1) * slots + p % slots)
-        self.window_ids = torch.where(p <= pos.unsqueeze(1), ids, -1).to(torch.int32)
-        self.ring_write = self._writes(pos > last - slots, row * slots + pos % slots)
+        if self.kernels:
+            from .ops.step_facts import triton as facts_kernels
+
+            everyone = torch.arange(pos.numel(), device=pos.device)
+            self.window_ids, flat = facts_kernels.decode_window_facts(pos, row, w, slots, n_ring)
+            self.ring_write = (everyone, flat)
+        else:
+            self.window_ids = facts.window_ids(pos, start, first, row, w, slots, n_ring)
+            self.ring_write = self._writes(*facts.ring_slots(pos, last, row, slots))
         self.ratios = {}
         for r, variant in self.ratios_used.items():
-            facts = RatioFacts(r, (pos + 1) // r, scans[r])
+            page_rows, held = st.page_size // r, st.recent_slots(r)
+            if self.kernels:
+                vis, page, slot, gpos, members, recent = facts_kernels.decode_group_facts(
+                    pos, row, st.block_table, r, page_rows, held, st.batch_size * held,
+                    variant is not None)
+                self.ratios[r] = RatioFacts(r, vis, scans[r]) if variant is None else RatioFacts(
+                        r, vis, scans[r], everyone, page, slot,
+                        rope_rotations(self.freqs[variant], gpos), members,
+                        (everyone, recent) if recent is not None else None)
+                continue
+            ratio = RatioFacts(r, (pos + 1) // r, scans[r])
             if variant is not None:
-                self._compressor_facts(facts, variant, pos, start, first, last)
-            self.ratios[r] = facts
+                closing, page, slot, gpos, members = facts.group_facts(
+                    pos, start, first, row, st.block_table, r, page_rows, held,
+                    st.batch_size * held)
+                tokens = closing.nonzero().squeeze(1) if self.compact else \
+                    torch.arange(pos.numel(), device=pos.device)
+                ratio.close_tokens, ratio.close_page, ratio.close_slot = \
+                    tokens, page[tokens], slot[tokens]
+                ratio.close_rot = rope_rotations(self.freqs[variant], gpos[tokens])
+                if r > 1:
+                    ratio.members = members[tokens]
+                    ratio.recent_write = self._writes(*facts.ring_slots(pos, last, row, held))
+            self.ratios[r] = ratio
 
     def _writes(self, keep: torch.Tensor, flat: torch.Tensor):
         """(tokens, flat slots) of the writes that survive the step: compacted on a host plan,
@@ -226,24 +252,3 @@ class StepPlan:
             tokens = keep.nonzero().squeeze(1)
             return tokens, flat[tokens]
         return torch.arange(flat.numel(), device=flat.device), flat
-
-    def _compressor_facts(self, facts: RatioFacts, variant, pos, start, first, last) -> None:
-        st, r = self.state, facts.ratio
-        page_rows = st.page_size // r
-        closing = (pos + 1) % r == 0
-        g = pos // r  # the group a closing token completes; it stands for position g * r
-        page = torch.gather(st.block_table[self.token_row], 1, (g // page_rows).unsqueeze(1))[:, 0]
-        page = torch.where(closing, page, -1)
-        tokens = closing.nonzero().squeeze(1) if self.compact else \
-            torch.arange(pos.numel(), device=pos.device)
-        facts.close_tokens = tokens
-        facts.close_page, facts.close_slot = page[tokens], (g % page_rows)[tokens]
-        facts.close_rot = rope_rotations(self.freqs[variant], (g * r)[tokens])
-        if r > 1:
-            held = st.recent_slots(r)
-            q = (g * r).unsqueeze(1) + torch.arange(r, device=pos.device)  # [T, r] members
-            s0 = start.unsqueeze(1)
-            members = torch.where(q >= s0, st.batch_size * held + first.unsqueeze(1) + q - s0,
-                                  self.token_row.unsqueeze(1) * held + q % held)
-            facts.members = members[tokens]
-            facts.recent_write = self._writes(pos > last - held, self.token_row * held + pos % held)

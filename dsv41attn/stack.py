@@ -18,7 +18,7 @@ import torch
 
 from .cache import AttentionState, StateError, _int_arg
 from .checkpoint import LayerWeights
-from .config import SEMANTICS, AttentionConfig, LayerSpec
+from .config import SEMANTICS, AttentionConfig
 from .decode import DecodePlan
 from .layer import AttentionLayer
 from .plan import Board, StepPlan, UndoLog, rope_variant

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsv41attn.cache import AttentionState
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # The session picks Triton's mode once, before any test module imports triton: the CPU
@@ -67,12 +69,12 @@ def run_valid(stack, state, calls) -> list[dict[int, torch.Tensor]]:
             for rows, m, seed in calls]
 
 
-def clone_state(s: "AttentionState") -> "AttentionState":
+def clone_state(s: AttentionState) -> AttentionState:
     """Independent deep copy of every cache; the config object is shared (as a caller's is)."""
     return copy.deepcopy(s, {id(s.config): s.config})
 
 
-def _walk(state: "AttentionState"):
+def _walk(state: AttentionState):
     """(name, value) of everything a call may change: every field of the state (but its config,
     its step bookkeeping
     and device), of each LayerState and of each SourceState, whatever the layout is."""
@@ -88,7 +90,7 @@ def _walk(state: "AttentionState"):
                 yield f"{kind}[{key}].{f.name}", getattr(obj, f.name)
 
 
-def snapshot(state: "AttentionState") -> dict[str, object]:
+def snapshot(state: AttentionState) -> dict[str, object]:
     """A copy of every tensor (window, positions, compressed rows, index keys, open group,
     block table...) and every scalar or list (index_key_slot, page refs...) of the state."""
     snap = {}
@@ -113,12 +115,12 @@ def assert_same(before: dict[str, object], after: dict[str, object]) -> None:
             assert a == b, f"{k}: {a!r} -> {b!r}"
 
 
-def assert_unchanged(state: "AttentionState", snap: dict[str, object]) -> None:
+def assert_unchanged(state: AttentionState, snap: dict[str, object]) -> None:
     assert_same(snap, snapshot(state))
 
 
 @contextlib.contextmanager
-def rejected(state: "AttentionState", exc, match: str):
+def rejected(state: AttentionState, exc, match: str):
     """The body must raise ``exc`` matching ``match`` and leave ``state`` bit-identical."""
     snap = snapshot(state)
     with pytest.raises(exc, match=match):

@@ -7,8 +7,6 @@ one decode on row 0 only. So row 0 is at position 12 and rows 1, 2 at 11; capaci
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 import re
 
