@@ -225,6 +225,14 @@ class AttentionState:
             undo.save(view, flat)
             view[flat] = new[tokens]
 
+    def before_compressed_write(self, source: SourceState, page: torch.Tensor,
+                                slot: torch.Tensor, undo) -> None:
+        """Save the compressed rows and index keys at (page, slot) [N] that a compressor
+        epilogue is about to write (page -1: nothing is written there)."""
+        where = (page.clamp_min(0), slot)
+        undo.save(source.rows, where)
+        undo.save(source.index_keys, where)
+
     def set_index_key_slot(self, layer: int, undo) -> None:
         """KV source ``layer`` takes the shared index-key slot (SPEC §10.1)."""
         old = self.index_key_slot

@@ -61,7 +61,7 @@ class AttentionLayer:
         try:
             with torch.no_grad():
                 y = self.run(x.reshape(-1, x.shape[-1]), state, step.plan, step.board,
-                             step.undo, step.semantics)
+                             step.undo, step.semantics, step.trace)
         except BaseException:
             step.abort()
             raise
@@ -71,10 +71,11 @@ class AttentionLayer:
     __call__ = forward
 
     def run(self, x: torch.Tensor, state: AttentionState, plan: StepPlan, board: Board,
-            undo: UndoLog, semantics: str) -> torch.Tensor:
+            undo: UndoLog, semantics: str, trace=None) -> torch.Tensor:
         """The layer over the step's packed tokens, no checks (``forward`` and ``DecodePlan``
         check first). x: [T, dim] bf16 -> [T, dim] bf16. No host sync for a decode plan on
-        a capturable backend."""
+        a capturable backend. ``trace``: None, or a callable given (layer, record) after the
+        attention, before anything else is written (``trace.py``); it reads, never writes."""
         cfg, spec, w, ops = self.cfg, self.spec, self.weights, self.ops
         t = x.shape[0]
         rot = plan.rotations_of(spec)  # [T, R/2] complex64
@@ -107,6 +108,10 @@ class AttentionLayer:
                                   plan.token_row, selected)  # [T, H, D]
 
         # Inverse RoPE and the grouped output projection (§4.6).
+        if trace is not None:
+            trace(self, {"plan": plan, "board": board, "q": q, "new_rows": new_rows,
+                         "window_ring": layer_state.window, "pool": pool, "selected": selected,
+                         "block_table": state.block_table, "o": o})
         u = ops.inverse_rope_wo_a(o, rot, w.wo_a, cfg.o_groups)  # [T, G * o_lora_rank]
         y = ops.fp8_linear(u, w.wo_b.weight, w.wo_b.scale)
 
@@ -131,8 +136,7 @@ class AttentionLayer:
             score = state.recent_group(source.recent_score, new_score, facts.members)
             state.write_recent(source, facts.recent_write, new_kv, new_score, undo)
         page, slot = facts.close_page, facts.close_slot
-        undo.save(source.rows, (page.clamp_min(0), slot))
-        undo.save(source.index_keys, (page.clamp_min(0), slot))
+        state.before_compressed_write(source, page, slot, undo)
         self.ops.pool_norm_rope_pack(kv, score, w.compressor_norm, w.index_wk, w.index_k_norm,
                                      cfg.norm_eps, facts.close_rot, source.rows,
                                      source.index_keys, page, slot)
@@ -164,6 +168,8 @@ class AttentionLayer:
                 board.candidates() if spec.is_candidate_consumer else None,
                 cfg.candidate_topk_blocks if spec.is_candidate_source else None,
                 cfg.candidate_block_size)
+            if board.index_inputs is not None:  # a traced step keeps what the indexer scored
+                board.index_inputs[spec.layer] = (q_index, head_weights, keys, facts)
         if keep is not None:
             board.publish_candidates(keep)
         board.publish_topk(spec.layer, selected)

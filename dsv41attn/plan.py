@@ -78,9 +78,11 @@ class RatioFacts:
 class Board:
     """What a step's index sources publish for the layers after them (SPEC §1.2)."""
 
-    def __init__(self):
+    def __init__(self, keep_index_inputs: bool = False):
         self._topk: dict[int, torch.Tensor] = {}
         self._candidates: torch.Tensor | None = None
+        # traced steps: index source -> (index queries, head weights, key pool, RatioFacts)
+        self.index_inputs: dict | None = {} if keep_index_inputs else None
 
     def publish_topk(self, layer: int, selected: torch.Tensor) -> None:
         self._topk[layer] = selected

@@ -45,14 +45,16 @@ class Step:
     ``AttentionStack.step``."""
 
     def __init__(self, stack: "AttentionStack", state: AttentionState, rows: list[int],
-                 starts: list[int], tokens: list[int], semantics: str, layers: list[int]):
+                 starts: list[int], tokens: list[int], semantics: str, layers: list[int],
+                 trace=None):
         self.cfg, self.state, self.semantics = stack.cfg, state, semantics
+        self.trace = trace  # None, or a callable (layer, record): see AttentionLayer.run
         self.rows, self.starts, self.tokens, self.layers = rows, starts, tokens, layers
         self.cu_seqlens = [0]
         for t in tokens:
             self.cu_seqlens.append(self.cu_seqlens[-1] + t)
         self.plan: StepPlan | None = None
-        self.board = Board()
+        self.board = Board(keep_index_inputs=trace is not None)
         self.undo = UndoLog()
         self._done: list[int] = []
         self.status = "open"
@@ -273,11 +275,13 @@ class AttentionStack:
 
     def step(self, state: AttentionState, tokens: int | Sequence[int],
              rows: Sequence[int] | torch.Tensor | None = None,
-             semantics: str | None = None, layers: Iterable[int] | None = None) -> Step:
+             semantics: str | None = None, layers: Iterable[int] | None = None,
+             trace=None) -> Step:
         """Open a forward step: ``tokens`` new tokens (one int for all, or one per sequence,
         0 = idle) for the sequences in state rows ``rows`` (default: all), each continuing
         from its own position, through ``layers`` (default: this stack's layers in the state).
-        Everything is checked before anything changes; then the step reserves its pages."""
+        Everything is checked before anything changes; then the step reserves its pages.
+        ``trace``: an optional callable given (layer, record) inside every layer call."""
         self._check_state(state)
         semantics = semantics or self.cfg.index_semantics
         if semantics not in SEMANTICS:
@@ -306,7 +310,7 @@ class AttentionStack:
         if semantics == "reference" and (len(busy) > 1 or 0 in counts):
             raise ValueError("reference semantics reproduces DeepSeek's schedule only: every "
                              "sequence at the same position with the same token count")
-        step = Step(self, state, rows, starts, counts, semantics, order)
+        step = Step(self, state, rows, starts, counts, semantics, order, trace)
         state._drop_unstarted_steps(rows)
         step._open(self)
         return step
