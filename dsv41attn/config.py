@@ -6,13 +6,16 @@ derived from an ``AttentionConfig`` and a layer id.
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import difflib
 import enum
 import json
 import math
 import numbers
 import operator
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -49,9 +52,31 @@ _FLOATS = {
 }
 
 
+# While ``from_hf`` builds a config: the fields whose value came from a config.json key.
+# Validation messages then name those fields by the key the user wrote (``hidden_size``, not
+# ``dim``); fields given as overrides, or built directly, keep their inference names.
+_FROM_FILE: contextvars.ContextVar[frozenset] = contextvars.ContextVar("_FROM_FILE",
+                                                                       default=frozenset())
+
+
+def _key(name: str) -> str:
+    """A field as the user wrote it: its config.json key when it came from one, else its name."""
+    return HF_KEYS.get(name, name) if name in _FROM_FILE.get() else name
+
+
 def _hf(name: str) -> str:
-    """The suffix `` (config.json KEY)`` for a field whose HF key differs from its name."""
+    """The suffix `` (config.json KEY)`` for a field given by its inference name whose HF key
+    differs from it (none when the message already names the key)."""
+    if name in _FROM_FILE.get():
+        return ""
     return f" (config.json {HF_KEYS[name]})" if name in HF_KEYS else ""
+
+
+def _int_hint(v: Any) -> str:
+    """For an integral float where an integer is needed: how to write it instead."""
+    if isinstance(v, float) and v.is_integer():
+        return f" (an integer has no decimal point: write {int(v)}, not {v!r})"
+    return ""
 
 
 def as_index(v: Any) -> int | None:
@@ -73,7 +98,12 @@ def _is_real(v: Any) -> bool:
 
 
 class ConfigError(ValueError):
-    """An inconsistent or incomplete attention config; the message names the field."""
+    """An inconsistent or incomplete attention config; the message names the field (by its
+    config.json key when it came from one)."""
+
+
+class ConfigWarning(UserWarning):
+    """A config.json key dsv41attn does not read that looks like a misspelt one it does."""
 
 
 class Role(str, enum.Enum):
@@ -172,12 +202,13 @@ class AttentionConfig:
         for name in _INT_LISTS:
             values = getattr(self, name)
             if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-                raise ConfigError(f"{name} must be a list of integers, got "
+                raise ConfigError(f"{_key(name)} must be a list of integers, got "
                                   f"{type(values).__name__} {values!r}{_hf(name)}")
             for i, v in enumerate(values):
-                # integral floats (2.0, as some JSON writers emit) are accepted; 2.5, True, "2" not
-                if not (_is_int(v) or (isinstance(v, float) and v.is_integer())):
-                    raise ConfigError(f"{name}[{i}]={v!r} must be an integer{_hf(name)}")
+                # ints only: 2.0, 2.5, True and "2" are all refused, naming the entry
+                if not _is_int(v):
+                    raise ConfigError(f"{_key(name)}[{i}]={v!r} must be an integer"
+                                      f"{_int_hint(v)}{_hf(name)}")
             object.__setattr__(self, name, tuple(int(v) for v in values))
         self._validate()  # messages show the values as given
         # validated numpy / other integral and real scalars are stored as plain int / float
@@ -266,7 +297,20 @@ class AttentionConfig:
         if not isinstance(text, Mapping):
             raise ConfigError(f"{where}: text_config={text!r} must be an object holding the text "
                               f"model's keys, got {type(text).__name__}")
-        return cls(**{**_from_hf_keys(text), **overrides})
+        # Messages of a file name it; those of a dict (the caller's own) need no prefix.
+        prefix = f"{where}: " if where.startswith("config file") else ""
+        try:
+            _warn_unknown_keys(text, where)
+            fields = _from_hf_keys(text)
+            token = _FROM_FILE.set(frozenset(fields) - set(overrides))
+            try:
+                return cls(**{**fields, **overrides})
+            finally:
+                _FROM_FILE.reset(token)
+        except ConfigError as e:
+            if not prefix:
+                raise
+            raise ConfigError(prefix + str(e)) from None
 
     def to_hf(self) -> dict[str, Any]:
         """The HF ``config.json`` dict (text model under ``text_config``) that round-trips every
@@ -350,57 +394,64 @@ class AttentionConfig:
             if not cond:
                 raise ConfigError(msg)
 
+        k = _key  # each field as the user wrote it (config.json key or inference name)
         for name in _POSITIVE_INTS:
             v = getattr(self, name)
-            need(_is_int(v) and v >= 1, f"{name} must be a positive integer, got {v!r}{_hf(name)}")
+            need(_is_int(v) and v >= 1,
+                 f"{k(name)} must be a positive integer, got {v!r}{_int_hint(v)}{_hf(name)}")
         for name in _OTHER_INTS:
             v = getattr(self, name)
-            need(_is_int(v), f"{name} must be an integer, got {v!r}{_hf(name)}")
+            need(_is_int(v), f"{k(name)} must be an integer, got {v!r}{_int_hint(v)}{_hf(name)}")
         for name, (low, inclusive, what) in _FLOATS.items():
             v = getattr(self, name)
             ok = _is_real(v) and math.isfinite(v) and (v >= low if inclusive else v > low)
-            need(ok, f"{name} ({what}) must be a finite number {'>=' if inclusive else '>'} {low:g}, "
-                     f"got {v!r}{_hf(name)}")
-        need(self.n_mtp_layers >= 0, f"n_mtp_layers must be >= 0, got {self.n_mtp_layers}{_hf('n_mtp_layers')}")
+            need(ok, f"{k(name)} ({what}) must be a finite number {'>=' if inclusive else '>'} "
+                     f"{low:g}, got {v!r}{_hf(name)}")
+        need(self.n_mtp_layers >= 0,
+             f"{k('n_mtp_layers')} must be >= 0, got {self.n_mtp_layers}{_hf('n_mtp_layers')}")
         need(self.candidate_source_layer >= -1,
-             f"candidate_source_layer must be -1 (no candidates) or a backbone layer, got "
+             f"{k('candidate_source_layer')} must be -1 (no candidates) or a backbone layer, got "
              f"{self.candidate_source_layer}{_hf('candidate_source_layer')}")
         blk = self.weight_block_size
-        need(blk == 32, f"weight_block_size must be 32 (V4.1 fp8 32x32 blocks), got {blk}")
+        need(blk == 32, f"{k('weight_block_size')} must be 32 (V4.1 fp8 32x32 blocks), got {blk}")
         need(self.index_semantics in SEMANTICS,
              f"index_semantics must be one of {SEMANTICS}, got {self.index_semantics!r}")
         need(self.n_heads % self.o_groups == 0,
-             f"n_heads={self.n_heads} is not divisible by o_groups={self.o_groups}")
+             f"{k('n_heads')}={self.n_heads} is not divisible by {k('o_groups')}={self.o_groups}")
         need(self.rope_head_dim % 2 == 0,
-             f"rope_head_dim={self.rope_head_dim} must be even (interleaved pairs)")
+             f"{k('rope_head_dim')}={self.rope_head_dim} must be even (interleaved pairs)")
         need(self.rope_head_dim <= self.head_dim,
-             f"rope_head_dim={self.rope_head_dim} exceeds head_dim={self.head_dim}")
+             f"{k('rope_head_dim')}={self.rope_head_dim} exceeds {k('head_dim')}={self.head_dim}")
         need(self.rope_head_dim <= self.index_head_dim,
-             f"rope_head_dim={self.rope_head_dim} exceeds index_head_dim={self.index_head_dim}")
+             f"{k('rope_head_dim')}={self.rope_head_dim} exceeds "
+             f"{k('index_head_dim')}={self.index_head_dim}")
         # Quantisation blocks: fp8 act-quant (32) on every fp8 GEMM input and on the window KV;
         # fp4 blocks of 16 on compressed latents and 32 on index q/k.
-        for name, v in (("dim", self.dim), ("q_lora_rank", self.q_lora_rank),
-                        ("head_dim", self.head_dim), ("index_head_dim", self.index_head_dim),
-                        ("o_groups*o_lora_rank", self.o_groups * self.o_lora_rank)):
+        for name, v in ((k("dim"), self.dim), (k("q_lora_rank"), self.q_lora_rank),
+                        (k("head_dim"), self.head_dim), (k("index_head_dim"), self.index_head_dim),
+                        (f"{k('o_groups')}*{k('o_lora_rank')}", self.o_groups * self.o_lora_rank)):
             need(v % 32 == 0, f"{name}={v} must be a multiple of 32 (the fp8/fp4 quant block)")
         n_all = self.n_layers + self.n_mtp_layers
+        ratios, n, mtp = k("compress_ratios"), k("n_layers"), k("n_mtp_layers")
         need(len(self.compress_ratios) == n_all,
-             f"compress_ratios has {len(self.compress_ratios)} entries, expected n_layers + "
-             f"n_mtp_layers = {self.n_layers} + {self.n_mtp_layers} = {n_all}")
+             f"{ratios} has {len(self.compress_ratios)} entries, expected {n} + {mtp} = "
+             f"{self.n_layers} + {self.n_mtp_layers} = {n_all}")
         for i, r in enumerate(self.compress_ratios):
-            need(isinstance(r, int) and r >= 0, f"compress_ratios[{i}]={r!r} must be an integer >= 0")
+            need(isinstance(r, int) and r >= 0, f"{ratios}[{i}]={r!r} must be an integer >= 0")
             if i >= self.n_layers:
-                need(r == 0, f"compress_ratios[{i}]={r}: draft layers run window attention only (ratio 0)")
+                need(r == 0, f"{ratios}[{i}]={r}: draft layers run window attention only (ratio 0)")
         for name in ("kv_source_layers", "index_source_layers"):
             ids = getattr(self, name)
-            need(list(ids) == sorted(set(ids)), f"{name}={list(ids)} must be sorted and unique")
+            need(list(ids) == sorted(set(ids)), f"{k(name)}={list(ids)} must be sorted and unique")
             for s in ids:
-                need(0 <= s < self.n_layers, f"{name} entry {s} is not a backbone layer 0..{self.n_layers - 1}")
+                need(0 <= s < self.n_layers,
+                     f"{k(name)} entry {s} is not a backbone layer 0..{self.n_layers - 1}")
                 need(self.compress_ratios[s] > 0,
-                     f"{name} entry {s} has compress ratio 0; a source must compress (ratio > 0)")
+                     f"{k(name)} entry {s} has compress ratio 0; a source must compress (ratio > 0)")
+        kv_ids, ix_ids = k("kv_source_layers"), k("index_source_layers")
         for s in self.kv_source_layers:
             need(s in self.index_source_layers,
-                 f"KV source layer {s} is not in index_source_layers={list(self.index_source_layers)}: "
+                 f"KV source layer {s} is not in {ix_ids}={list(self.index_source_layers)}: "
                  "a KV source makes index keys and must run its indexer")
         for layer in range(self.n_layers):
             r = self.compress_ratios[layer]
@@ -409,22 +460,23 @@ class AttentionConfig:
             src = self.kv_src(layer)
             need(src is not None,
                  f"layer {layer} has compress ratio {r} but no KV source at or before it "
-                 f"(kv_source_layers={list(self.kv_source_layers)})")
+                 f"({kv_ids}={list(self.kv_source_layers)})")
             need(self.compress_ratios[src] == r,
                  f"layer {layer} has ratio {r} but its KV source {src} has ratio "
                  f"{self.compress_ratios[src]}: a KV-sharing group must share one ratio")
-        c = self.candidate_source_layer
+        c, cand = self.candidate_source_layer, k("candidate_source_layer")
         if c >= 0:
-            need(c < self.n_layers, f"candidate_source_layer={c} is not a backbone layer")
+            blocks, size = k("candidate_topk_blocks"), k("candidate_block_size")
+            need(c < self.n_layers, f"{cand}={c} is not a backbone layer")
             need(c in self.index_source_layers,
-                 f"candidate_source_layer={c} is not in index_source_layers={list(self.index_source_layers)}")
+                 f"{cand}={c} is not in {ix_ids}={list(self.index_source_layers)}")
             need(self.candidate_topk_blocks >= 1 and self.candidate_block_size >= 1,
-                 f"candidate_topk_blocks={self.candidate_topk_blocks} and candidate_block_size="
+                 f"{blocks}={self.candidate_topk_blocks} and {size}="
                  f"{self.candidate_block_size} must be >= 1")
             need(self.candidate_topk_blocks * self.candidate_block_size >= self.index_topk,
-                 f"candidate_topk_blocks*candidate_block_size = {self.candidate_topk_blocks}*"
-                 f"{self.candidate_block_size} < index_topk={self.index_topk}: consumers could "
-                 "select fewer than index_topk visible rows")
+                 f"{blocks}*{size} = {self.candidate_topk_blocks}*"
+                 f"{self.candidate_block_size} < {k('index_topk')}={self.index_topk}: consumers "
+                 "could select fewer than index_topk visible rows")
             for s in self.index_source_layers:
                 if s > c:
                     need(self.compress_ratios[s] == self.compress_ratios[c],
@@ -447,9 +499,9 @@ def _check_field_names(changes: Mapping[str, Any], where: str) -> None:
 
 def _from_hf_keys(text: Mapping[str, Any]) -> dict[str, Any]:
     """Map HF ``text_config`` keys to inference names; missing required keys are an error.
-    Values pass through unconverted (but for integral floats): AttentionConfig validates their
-    types and ranges, its messages naming the HF key too. Only the nested objects are checked
-    here."""
+    Values pass through unconverted: AttentionConfig validates their types (an integer key
+    takes an integer, not 2.0) and ranges, its messages naming the HF key. Only the nested
+    objects are checked here."""
     required = {
         "hidden_size": "dim",
         "num_hidden_layers": "n_layers",
@@ -469,7 +521,11 @@ def _from_hf_keys(text: Mapping[str, Any]) -> dict[str, Any]:
     }
     missing = [k for k in required if k not in text]
     if missing:
-        raise ConfigError(f"config.json lacks required attention keys: {', '.join(missing)}")
+        others = [k for k in text if isinstance(k, str) and k not in ATTENTION_KEYS]
+        hints = [f"{k!r} for {close[0]!r}" for k in others
+                 for close in [difflib.get_close_matches(k, missing, n=1, cutoff=0.85)] if close]
+        hint = f" (found {', '.join(hints)}: misspelt?)" if hints else ""
+        raise ConfigError(f"config.json lacks required attention keys: {', '.join(missing)}{hint}")
     out: dict[str, Any] = {name: text[key] for key, name in required.items()}
     kv_heads = text.get("num_key_value_heads", 1)
     if kv_heads != 1 or isinstance(kv_heads, bool):
@@ -492,6 +548,10 @@ def _from_hf_keys(text: Mapping[str, Any]) -> dict[str, Any]:
         # by AttentionConfig, naming the key
         ratios, n = text["compress_ratios"], text["num_hidden_layers"]
         if isinstance(ratios, (list, tuple)) and _is_int(n):
+            if len(ratios) < n:
+                raise ConfigError(f"compress_ratios has {len(ratios)} entries, fewer than "
+                                  f"num_hidden_layers={n}: one ratio per layer (draft layers "
+                                  f"last, counted by num_nextn_predict_layers)")
             out["n_mtp_layers"] = len(ratios) - n
     scaling = text.get("rope_scaling")
     if scaling is not None and not isinstance(scaling, Mapping):
@@ -506,12 +566,6 @@ def _from_hf_keys(text: Mapping[str, Any]) -> dict[str, Any]:
         out["original_seq_len"] = scaling.get("original_max_position_embeddings", 65536)
         out["beta_fast"] = scaling.get("beta_fast", 32.0)
         out["beta_slow"] = scaling.get("beta_slow", 1.0)
-    # JSON does not tell 4096 from 4096.0: an integral float is the integer it spells (as in
-    # the id lists); fractional ones and bools stay, for AttentionConfig to reject by name.
-    for name in _POSITIVE_INTS + _OTHER_INTS:
-        v = out.get(name)
-        if isinstance(v, float) and v.is_integer():
-            out[name] = int(v)
     quant = text.get("quantization_config")
     if quant is not None and not isinstance(quant, Mapping):
         raise ConfigError(f"quantization_config={quant!r} must be an object (quant_method, fmt, "
@@ -519,7 +573,7 @@ def _from_hf_keys(text: Mapping[str, Any]) -> dict[str, Any]:
     if quant:
         block = quant.get("weight_block_size", [32, 32])
         if not (isinstance(block, (list, tuple)) and len(block) == 2
-                and all(_is_int(v) or (isinstance(v, float) and v.is_integer()) for v in block)):
+                and all(_is_int(v) for v in block)):
             raise ConfigError(f"quantization_config.weight_block_size={block!r} must be a "
                               f"[rows, cols] pair of integers, e.g. [32, 32]")
         if block[0] != block[1]:
@@ -529,6 +583,44 @@ def _from_hf_keys(text: Mapping[str, Any]) -> dict[str, Any]:
         if fmt != "ue8m0":
             raise ConfigError(f"quantization_config.scale_fmt={fmt!r}: expected 'ue8m0'")
     return out
+
+
+# The text_config keys from_hf reads, and others of a DeepSeek (V3/V4) config.json that the
+# attention layer does not need. A key in neither set that closely resembles one read here is
+# likely misspelt (its default would be used silently): ``_warn_unknown_keys`` warns about it.
+# Any other key is another part of the model and is ignored.
+ATTENTION_KEYS = frozenset({
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "qk_rope_head_dim",
+    "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "compress_ratios",
+    "kv_source_layer_ids", "index_source_layer_ids", "index_n_heads", "index_head_dim",
+    "index_topk", "candidate_source_layer_id", "candidate_topk_blocks", "candidate_block_size",
+    "rope_theta", "compress_rope_theta", "rms_norm_eps", "max_position_embeddings",
+    "num_nextn_predict_layers", "num_key_value_heads", "rope_scaling", "quantization_config",
+})
+OTHER_MODEL_KEYS = frozenset({
+    "vocab_size", "intermediate_size", "moe_intermediate_size", "n_shared_experts",
+    "n_routed_experts", "routed_scaling_factor", "kv_lora_rank", "v_head_dim",
+    "qk_nope_head_dim", "qk_head_dim", "topk_method", "n_group", "topk_group",
+    "num_experts_per_tok", "moe_layer_freq", "first_k_dense_replace", "norm_topk_prob",
+    "scoring_func", "aux_loss_alpha", "seq_aux", "hidden_act", "initializer_range",
+    "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
+    "attention_bias", "attention_dropout", "model_type", "architectures", "torch_dtype",
+    "dtype", "transformers_version", "auto_map", "ep_size", "num_hash_layers",
+})
+
+
+def _warn_unknown_keys(text: Mapping[str, Any], where: str) -> None:
+    """Warn (ConfigWarning) for each key that is not read here, not a known key of the rest of
+    the model, and close to a key that is read (a likely typo, e.g. ``sliding_windw``)."""
+    for key in text:
+        if not isinstance(key, str) or key in ATTENTION_KEYS or key in OTHER_MODEL_KEYS:
+            continue
+        close = difflib.get_close_matches(key, sorted(ATTENTION_KEYS), n=1, cutoff=0.85)
+        if close:
+            warnings.warn(f"{where}: key {key!r} is not one dsv41attn reads; did you mean "
+                          f"{close[0]!r}? ({close[0]!r} is "
+                          f"{'given too' if close[0] in text else 'not given'})",
+                          ConfigWarning, stacklevel=3)
 
 
 def _v41_flash() -> AttentionConfig:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ from safetensors import safe_open
 
 from dsv41attn.cache import AttentionState
 from dsv41attn.config import (
-    AttentionConfig, ConfigError, Role, load_config, preset, yarn_correction_range,
+    AttentionConfig, ConfigError, ConfigWarning, Role, load_config, preset, yarn_correction_range,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -421,7 +423,8 @@ BAD_CONFIGS = [
      r"quantization_config\.scale_fmt='e4m3': expected 'ue8m0'"),
     ("hf_ratios_length",
      lambda: AttentionConfig.from_hf(_hf({"num_nextn_predict_layers": 3})),
-     r"compress_ratios has 9 entries, expected n_layers \+ n_mtp_layers = 8 \+ 3 = 11"),
+     r"compress_ratios has 9 entries, expected num_hidden_layers \+ num_nextn_predict_layers "
+     r"= 8 \+ 3 = 11"),
 ]
 
 
@@ -610,14 +613,123 @@ def test_bad_config_file_names_the_path(tmp_path, content, as_dir):
         assert str(path) in str(e.value), str(e.value)
 
 
-def test_from_hf_integral_floats_and_numpy_scalars_are_integers(tiny):
+def test_numpy_scalars_are_plain_ints_and_floats(tiny):
     np = pytest.importorskip("numpy")
-    # JSON does not distinguish 64 from 64.0: an integral float is accepted as that integer,
-    # as the id lists always accepted it, and stored as int
-    cfg = AttentionConfig.from_hf(_hf({"hidden_size": 64.0, "max_position_embeddings": 4096.0,
-                                       "candidate_block_size": 2.0}))
-    assert cfg == tiny and type(cfg.dim) is int and type(cfg.max_seq_len) is int
     # numpy scalars from a caller are plain int / float once validated
     cfg = tiny.replace(window_size=np.int64(16), rope_theta=np.float32(5000.0))
     assert cfg == tiny.replace(window_size=16, rope_theta=5000.0)
     assert type(cfg.window_size) is int and type(cfg.rope_theta) is float
+    # an int where a float is expected is fine (rope_theta: 10000)
+    assert AttentionConfig.from_hf(_hf({"rope_theta": 10000})) == tiny
+
+
+# A known key with a value of the wrong type raises, naming the key: an integer key takes an
+# integer, so 2.0 in compress_ratios (or 64.0 as hidden_size) is refused, with how to write it.
+INTEGRAL_FLOATS = [
+    ({"hidden_size": 64.0}, "hidden_size", "64.0", "write 64"),
+    ({"max_position_embeddings": 4096.0}, "max_position_embeddings", "4096.0", "write 4096"),
+    ({"candidate_block_size": 2.0}, "candidate_block_size", "2.0", "write 2"),
+    ({"compress_ratios": [0, 2.0, 2, 1, 1, 1, 1, 1, 0]}, "compress_ratios[1]", "2.0", "write 2"),
+    ({"kv_source_layer_ids": [1.0, 3]}, "kv_source_layer_ids[0]", "1.0", "write 1"),
+    ({"quantization_config": {"weight_block_size": [32.0, 32.0]}},
+     "quantization_config.weight_block_size", "[32.0, 32.0]", "pair of integers"),
+]
+
+
+@pytest.mark.parametrize("edit,key,value,hint", INTEGRAL_FLOATS, ids=[c[1] for c in INTEGRAL_FLOATS])
+def test_integral_floats_in_integer_keys_are_refused(edit, key, value, hint):
+    with pytest.raises(ConfigError) as e:
+        AttentionConfig.from_hf(_hf(edit))
+    msg = str(e.value)
+    assert msg.startswith(key) and value in msg and hint in msg, msg
+
+
+def test_direct_construction_refuses_float_ratios():
+    with pytest.raises(ConfigError, match=r"compress_ratios\[1\]=2\.0 must be an integer .*write 2"):
+        _t().replace(compress_ratios=(0, 2.0, 2, 1, 1, 1, 1, 1, 0))
+
+
+# Messages of a config.json name the keys the user wrote, not the inference fields.
+HF_NAMED = [
+    ({"hidden_size": "64"}, "hidden_size must be a positive integer, got '64'", "dim"),
+    ({"sliding_window": 0}, "sliding_window must be a positive integer, got 0", "window_size"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer, got 0",
+     "max_seq_len"),
+    ({"num_attention_heads": 6}, "num_attention_heads=6 is not divisible by o_groups=4", "n_heads"),
+    ({"qk_rope_head_dim": 7}, "qk_rope_head_dim=7 must be even", "rope_head_dim"),
+    ({"kv_source_layer_ids": [3]}, "(kv_source_layer_ids=[3])", "kv_source_layers"),
+    ({"candidate_topk_blocks": 1},
+     "candidate_topk_blocks*candidate_block_size = 1*2 < index_topk=4", "candidate_source_layer"),
+    ({"candidate_source_layer_id": 8}, "candidate_source_layer_id=8 is not a backbone layer",
+     "candidate_source_layer="),
+    ({"rms_norm_eps": -1.0}, "rms_norm_eps (the RMSNorm epsilon) must be", "norm_eps ("),
+]
+
+
+@pytest.mark.parametrize("edit,text,absent", HF_NAMED, ids=[next(iter(c[0])) for c in HF_NAMED])
+def test_hf_messages_name_the_config_json_keys(edit, text, absent):
+    hf = _hf(edit)
+    if "num_attention_heads" in edit:
+        hf["text_config"]["o_groups"] = 4
+    with pytest.raises(ConfigError) as e:
+        AttentionConfig.from_hf(hf)
+    msg = str(e.value)
+    assert text in msg, msg
+    assert not re.search(rf"(?<![\w.]){re.escape(absent)}", msg), msg  # the field name, alone
+
+
+def test_overrides_keep_their_inference_names(tiny):
+    with pytest.raises(ConfigError) as e:
+        AttentionConfig.from_hf(_hf(), window_size=0)
+    assert str(e.value).startswith("window_size must be a positive integer, got 0 "
+                                   "(config.json sliding_window)"), str(e.value)
+    # and direct construction keeps its names (with the HF key as a hint)
+    with pytest.raises(ConfigError, match=r"^dim must be a positive integer, got '64' "
+                                          r"\(config.json hidden_size\)$"):
+        tiny.replace(dim="64")
+
+
+def test_file_messages_name_the_file(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_hf({"sliding_window": -8})))
+    for load in (AttentionConfig.from_hf, load_config):
+        with pytest.raises(ConfigError) as e:
+            load(str(tmp_path))
+        assert str(e.value).startswith(f"config file {path}: sliding_window must be"), str(e.value)
+
+
+def test_ratios_shorter_than_the_layers():
+    hf = _hf(drop=("num_nextn_predict_layers",), edit={"compress_ratios": [0, 2, 2, 1]})
+    with pytest.raises(ConfigError, match=r"compress_ratios has 4 entries, fewer than "
+                                          r"num_hidden_layers=8"):
+        AttentionConfig.from_hf(hf)
+
+
+# Unknown keys: the rest of the model's keys are ignored; one that looks like a misspelt
+# attention key warns (its default would otherwise be used silently).
+def test_model_keys_do_not_warn(tiny):
+    hf = _hf({"vocab_size": 129280, "qk_nope_head_dim": 448, "v_head_dim": 512,
+              "n_routed_experts": 256, "kv_lora_rank": 512, "some_future_key": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert AttentionConfig.from_hf(hf) == tiny
+        for name in ("tiny", "v41-flash"):
+            AttentionConfig.from_hf(preset(name).to_hf())
+
+
+@pytest.mark.parametrize("typo,meant", [("rope_thetta", "rope_theta"),
+                                        ("compress_rope_thet", "compress_rope_theta"),
+                                        ("rms_norm_epsilon", "rms_norm_eps")])
+def test_misspelt_key_warns(tiny, typo, meant):
+    hf = _hf({typo: 1.0}, drop=(meant,))
+    with pytest.warns(ConfigWarning, match=rf"'{typo}' is not one dsv41attn reads; did you mean "
+                                           rf"'{meant}'\? \('{meant}' is not given\)"):
+        assert AttentionConfig.from_hf(hf) == tiny  # the default of the key meant
+
+
+def test_misspelt_required_key_is_named_in_the_error():
+    hf = _hf({"sliding_windw": 8}, drop=("sliding_window",))
+    with pytest.warns(ConfigWarning, match="sliding_windw"):
+        with pytest.raises(ConfigError, match=r"lacks required attention keys: sliding_window "
+                                              r"\(found 'sliding_windw' for 'sliding_window'"):
+            AttentionConfig.from_hf(hf)
