@@ -1,7 +1,4 @@
 """Triton fp8 linear against the reference (SPEC §2.1-2.2); runs under TRITON_INTERPRET=1 on CPU."""
-import os
-
-
 import pytest
 import torch
 
@@ -10,9 +7,10 @@ pytest.importorskip("triton")
 import dsv41attn.ops.linear.triton as T
 from dsv41attn.checkpoint import quantize_fp8
 from dsv41attn.ops.common.quant import act_quant as ref_act_quant
+from dsv41attn.ops.common.triton import DEFAULT_SM_COUNT, interpreting, sm_count
 from dsv41attn.ops.linear.reference import fp8_gemm as ref_gemm
 from dsv41attn.ops.linear.reference import fp8_linear as ref_linear
-from dsv41attn.ops.linear.triton import _interpreting, act_quant, fp8_gemm, fp8_linear
+from dsv41attn.ops.linear.triton import act_quant, fp8_gemm, fp8_linear
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -97,25 +95,24 @@ def test_fp8_linear_vs_reference(m, n, k):
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         err = (got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)
         assert err <= 1e-2
-    if _interpreting():  # fp64 block sums on the CPU: the reference's rounding points exactly
+    if interpreting():  # fp64 block sums on the CPU: the reference's rounding points exactly
         assert torch.equal(y1, ref)
 
 
 @pytest.mark.parametrize("precise", [False, True])
-def test_fp8_linear_batched_and_gemm_exact(precise, monkeypatch):
-    monkeypatch.setattr(T, "PRECISE_DOT", precise)  # GPU only: fp16 operands to tl.dot
+def test_fp8_linear_batched_and_gemm_exact(precise):  # precise_dot: GPU only (fp16 to tl.dot)
     w, ws = _quantized(70, 128, seed=3)
     x = torch.randn(2, 3, 128).bfloat16()
-    y = fp8_linear(x.to(DEV), w.to(DEV), ws.to(DEV)).cpu()
+    y = fp8_linear(x.to(DEV), w.to(DEV), ws.to(DEV), precise_dot=precise).cpu()
     ref = ref_linear(x, w, ws)
     assert y.shape == (2, 3, 70)
     assert (y.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
     q, s = act_quant(x.reshape(-1, 128).to(DEV))
     out = torch.full((6, 70), float("nan"), device=DEV)  # poisoned: every element is written
-    got = fp8_gemm(q, s, w.to(DEV), ws.to(DEV), out=out, num_splits=1)
+    got = fp8_gemm(q, s, w.to(DEV), ws.to(DEV), out=out, num_splits=1, precise_dot=precise)
     assert got.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
     ref32 = ref_gemm(q.cpu().float(), s.cpu(), w, ws)
-    if _interpreting():
+    if interpreting():
         assert torch.equal(out.cpu(), ref32)
     else:
         tol = (1e-6 if precise else 1e-4) * ref32.abs().max()  # fp8 wgmma sums less precisely
@@ -186,8 +183,8 @@ def test_split_k_vs_oracle(case):
     m, n, k, splits = SPLIT_CASES[case]
     kb = k // 32
     q, s, w, ws = _split_case(m, n, k, seed=kb * 100 + m)
-    plan = T._gemm_plan(m, n, kb, T.DEFAULT_SM_COUNT if DEV == "cpu" else
-                        T._sm_count(torch.device(DEV)), splits)
+    plan = T._gemm_plan(m, n, kb, DEFAULT_SM_COUNT if DEV == "cpu" else
+                        sm_count(torch.device(DEV)), splits)
     assert plan.splits > 1 and kb % plan.ksub == 0 and kb // plan.ksub >= plan.splits
     runs = []
     for _ in range(2):
@@ -213,10 +210,10 @@ def test_split_k_vs_oracle(case):
                         terms.double().cumsum(-1)], -1)
     width = prefix.amax(-1) - prefix.amin(-1)
     bound = (y_ref.double() - oracle).abs() + 2 * (kb - 1) * 2.0 ** -24 * width * (1 + 2 ** -16)
-    if not _interpreting():
+    if not interpreting():
         bound = bound + 1e-6 * oracle.abs().max()
     assert ((y.double() - oracle).abs() <= bound).all()
-    if _interpreting():  # exact block terms: the documented order reproduces every bit
+    if interpreting():  # exact block terms: the documented order reproduces every bit
         ranges = [(i * (kb // plan.ksub) // plan.splits * plan.ksub,
                    (i + 1) * (kb // plan.ksub) // plan.splits * plan.ksub)
                   for i in range(plan.splits)]
@@ -242,7 +239,7 @@ V41_GEMMS = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120),
 def test_split_heuristic_at_v41_shapes(m):
     """The plan alone (these shapes are too slow for the interpreter): under-filled tile grids
     split K at decode sizes, within the partial-traffic cap, on whole KSUB iterations."""
-    sms = T.DEFAULT_SM_COUNT
+    sms = DEFAULT_SM_COUNT
     for name, (n, k) in V41_GEMMS.items():
         kb = k // 32
         plan = T._gemm_plan(m, n, kb, sms)
@@ -259,3 +256,5 @@ def test_split_heuristic_at_v41_shapes(m):
             assert plan.ksub * 32 >= 128, name  # contiguous bytes per weight row in flight
     assert T._gemm_plan(1, 1280, 160, sms).splits > 1  # wq_a at M = 1, named
     assert T._gemm_plan(128, 512, 160, sms).splits == 1  # prefill-sized M never splits
+    assert T._gemm_plan(1, 1280, 160, sms).dot_f16  # precise_dot's default: fp16 operands
+    assert not T._gemm_plan(1, 1280, 160, sms, precise_dot=False).dot_f16

@@ -1,8 +1,5 @@
 """Triton inverse RoPE + grouped wo_a (SPEC §4.6) against the reference and an fp64 oracle;
 runs under TRITON_INTERPRET=1 on the CPU, and on a GPU when there is one."""
-import os
-
-
 import pytest
 import torch
 
@@ -11,6 +8,7 @@ pytest.importorskip("triton")
 from dsv41attn import preset
 from dsv41attn.checkpoint import Fp8Weight, quantize_fp8
 from dsv41attn.ops.common.rope import apply_rope, rope_frequencies, rope_rotations
+from dsv41attn.ops.common.triton import interpreting
 from dsv41attn.ops.output import reference as R
 from dsv41attn.ops.output import triton as T
 
@@ -121,6 +119,22 @@ def test_fp8_and_bf16_paths_identical(shape, splits):
     assert torch.equal(a, b)
 
 
+def test_fused_max_rows():
+    """fused_max_rows picks the GPU path: N above it runs rope_heads + torch's einsum (the
+    default 0: always), N at or below it the fused kernel. The interpreter always runs the fused
+    kernel. Either path stays as close to the reference as test_vs_fp64_oracle's inputs do."""
+    n = 3
+    o, rot, groups, rk = _inputs("rope64", n, seed=n)
+    w = _weight("rope64", "fp8", seed=n + 100)
+    ref = R.inverse_rope_wo_a(o, rot, w, groups)
+    default = _run_triton(o, rot, w, groups, rk)
+    fused = _run_triton(o, rot, w, groups, rk, fused_max_rows=n)
+    for got in (default, fused):
+        assert (got != ref).float().mean() <= 0.02
+    if interpreting():
+        assert torch.equal(default, fused)
+
+
 def test_reference_is_the_layer_lines():
     """reference(o flattened over (b, m)) is §4.6's lines in the layer, on [b, m, ...]."""
     b, m = 2, 3
@@ -151,7 +165,7 @@ def test_bad_inputs(impl):
         {"out": torch.empty(3, groups * rk, device=DEV)},
     ]
     if impl == "triton":
-        bad += [{"num_splits": 0}]
+        bad += [{"num_splits": 0}, {"fused_max_rows": 1.5}, {"fused_max_rows": None}]
     good = {"o": o, "rot": rot, "wo_a": w, "groups": groups}
     for change in bad:
         with pytest.raises(ValueError):

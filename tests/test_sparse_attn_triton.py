@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from dsv41attn.ops.common.triton import interpreting
 from dsv41attn.ops.sparse_attn.reference import sparse_attn as ref_attn
-from dsv41attn.ops.sparse_attn.triton import _interpreting
 from dsv41attn.ops.sparse_attn.triton import sparse_attn as tri_attn
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -23,7 +23,7 @@ def _reference_math():
     bf16 rounding now and then, depending on the CPU and the BLAS build. In this module they
     compute as the reference does, so the kernels' rounding points and block order compare bit
     for bit (the TRITON_INTERPRET mechanism itself is untouched)."""
-    if not _interpreting():
+    if not interpreting():
         yield
         return
     import numpy as np
@@ -99,7 +99,7 @@ def test_matches_reference(b, m, h, d, w, n, sink_kind):
     err = (got - ref).norm() / ref.norm().clamp_min(1e-30)
     assert err <= 1e-2 or ref.norm() == 0, f"relative error {err:.3e}"
     assert (got - ref).abs().max() <= 2e-2
-    if _interpreting():  # same rounding points, so (nearly) bit-equal; a GPU's dot order may differ
+    if interpreting():  # same rounding points, so (nearly) bit-equal; a GPU's dot order may differ
         assert (got != ref).float().mean() <= 0.01
 
 
@@ -226,7 +226,7 @@ def test_paged_matches_reference(t, h, d, ww, k, page_rows, splits):
     err = (got - ref).norm() / ref.norm().clamp_min(1e-30)
     assert err <= 1e-2, f"relative error {err:.3e}"
     assert (got - ref).abs().max() <= 3e-2
-    if _interpreting() and splits == 1:  # the reference's rounding points and block order
+    if interpreting() and splits == 1:  # the reference's rounding points and block order
         assert torch.equal(got, ref)
 
 
@@ -278,7 +278,7 @@ def test_paged_ring_read_in_place():
     for kw in ({}, {"block_h": 32}, {"block_h": 64, "num_splits": 2}, {"num_splits": 2}):
         got = tri_paged(q, sink, 0.3, **args, **kw)
         assert (got.float() - ref.float()).abs().max() <= 2e-2
-        if _interpreting() and kw.get("num_splits", 1) == 1:
+        if interpreting() and kw.get("num_splits", 1) == 1:
             assert torch.equal(got, ref)
 
 
@@ -296,7 +296,7 @@ def test_paged_unaligned_rows():
         assert args[name].data_ptr() % 4
     got = tri_paged(q, sink, 0.1, **args)
     assert (got.float() - ref.float()).abs().max() <= 2e-2
-    if _interpreting():
+    if interpreting():
         assert torch.equal(got, ref)
 
 
@@ -319,7 +319,7 @@ def test_paged_empty_lists_and_minus_inf_sink():
     got = tri_paged(q, sink, 1.0, **ring0).float()
     ref = ref_paged(q, sink, 1.0, **ring1).float()
     assert (got - ref).abs().max() <= 2e-2
-    if _interpreting():
+    if interpreting():
         assert torch.equal(got, ref)
 
 

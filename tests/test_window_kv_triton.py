@@ -1,13 +1,11 @@
 """Triton window K=V rows (norm + RoPE + fp8 pack + ring write) and per-head RoPE against the
 reference (SPEC §2.4, §2.5, §4.1-4.2); runs under TRITON_INTERPRET=1 on CPU."""
-import os
-
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+import dsv41attn.ops.common.triton as C
 import dsv41attn.ops.window_kv.triton as T
 from dsv41attn.config import preset
 from dsv41attn.ops.common.packing import unpack_window_rows
@@ -27,8 +25,9 @@ for _name in ("tiny", "v41-flash"):
 
 
 class _PoisonedTorch:
-    """The torch module for T, except that new tensors come filled with a pattern (NaN for
-    floats, POISON_BYTE for bytes), so an output element the kernel does not write fails."""
+    """The torch module for T and C (rope_heads' home), except that new tensors come filled with
+    a pattern (NaN for floats, POISON_BYTE for bytes), so an output element the kernel does not
+    write fails."""
 
     def __getattr__(self, name):
         return getattr(torch, name)
@@ -47,6 +46,7 @@ class _PoisonedTorch:
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(T, "torch", _PoisonedTorch())
+    monkeypatch.setattr(C, "torch", _PoisonedTorch())
 
 
 def _positions(n: int, g: torch.Generator) -> torch.Tensor:

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..linear.triton import _interpreting
-from ..sparse_attn.triton import _to_bf16
+from ..common.triton import (check_device, cos_sin, e4m3_code, e4m3_to_fp32, interpreting,
+                             pow2_ceil_exponent, rms_scale, rope_rotate, round_bf16, to_bf16)
 
 BLOCK_G = 16  # groups per program: tl.dot needs M >= 16
 MAX_BK = 64  # channels per chunk (32 pairs); bounds the registers at D = 512
@@ -42,19 +42,10 @@ def _e2m1_nibble(v):
 
 @triton.jit
 def _e4m3_scale(t):
-    """Positive fp32 t -> (e4m3 byte, its fp32 value): round to nearest even, saturating at 448
-    (torch's float8_e4m3fn cast of the clamped value), from the bits."""
-    t = tl.minimum(t, 448.0)
-    u = t.to(tl.int32, bitcast=True)
-    u = (u + 0x7FFFF + ((u >> 20) & 1)) >> 20  # (fp32 exponent << 3) | 3-bit mantissa, rounded
-    value_n = (u << 20).to(tl.float32, bitcast=True)
-    w = t * 512.0  # subnormal e4m3: multiples of 2^-9, ties to even; exact
-    i = w.to(tl.int32)
-    f = w - i.to(tl.float32)
-    code_s = i + ((f > 0.5) | ((f == 0.5) & ((i & 1) == 1))).to(tl.int32)
-    normal = t >= 0.015625
-    code = tl.where(normal, u - (120 << 3), code_s)  # rebias the exponent 127 -> 7
-    return code, tl.where(normal, value_n, code_s.to(tl.float32) * 0.001953125)
+    """Positive fp32 t -> (e4m3 byte, its fp32 value): e4m3_code's rounding (to nearest even,
+    saturating at 448: torch's float8_e4m3fn cast of the clamped value)."""
+    code = e4m3_code(t)  # t > 0: no sign bit
+    return code, e4m3_to_fp32(code.to(tl.uint8))
 
 
 @triton.jit
@@ -85,8 +76,7 @@ def _index_fp4(xe, xo, inv_fp4_max, BLOCK_G: tl.constexpr, NB: tl.constexpr):
     vo = tl.reshape(xo, (BLOCK_G, NB, 16))
     amax = tl.maximum(tl.max(tl.abs(ve), 2), tl.max(tl.abs(vo), 2))
     amax = tl.maximum(amax, 7.052966104933725e-38)  # 6 * 2^-126
-    t = (amax * inv_fp4_max).to(tl.int32, bitcast=True)
-    e = ((t >> 23) & 0xFF) + ((t & 0x7FFFFF) != 0).to(tl.int32)  # 2^ceil(log2): bits
+    e = pow2_ceil_exponent(amax * inv_fp4_max)  # the ue8m0 byte of 2^ceil(log2)
     s = tl.broadcast_to((e << 23).to(tl.float32, bitcast=True)[:, :, None], (BLOCK_G, NB, 16))
     nib = _e2m1_nibble(tl.div_rn(ve, s)) | (_e2m1_nibble(tl.div_rn(vo, s)) << 4)
     return tl.reshape(nib, (BLOCK_G, NB * 16)), e
@@ -100,12 +90,8 @@ def _rope(xe, xo, rot_ptr, g64, ok, pair0, NP: tl.constexpr, PAIRS: tl.constexpr
     (cos, sin). Returns the pairs as bf16 values in fp32, as the complex64 product rounded."""
     j = pair0 + tl.arange(0, NP) - (PAIRS - ROPE // 2)  # index into the rotations
     turn = j >= 0
-    m = ok[:, None] & turn[None, :]
-    ptr = rot_ptr + g64[:, None] * ROPE + 2 * tl.maximum(j, 0)[None, :]
-    c = tl.load(ptr, mask=m, other=1.0)
-    s = tl.load(ptr + 1, mask=m, other=0.0)
-    re = _to_bf16(xe * c - xo * s, INTERPRET).to(tl.float32)  # as torch's CPU complex mul
-    im = _to_bf16(xe * s + xo * c, INTERPRET).to(tl.float32)
+    re, im = rope_rotate(xe, xo, rot_ptr + g64[:, None] * ROPE, tl.maximum(j, 0)[None, :],
+                         ok[:, None] & turn[None, :], False, INTERPRET)
     return tl.where(turn[None, :], re, xe), tl.where(turn[None, :], im, xo)
 
 
@@ -134,14 +120,7 @@ def _pooled(kv_ptr, score_ptr, g64, ok, ch, RATIO: tl.constexpr, D: tl.constexpr
             e = tl.exp(tl.load(score_ptr + offs + t * D, mask=mask, other=0.0) - top)
             kv = tl.load(kv_ptr + offs + t * D, mask=mask, other=0.0).to(tl.float32)
             x += kv * tl.div_rn(e, total)
-    return _to_bf16(x, INTERPRET).to(tl.float32)
-
-
-@triton.jit
-def _rms_scale(sum_sq, eps, DIM: tl.constexpr):
-    """1 / sqrt(sum_sq / DIM + eps), correctly rounded at each step (DIM a power of two)."""
-    ms = sum_sq * (1.0 / DIM) + eps
-    return tl.div_rn(tl.full(ms.shape, 1.0, tl.float32), tl.sqrt_rn(ms))
+    return round_bf16(x, INTERPRET)
 
 
 @triton.jit
@@ -169,7 +148,7 @@ def _pool_norm_rope_pack_kernel(
         pe = _pooled(kv_ptr, score_ptr, g64, ok, k0 + 2 * half, RATIO, D, INTERPRET)
         po = _pooled(kv_ptr, score_ptr, g64, ok, k0 + 2 * half + 1, RATIO, D, INTERPRET)
         sum_sq += tl.sum(pe * pe, 1) + tl.sum(po * po, 1)
-    rs = _rms_scale(sum_sq, eps, D)[:, None]
+    rs = rms_scale(sum_sq, eps, D)[:, None]
 
     out = tl.arange(0, DI // 2)  # index-key pairs
     key_e = tl.zeros([BLOCK_G, DI // 2], tl.float32)  # latent . wk^T, channels 2i and 2i+1
@@ -181,14 +160,14 @@ def _pool_norm_rope_pack_kernel(
         po = _pooled(kv_ptr, score_ptr, g64, ok, ch + 1, RATIO, D, INTERPRET)
         we = tl.load(norm_w_ptr + ch).to(tl.float32)[None, :]
         wo = tl.load(norm_w_ptr + ch + 1).to(tl.float32)[None, :]
-        le = _to_bf16(we * (pe * rs), INTERPRET)  # the pre-RoPE latent, bf16 (fp32 when INTERPRET)
-        lo = _to_bf16(wo * (po * rs), INTERPRET)
+        le = to_bf16(we * (pe * rs), INTERPRET)  # the pre-RoPE latent, bf16 (fp32 when INTERPRET)
+        lo = to_bf16(wo * (po * rs), INTERPRET)
         w_ptr = wk_ptr + (2 * out[None, :]) * D + ch[:, None]  # [BK/2, DI/2]: wk[2i, ch]^T
         w_ee = tl.load(w_ptr)
         w_eo = tl.load(w_ptr + 1)
         w_oe = tl.load(w_ptr + D)
         w_oo = tl.load(w_ptr + D + 1)
-        if INTERPRET:  # its tl.dot misreads bf16 (see _to_bf16); fp32 holds them exactly
+        if INTERPRET:  # its tl.dot misreads bf16 (see to_bf16); fp32 holds them exactly
             w_ee, w_eo = w_ee.to(tl.float32), w_eo.to(tl.float32)
             w_oe, w_oo = w_oe.to(tl.float32), w_oo.to(tl.float32)
         key_e = tl.dot(lo, w_eo, tl.dot(le, w_ee, key_e))
@@ -200,13 +179,13 @@ def _pool_norm_rope_pack_kernel(
         tl.store(row_ptr + D // 2 + k0 // 16 + tl.arange(0, BK // 16)[None, :],
                  scales.to(tl.uint8), mask=ok[:, None])
 
-    ke = _to_bf16(key_e, INTERPRET).to(tl.float32)  # linear's bf16 output
-    ko = _to_bf16(key_o, INTERPRET).to(tl.float32)
-    rk = _rms_scale(tl.sum(ke * ke, 1) + tl.sum(ko * ko, 1), eps, DI)[:, None]
-    ke = _to_bf16(tl.load(k_norm_w_ptr + 2 * out).to(tl.float32)[None, :] * (ke * rk),
-                  INTERPRET).to(tl.float32)
-    ko = _to_bf16(tl.load(k_norm_w_ptr + 2 * out + 1).to(tl.float32)[None, :] * (ko * rk),
-                  INTERPRET).to(tl.float32)
+    ke = round_bf16(key_e, INTERPRET)  # linear's bf16 output
+    ko = round_bf16(key_o, INTERPRET)
+    rk = rms_scale(tl.sum(ke * ke, 1) + tl.sum(ko * ko, 1), eps, DI)[:, None]
+    ke = round_bf16(tl.load(k_norm_w_ptr + 2 * out).to(tl.float32)[None, :] * (ke * rk),
+                    INTERPRET)
+    ko = round_bf16(tl.load(k_norm_w_ptr + 2 * out + 1).to(tl.float32)[None, :] * (ko * rk),
+                    INTERPRET)
     ke, ko = _rope(ke, ko, rot_ptr, g64, ok, 0, DI // 2, DI // 2, ROPE, INTERPRET)
     packed, scales = _index_fp4(ke, ko, inv_fp4_max, BLOCK_G, DI // 32)
     key_ptr = keys_ptr + dest[:, None] * (DI // 2 + DI // 32)
@@ -269,12 +248,7 @@ def _check(kv, score, norm_weight, index_wk, index_k_norm, rot, rows_pool, keys_
     for name, t in (("page", page), ("slot", slot)):
         if tuple(t.shape) != (n,) or t.dtype != torch.int64:
             raise ValueError(f"{name} must be int64 [N={n}], got {tuple(t.shape)} {t.dtype}")
-    devices = {t.device for t in tensors.values()}
-    if len(devices) != 1:
-        raise ValueError(f"tensors on several devices: {sorted(str(d) for d in devices)}")
-    if not kv.is_cuda and not _interpreting():
-        raise ValueError(f"compiled Triton needs CUDA tensors, got {kv.device} "
-                         "(set TRITON_INTERPRET=1 before importing triton for the CPU)")
+    check_device(*tensors.values())
 
 
 def pool_norm_rope_pack(kv: torch.Tensor, score: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -298,7 +272,7 @@ def pool_norm_rope_pack(kv: torch.Tensor, score: torch.Tensor | None, norm_weigh
     n, r, d_lat = kv.shape
     if n == 0 or rows_pool.shape[0] * rows_pool.shape[1] == 0:
         return
-    rot_cs = torch.view_as_real(rot.contiguous())  # [N, R/2, 2] fp32 (cos, sin)
+    rot_cs = cos_sin(rot)  # [N, R/2, 2] fp32 (cos, sin)
     grid = (triton.cdiv(n, BLOCK_G),)
     _pool_norm_rope_pack_kernel[grid](
         kv.contiguous(), kv if score is None else score.contiguous(), norm_weight.contiguous(),
@@ -306,5 +280,5 @@ def pool_norm_rope_pack(kv: torch.Tensor, score: torch.Tensor | None, norm_weigh
         page.contiguous(), slot.contiguous(), n, rows_pool.shape[0], rows_pool.shape[1],
         float(eps), _INV_FP4_MAX,
         RATIO=r, D=d_lat, DI=index_wk.shape[0], ROPE=2 * rot.shape[1], BLOCK_G=BLOCK_G,
-        BK=min(MAX_BK, d_lat), INTERPRET=_interpreting(), num_warps=4,
+        BK=min(MAX_BK, d_lat), INTERPRET=interpreting(), num_warps=4,
         enable_fp_fusion=False)  # the reference rounds every product before its sum

@@ -7,7 +7,8 @@ the bits, so no fp8 cast is used (the interpreter's is not RNE). fp8_gemm: one p
 BLOCK_M x BLOCK_N tile walks K in blocks of 32: partial = a_fp8 . b_fp8 in fp32, scaled by the
 row scale then the e8m0 column-block scale, accumulated in fp32 in K order (the reference's
 rounding points; the GPU mma's internal 32-term sum may round differently: tolerance only;
-see PRECISE_DOT). Under TRITON_INTERPRET the block sums are exact (fp64), so all is bit-exact.
+see fp8_gemm's precise_dot). Under TRITON_INTERPRET the block sums are exact (fp64), so all is
+bit-exact.
 Split-K (decode-sized M, when the tile grid leaves SMs idle; _gemm_plan): each program sums one
 contiguous K range the same way into an fp32 [S, M, N] workspace and _split_sum_kernel adds
 the S ranges in split order: deterministic, but a different fp32 association than the
@@ -21,47 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_BLOCK = 32
+from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, check_device, e4m3_code, e8m0_to_fp32,
+                             interpreting, sm_count, ue8m0_exponent)
+
 QUANT_BLOCKS = 16  # act_quant: scale blocks per program (512 elements of a row)
-_INV_FP8_MAX = torch.tensor(1.0 / 448.0, dtype=torch.float32).item()  # fp32(1/448)
-# GPU only: widen the e4m3 operands to fp16 (exact) before tl.dot. The fp8 wgmma (BLOCK_M >= 64)
-# sums its 32 products less precisely (seen on an H200: ~5e-5 of max|y| off the exact fp32
-# block sums, ~1e-7 with fp16) but is ~1.4x faster at large M. Small M is ~1e-7 either way.
-# On: with the fp8 sums the index q/k flip fp4 roundings and v41_geometry's top-k rows drift
-# past the fixture tolerance (194 of 3312 rows on an H200, limit 1%).
-PRECISE_DOT = True
 SPLIT_MAX_M = 64  # split-K for decode-sized M only: larger M fills the SMs with tiles
 SPLIT_PROGRAMS_PER_SM = 3  # ~2 resident programs per SM plus slack for the last wave
 SPLIT_TRAFFIC_SHARE = 4  # fp32 partials (written + read) <= 1/4 of the weight bytes
 SPLIT_SUM_BLOCK = 256  # outputs per program of the split-sum kernel (2 warps, 16 B each)
-DEFAULT_SM_COUNT = 132  # an H200's, for planning off the GPU (the CPU interpreter)
-
-
-@triton.jit
-def _ue8m0_exponent(amax, inv_max):
-    """Biased exponent e of the block scale s = 2^ceil(log2(max(amax, 1e-4) * inv_max)), an
-    int32 in [1, 254] (amax >= 0 finite): s = e << 23 and 1/s = (254 - e) << 23 as fp32 bits."""
-    t = (tl.maximum(amax, 1e-4) * inv_max).to(tl.int32, bitcast=True)  # normal: >= 1e-4/448
-    return ((t >> 23) & 0xFF) + ((t & 0x7FFFFF) != 0).to(tl.int32)  # ceil: +1 unless 2^k
-
-
-@triton.jit
-def _e4m3_code(v):
-    """fp32 v -> e4m3 byte as int32 (0..255): clamp to +-448, round to nearest even in software
-    (subnormals step 2^-9), sign bit kept for -0 as torch's cast does. Finite v only."""
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
-    a = tl.abs(v)
-    # normal e4m3 (a >= 2^-6): round the fp32 mantissa to 3 bits, ties to even (carry is fine)
-    u = a.to(tl.int32, bitcast=True)
-    u = (u + 0x7FFFF + ((u >> 20) & 1)) >> 20  # (fp32 exponent << 3) | 3-bit mantissa
-    code_n = u - (120 << 3)  # rebias the exponent 127 -> 7
-    # subnormal (a < 2^-6): multiples of 2^-9, ties to even; 8 steps = 2^-6 = code 8
-    w = a * 512.0  # exact, < 8
-    i = w.to(tl.int32)  # truncation
-    f = w - i.to(tl.float32)  # exact
-    code_s = i + ((f > 0.5) | ((f == 0.5) & ((i & 1) == 1))).to(tl.int32)
-    return tl.where(a >= 0.015625, code_n, code_s) | sign
 
 
 @triton.jit
@@ -72,10 +40,10 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, inv_max, QB: tl.constexpr):
     b_mask = offs_b < KB
     offs = row * K + offs_b[:, None] * 32 + tl.arange(0, 32)[None, :]  # [QB, 32]
     x = tl.load(x_ptr + offs, mask=b_mask[:, None], other=0.0).to(tl.float32)
-    e = _ue8m0_exponent(tl.max(tl.abs(x), 1), inv_max)
+    e = ue8m0_exponent(tl.max(tl.abs(x), 1), inv_max)
     s = (e << 23).to(tl.float32, bitcast=True)
     inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s, exact and normal
-    code = _e4m3_code(x * inv_s[:, None])  # x * (1/s) == x / s exactly
+    code = e4m3_code(x * inv_s[:, None])  # x * (1/s) == x / s exactly
     tl.store(q_ptr + offs, code.to(tl.uint8), mask=b_mask[:, None])
     tl.store(s_ptr + row * KB + offs_b, s, mask=b_mask)
 
@@ -119,8 +87,7 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS, S
                 part = tl.dot(a, b, out_dtype=tl.float32)
             sa = tl.load(sa_ptrs + kb0 + j, mask=m_mask, other=1.0)
             e = tl.load(sb_ptrs + kb0 + j, mask=n_mask, other=127).to(tl.int32)
-            sb = tl.where(e == 0, 0x400000, tl.where(e == 255, 0x7FC00000, e << 23))
-            sb = sb.to(tl.float32, bitcast=True)  # e8m0: 2^(e-127); 0 -> 2^-127, 255 -> NaN
+            sb = e8m0_to_fp32(e)  # 2^(e-127); 0 -> 2^-127, 255 -> NaN
             acc += part * sa[:, None] * sb[None, :]  # powers of two: exact, reference order
         a_ptrs += 32 * KSUB
         b_ptrs += 32 * KSUB
@@ -142,19 +109,6 @@ def _split_sum_kernel(part_ptr, c_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.const
     tl.store(c_ptr + offs, acc, mask=mask)
 
 
-def _interpreting() -> bool:
-    """triton.jit picks the interpreter when the kernel is defined, so ask the kernel."""
-    return type(_fp8_gemm_kernel).__name__ == "InterpretedFunction"
-
-
-def _check_device(*ts: torch.Tensor) -> None:
-    if len({t.device for t in ts}) != 1:
-        raise ValueError(f"tensors on several devices: {[str(t.device) for t in ts]}")
-    if not ts[0].is_cuda and not _interpreting():
-        raise ValueError(f"compiled Triton needs CUDA tensors, got {ts[0].device} "
-                         "(set TRITON_INTERPRET=1 before importing triton for the CPU)")
-
-
 @dataclass(frozen=True)
 class _GemmPlan:
     """Launch parameters of one fp8 GEMM shape, chosen on the host from (M, N, KB, SM count)."""
@@ -164,24 +118,19 @@ class _GemmPlan:
     num_warps: int
     num_stages: int
     ksub: int  # 32-blocks per K iteration: each weight row is read ksub * 32 bytes at a time
-    dot_f16: bool  # PRECISE_DOT
+    dot_f16: bool  # fp8_gemm's precise_dot: e4m3 operands widened to fp16 for tl.dot
     splits: int  # split-K ranges; 1: each tile's program writes the output directly
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return DEFAULT_SM_COUNT
-
-
-def _gemm_plan(m: int, n: int, kb: int, sm_count: int,
-               num_splits: int | None = None) -> _GemmPlan:
+def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
+               precise_dot: bool = True) -> _GemmPlan:
     """Tiles by M, then split-K for small M. Decode (M <= 64) is weight-bandwidth bound: 64-row
     weight tiles read 128-256 contiguous bytes per row per iteration (KSUB 32-blocks, several
     loads in flight), and when the tile grid is small next to the SMs (wq_a, wkv: 8-20 tiles)
     K is split so that there are ~SPLIT_PROGRAMS_PER_SM programs per SM, as long as the fp32
     partials stay a small share of the weight bytes. num_splits (1 <= it <= KB) forces S; KSUB
-    then shrinks, if need be, so that every split has at least one K iteration."""
+    then shrinks, if need be, so that every split has at least one K iteration. sms: the
+    device's SM count (sm_count); precise_dot: see fp8_gemm."""
     if m <= 16:
         bm, bn, warps, stages, ksub_max = 16, 64, 4, 4, 8
     elif m <= SPLIT_MAX_M:
@@ -194,7 +143,7 @@ def _gemm_plan(m: int, n: int, kb: int, sm_count: int,
         ksub = next(d for d in (8, 4, 2, 1) if d <= ksub and kb % d == 0 and kb // d >= splits)
     elif m <= SPLIT_MAX_M:
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        want = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count, tiles)
+        want = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, tiles)
         if ksub == 8 and kb // 8 < want and kb % 4 == 0:  # more, shorter splits (wkv)
             ksub = 4
         # partials written and read, 8 B per split per output, <= weight bytes (N * KB * 32) / 4
@@ -202,7 +151,7 @@ def _gemm_plan(m: int, n: int, kb: int, sm_count: int,
         splits = max(1, min(want, cap, kb // ksub))
     else:
         splits = 1
-    return _GemmPlan(bm, bn, warps, stages, ksub, PRECISE_DOT, splits)
+    return _GemmPlan(bm, bn, warps, stages, ksub, bool(precise_dot), splits)
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +164,7 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"act_quant wants a 2-D [M, K] tensor, got shape {tuple(x.shape)}")
     if x.dtype != torch.bfloat16:
         raise TypeError(f"act_quant wants bf16, got {x.dtype}")
-    _check_device(x)
+    check_device(x)
     m, k = x.shape
     if k % FP8_BLOCK:
         raise ValueError(f"K = {k} is not a multiple of the quant block {FP8_BLOCK}")
@@ -225,14 +174,14 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m == 0 or k == 0:
         return q, s
     grid = (m, triton.cdiv(kb, QUANT_BLOCKS))
-    _act_quant_kernel[grid](x.contiguous(), q.view(torch.uint8), s, k, kb, _INV_FP8_MAX,
+    _act_quant_kernel[grid](x.contiguous(), q.view(torch.uint8), s, k, kb, INV_FP8_MAX,
                             QB=QUANT_BLOCKS, num_warps=4)
     return q, s
 
 
 def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
              weight_scale: torch.Tensor, out: torch.Tensor | None = None,
-             num_splits: int | None = None) -> torch.Tensor:
+             num_splits: int | None = None, *, precise_dot: bool = True) -> torch.Tensor:
     """Blockwise-scaled fp8 GEMM: y[m, n] = sum_kb (x[m, kb] . w[n, kb]) sx[m, kb] sw[n//32, kb].
 
     x_codes: [M, K] float8_e4m3fn; x_scales: [M, K/32] fp32; weight: [N, K] float8_e4m3fn;
@@ -243,6 +192,13 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
     S = 1 accumulates all of K in order (the reference's rounding); S > 1 sums S contiguous K
     ranges separately, each in K order, into an fp32 [S, M, N] workspace, then adds them in
     split order: deterministic, but not the reference's fp32 summation order.
+
+    precise_dot (GPU only; the interpreter sums each 32-block exactly either way): True (the
+    default) widens the e4m3 operands to fp16 (exact) before tl.dot. The fp8 wgmma (BLOCK_M >=
+    64) sums its 32 products less precisely (seen on an H200: ~5e-5 of max|y| off the exact
+    fp32 block sums, ~1e-7 with fp16) but is ~1.4x faster at large M; small M is ~1e-7 either
+    way. With the fp8 sums the index q/k flip fp4 roundings and v41_geometry's top-k rows drift
+    past the fixture tolerance (194 of 3312 rows on an H200, limit 1%), hence the default.
     """
     if x_codes.dim() != 2 or weight.dim() != 2 or x_scales.dim() != 2 or weight_scale.dim() != 2:
         raise ValueError("fp8_gemm wants 2-D x_codes, x_scales, weight, weight_scale")
@@ -266,7 +222,7 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
                          f"{(triton.cdiv(n, FP8_BLOCK), kb)}")
     if num_splits is not None and not 1 <= num_splits <= max(kb, 1):
         raise ValueError(f"num_splits = {num_splits} is not in [1, K/32 = {kb}]")
-    _check_device(x_codes, x_scales, weight, weight_scale)
+    check_device(x_codes, x_scales, weight, weight_scale)
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32, device=x_codes.device)
     elif tuple(out.shape) != (m, n) or out.dtype != torch.float32 \
@@ -276,7 +232,7 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
         return out
     if kb == 0:
         return out.zero_()
-    plan = _gemm_plan(m, n, kb, _sm_count(out.device), num_splits)
+    plan = _gemm_plan(m, n, kb, sm_count(out.device), num_splits, precise_dot)
     partials = out if plan.splits == 1 else \
         torch.empty(plan.splits, m, n, dtype=torch.float32, device=out.device)
     grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), plan.splits)
@@ -284,7 +240,7 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
                            weight_scale.contiguous().view(torch.uint8), partials, m, n, k, kb,
                            kb // plan.ksub, plan.splits, BLOCK_M=plan.block_m,
                            BLOCK_N=plan.block_n, KSUB=plan.ksub, DOT_F16=plan.dot_f16,
-                           INTERPRET=_interpreting(), num_warps=plan.num_warps,
+                           INTERPRET=interpreting(), num_warps=plan.num_warps,
                            num_stages=plan.num_stages)
     if plan.splits > 1:
         _split_sum_kernel[(triton.cdiv(m * n, SPLIT_SUM_BLOCK),)](
@@ -293,15 +249,17 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
-               num_splits: int | None = None) -> torch.Tensor:
+               num_splits: int | None = None, precise_dot: bool = True) -> torch.Tensor:
     """y = x W^T for an fp8 weight: act_quant(x) then the blockwise fp8 GEMM (SPEC §2.1).
 
     x: [..., K] bf16; weight [N, K] float8_e4m3fn; weight_scale [ceil(N/32), K/32]
-    float8_e8m0fnu; num_splits: fp8_gemm's split-K (None: by shape). Returns [..., N] bf16.
+    float8_e8m0fnu; num_splits: fp8_gemm's split-K (None: by shape); precise_dot: fp8_gemm's
+    (default True: fp16 operands to the GPU's tl.dot). Returns [..., N] bf16.
     """
     if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
     lead = x.shape[:-1]
     x_q, s = act_quant(x.reshape(-1, x.shape[-1]))
-    y = fp8_gemm(x_q, s, weight, weight_scale, num_splits=num_splits)
+    y = fp8_gemm(x_q, s, weight, weight_scale, num_splits=num_splits,
+                 precise_dot=precise_dot)
     return y.to(torch.bfloat16).reshape(*lead, weight.shape[0])

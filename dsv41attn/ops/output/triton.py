@@ -15,9 +15,9 @@ at N <= 64, under one wave of 132 SMs, so split-K gives each SM 2-3 programs to 
 latency (fp8, N <= 17: 3 splits of 11 K blocks); the fp32 partials [S, N, G*Rk] are summed in
 split order by a second kernel (deterministic), and S is capped so that partial traffic stays
 under 1/8 of the weight bytes (fp8: no split from N = 64 on). On an H200 this kernel lost to
-cuBLAS at every size measured (FUSED_MAX_ROWS), so on a GPU the op runs the rotation kernel
-(window_kv.rope_heads) and torch's bf16 einsum, the reference's math, unless ``num_splits`` is
-given (which forces the fused kernel, for tuning it).
+cuBLAS at every size measured (``fused_max_rows``), so on a GPU the op runs the rotation kernel
+(common.triton.rope_heads) and torch's bf16 einsum, the reference's math, unless ``num_splits``
+is given (which forces the fused kernel, for tuning it).
 """
 from __future__ import annotations
 
@@ -26,17 +26,9 @@ import triton
 import triton.language as tl
 
 from ...checkpoint import Fp8Weight
-from ..linear.triton import _check_device, _interpreting, _sm_count
-from ..sparse_attn.triton import _to_bf16
-from ..window_kv.triton import rope_heads
+from ..common.triton import (FP8_BLOCK, check_device, cos_sin, e4m3_to_fp32, e8m0_to_fp32,
+                             interpreting, rope_heads, sm_count, to_bf16)
 from .reference import check_inputs, check_out
-
-# Above: the inverse-RoPE kernel + cuBLAS's bf16 GEMM. Measured on an H200 (V4.1-Flash, fp8
-# weights): the fused kernel took 171 us at N = 1 and 880 us at N = 64 against ~20-30 us for
-# rope_heads + cuBLAS, and tens of ms at 8K rows. So on a GPU it is off until it is tuned; it
-# stays the tested fused form (it runs under the interpreter and with num_splits forced).
-FUSED_MAX_ROWS = 0
-SCALE_BLOCK = 32  # fp8 weight block edge
 
 
 @triton.jit
@@ -46,6 +38,8 @@ def _rotated_o_tile(o_ptr, cs_ptr, rows, row_mask, flat, k_mask, HD, D, ROT_STAR
 
     o: [N, H*D] bf16; cs: [N, R/2, 2] fp32 (cos, sin) per pair; rows: [BLOCK_M] int64;
     flat: [BLOCK_K] indices into a row's H*D. Returns bf16 (fp32 holding bf16 when INTERPRET).
+    The per-element form of common.triton.rope_rotate(INVERSE=True) for a flat K tile (each
+    element with its pair partner): the same products and sums, so the same bits.
     """
     d = flat % D
     rope = k_mask & (d >= ROT_START)
@@ -62,7 +56,7 @@ def _rotated_o_tile(o_ptr, cs_ptr, rows, row_mask, flat, k_mask, HD, D, ROT_STAR
     # (e + i o)(c - i s) = (e c + o s) + i (o c - e s): each member is x c + partner (+-s)
     sin = tl.where(second[None, :] == 1, -sin, sin)
     y = tl.where(rope[None, :], x * cos + partner * sin, x)
-    return _to_bf16(y, INTERPRET)  # x is bf16 already: only rotated values round
+    return to_bf16(y, INTERPRET)  # x is bf16 already: only rotated values round
 
 
 @triton.jit
@@ -78,11 +72,9 @@ def _fp8_weight_tile(w_ptr, ws_ptr, w_rows, r_mask, k0, KG, KB, BLOCK_K: tl.cons
     rows3, rmask3 = w_rows[None, None, :], r_mask[None, None, :]
     codes = tl.load(w_ptr + rows3 * KG + kk, mask=(kk < KG) & rmask3, other=0)
     e = tl.load(ws_ptr + (rows3 // 32) * KB + kb, mask=(kb < KB) & rmask3, other=127)
-    e = e.to(tl.int32)
-    s = tl.where(e == 0, 0x400000, tl.where(e == 255, 0x7FC00000, e << 23))
-    s = s.to(tl.float32, bitcast=True)  # e8m0: 2^(e-127); 0 -> 2^-127, 255 -> NaN (as torch)
-    v = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s  # [KBLK, 32, BLOCK_N]
-    return _to_bf16(tl.reshape(v, (BLOCK_K, BLOCK_N)), INTERPRET)
+    s = e8m0_to_fp32(e.to(tl.int32))  # 2^(e-127); 0 -> 2^-127, 255 -> NaN (as torch)
+    v = e4m3_to_fp32(codes) * s  # [KBLK, 32, BLOCK_N]
+    return to_bf16(tl.reshape(v, (BLOCK_K, BLOCK_N)), INTERPRET)
 
 
 @triton.jit
@@ -120,7 +112,7 @@ def _inverse_rope_wo_a_kernel(o_ptr, cs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr,
         else:
             w = tl.load(w_ptr + cols[None, :] * KG + offs_k[:, None],
                         mask=k_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-            if INTERPRET:  # its tl.dot misreads bf16 (see _to_bf16): exact fp32 widening
+            if INTERPRET:  # its tl.dot misreads bf16 (see to_bf16): exact fp32 widening
                 w = w.to(tl.float32)
         acc = tl.dot(a, w, acc)
     mask = row_mask[:, None] & r_mask[None, :]
@@ -128,7 +120,7 @@ def _inverse_rope_wo_a_kernel(o_ptr, cs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr,
         tl.store(part_ptr + (split * N + rows)[:, None] * GR + cols[None, :], acc, mask=mask)
     else:
         tl.store(out_ptr + rows[:, None] * GR + cols[None, :],
-                 _to_bf16(acc, INTERPRET).to(tl.bfloat16), mask=mask)
+                 to_bf16(acc, INTERPRET).to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -140,7 +132,7 @@ def _sum_splits_kernel(part_ptr, out_ptr, NUMEL, S, BLOCK: tl.constexpr,
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
     for s in range(1, S):
         acc += tl.load(part_ptr + s * NUMEL + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, _to_bf16(acc, INTERPRET).to(tl.bfloat16), mask=mask)
+    tl.store(out_ptr + offs, to_bf16(acc, INTERPRET).to(tl.bfloat16), mask=mask)
 
 
 def _tiles(n: int) -> tuple[int, int, int, int, int]:
@@ -166,37 +158,46 @@ def _pick_splits(programs: int, k_blocks: int, partial_row_bytes: int, weight_by
 
 def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | Fp8Weight,
                       groups: int, *, out: torch.Tensor | None = None,
-                      num_splits: int | None = None) -> torch.Tensor:
+                      num_splits: int | None = None, fused_max_rows: int = 0) -> torch.Tensor:
     """``reference.inverse_rope_wo_a`` as one Triton kernel (plus a split-K sum for decode).
 
     o: [N, H, D] bf16; rot: [N, R/2] complex64 (the last R dims of each head are rotated by
     its conjugate); wo_a: [groups*Rk, H*D/groups] bf16, or an Fp8Weight (e4m3 [groups*Rk,
     H*D/groups] + float8_e8m0fnu scales [ceil(groups*Rk/32), ceil(H*D/groups/32)]),
     dequantised in registers; out: optional contiguous bf16 [N, groups*Rk]; num_splits: K
-    splits (>= 1; None = heuristic). Returns [N, groups*Rk] bf16: u[n, g*Rk + r].
+    splits (>= 1; None = heuristic; given, the fused kernel runs at any N). Returns
+    [N, groups*Rk] bf16: u[n, g*Rk + r].
+
+    fused_max_rows: on a GPU, N above it runs rope_heads + torch's bf16 einsum (cuBLAS) instead
+    of the fused kernel (the interpreter always runs the fused kernel). Default 0: the fused
+    kernel is off on a GPU until it is tuned. Measured on an H200 (V4.1-Flash, fp8 weights) it
+    took 171 us at N = 1 and 880 us at N = 64 against ~20-30 us for rope_heads + cuBLAS, and
+    tens of ms at 8K rows; it stays the tested fused form.
     """
     kg, rk = check_inputs(o, rot, wo_a, groups)
     n, h, d = o.shape
     gr = groups * rk
     fp8 = isinstance(wo_a, Fp8Weight)
     weight = wo_a.weight if fp8 else wo_a
-    _check_device(o, rot, weight, *((wo_a.scale,) if fp8 else ()))
+    check_device(o, rot, weight, *((wo_a.scale,) if fp8 else ()))
     if num_splits is not None and (isinstance(num_splits, bool) or
                                    not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be an int >= 1 or None, got {num_splits!r}")
+    if isinstance(fused_max_rows, bool) or not isinstance(fused_max_rows, int):
+        raise ValueError(f"fused_max_rows must be an int, got {fused_max_rows!r}")
     if out is None:
         out = torch.empty(n, gr, dtype=torch.bfloat16, device=o.device)
     else:
         check_out(out, o, gr)
     if out.numel() == 0:
         return out
-    if n > FUSED_MAX_ROWS and num_splits is None and not _interpreting():
+    if n > fused_max_rows and num_splits is None and not interpreting():
         # cuBLAS's bf16 GEMM beats the fused kernel at every N measured; the rotation stays a kernel
         w16 = wo_a.dequantize() if fp8 else weight
         o = rope_heads(o, rot, inverse=True).view(n, groups, kg)
         return out.copy_(torch.einsum("ngd,grd->ngr", o, w16.view(groups, rk, kg)).flatten(1))
     o = o.contiguous()
-    cs = torch.view_as_real(rot).contiguous()  # [N, R/2, 2] fp32 cos, sin
+    cs = cos_sin(rot)  # [N, R/2, 2] fp32 cos, sin
     weight = weight.contiguous()
     if fp8:
         weight, scale = weight.view(torch.uint8), wo_a.scale.contiguous().view(torch.uint8)
@@ -207,14 +208,14 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | F
     programs = triton.cdiv(n, bm) * groups * triton.cdiv(rk, bn)
     if num_splits is None:
         num_splits = _pick_splits(programs, k_blocks, 8 * n * gr,
-                                  weight.numel() * weight.element_size(), _sm_count(o.device))
+                                  weight.numel() * weight.element_size(), sm_count(o.device))
     per_split = triton.cdiv(k_blocks, min(num_splits, k_blocks))  # K blocks per split
     s = triton.cdiv(k_blocks, per_split)  # no split left without a block
     part = o.new_empty(s, n, gr, dtype=torch.float32) if s > 1 else out
-    interp = _interpreting()
+    interp = interpreting()
     _inverse_rope_wo_a_kernel[(triton.cdiv(n, bm), groups * triton.cdiv(rk, bn), s)](
         o, cs, weight, scale, out, part, n, h * d, d, d - 2 * rot.shape[1], 2 * rot.shape[1],
-        kg, rk, gr, triton.cdiv(kg, SCALE_BLOCK), per_split * bk,
+        kg, rk, gr, triton.cdiv(kg, FP8_BLOCK), per_split * bk,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP8=fp8, SPLIT=s > 1, INTERPRET=interp,
         num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     if s > 1:

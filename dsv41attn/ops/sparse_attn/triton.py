@@ -32,26 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..linear.triton import _interpreting, _sm_count  # noqa: F401 (tests import it from here)
+from ..common.triton import e4m3_to_fp32, interpreting, sm_count, to_bf16
 
 BLOCK_N = 64  # index-list block: fixed by the reference's rounding points (SPEC §10.6)
 BLOCK_H = 16  # head tile: tl.dot needs every dim >= 16
-
-
-@triton.jit
-def _to_bf16(x, INTERPRET: tl.constexpr):
-    """fp32 -> bf16 with round-to-nearest-even (the hardware cast, as torch's .bfloat16()).
-
-    Under the interpreter its cast truncates and its tl.dot reads bf16 bit patterns as integers
-    (triton#11584), so there we round by bits and keep the (exact) value in fp32.
-    """
-    if INTERPRET:
-        u = x.to(tl.uint32, bitcast=True)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000  # finite x only: all we round here
-        y = u.to(tl.float32, bitcast=True)
-    else:
-        y = x.to(tl.bfloat16)
-    return y
 
 
 @triton.jit
@@ -62,7 +46,7 @@ def _finish(o_ptr, sink_ptr, bi, offs_h, h_mask, offs_d, m_i, l_i, acc, H, D: tl
     sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
     l_i = l_i + tl.exp(sink - m_i)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o = _to_bf16(o, INTERPRET).to(tl.bfloat16)
+    o = to_bf16(o, INTERPRET).to(tl.bfloat16)
     tl.store(o_ptr + bi * H * D + offs_h[:, None] * D + offs_d[None, :], o, mask=h_mask[:, None])
 
 
@@ -73,7 +57,7 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, scale, M, H, N,
     """q, o: [B, M, H, D] bf16; kv: [B, N, D] bf16; sink: [H] fp32; idx: [B, M, W] int32.
 
     All tensors contiguous. Grid: (B * M, cdiv(H, BLOCK_H)). INTERPRET (CPU interpreter only)
-    feeds tl.dot the same bf16 values widened to fp32, which is exact (see _to_bf16).
+    feeds tl.dot the same bf16 values widened to fp32, which is exact (see common.triton.to_bf16).
     """
     bi = tl.program_id(0).to(tl.int64)  # flat b * M + i; int64 so offsets cannot overflow
     hb = tl.program_id(1)
@@ -107,7 +91,7 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, scale, M, H, N,
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])  # invalid entries: exp(-inf) = 0
         l_i = l_i * alpha + tl.sum(p, 1)
-        pb = _to_bf16(p, INTERPRET)  # the reference's rounding point before P.V
+        pb = to_bf16(p, INTERPRET)  # the reference's rounding point before P.V
         acc = acc * alpha[:, None] + tl.dot(pb, kv)
         m_i = m_new
 
@@ -160,7 +144,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     q, kv, sink, idx = q.contiguous(), kv.contiguous(), sink.contiguous(), idx.contiguous()
     grid = (b * m, triton.cdiv(h, BLOCK_H))
     _sparse_attn_kernel[grid](q, kv, sink, idx, out, float(scale), m, h, n, idx.shape[2],
-                              D=d, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, INTERPRET=_interpreting(),
+                              D=d, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, INTERPRET=interpreting(),
                               num_warps=4 if d <= 128 else 8)  # 8 warps: less spill at D=512
     return out
 
@@ -264,14 +248,14 @@ def _window_tile(codes, e, D: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.con
     s = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(e-127); byte 0 -> 0 (as ref)
     if not WORDS:
         if INTERPRET:
-            v = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+            v = e4m3_to_fp32(codes) * s
         else:  # 4 codes per asm call: e4m3 -> f16 -> f32, times the scale, -> bf16
             v = tl.inline_asm_elementwise(_FP8_ASM, "=r,=r,r,r,r,r,r", [codes, s],
                                           dtype=tl.bfloat16, is_pure=False, pack=4)
     else:
         if INTERPRET:
-            c0, c1, c2, c3 = (((codes >> (8 * t)) & 0xFF).to(tl.uint8).to(
-                tl.float8e4nv, bitcast=True).to(tl.float32) * s for t in tl.static_range(4))
+            c0, c1, c2, c3 = (e4m3_to_fp32(((codes >> (8 * t)) & 0xFF).to(tl.uint8)) * s
+                              for t in tl.static_range(4))
         else:
             c0, c1, c2, c3 = tl.inline_asm_elementwise(
                 _FP8_WORD_ASM, "=h,=h,=h,=h,r,r", [codes, s], dtype=(tl.bfloat16,) * 4,
@@ -314,12 +298,12 @@ def _compressed_tile(pairs, sc, D: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: t
     """_compressed_raw's bytes -> [BLOCK_N, D] bf16 like _window_tile: e2m1 * scale, exact."""
     if WORDS:
         sc = ((sc >> (8 * tl.arange(0, 4)[None, None, :, None])) & 0xFF).to(tl.uint8)
-    scf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0
+    scf = e4m3_to_fp32(sc) * 64.0
     if not WORDS:
         if INTERPRET:  # the asm's re-encoding in plain ops (fp32 holding the bf16 values)
             e4 = tl.reshape(tl.join(_e4m3_of_e2m1(pairs & 15), _e4m3_of_e2m1(pairs >> 4)),
                             (BLOCK_N, D // 16, 16))  # element 2i: low nibble
-            v = e4.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scf
+            v = e4m3_to_fp32(e4) * scf
         else:  # 4 bytes per asm call; its outputs are bf16 values, joined in element order
             lo, hi = tl.inline_asm_elementwise(_FP4_ASM, "=r,=r,=r,=r,r,r", [pairs, sc],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=False,
@@ -327,9 +311,8 @@ def _compressed_tile(pairs, sc, D: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: t
             v = tl.join(lo, hi)
     else:
         if INTERPRET:
-            e0, e1, e2, e3, e4, e5, e6, e7 = (_e4m3_of_e2m1(((pairs >> (4 * t)) & 15).to(
-                tl.uint8)).to(tl.float8e4nv, bitcast=True).to(tl.float32) * scf
-                for t in tl.static_range(8))
+            e0, e1, e2, e3, e4, e5, e6, e7 = (e4m3_to_fp32(_e4m3_of_e2m1(
+                ((pairs >> (4 * t)) & 15).to(tl.uint8))) * scf for t in tl.static_range(8))
         else:
             e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
                 _FP4_WORD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [pairs, scf.to(tl.float16)],
@@ -374,7 +357,7 @@ def _attend(q, kv, valid, scale, m_i, l_i, acc, live, INTERPRET: tl.constexpr):
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])  # invalid entries: exp(-inf) = 0
         l_new = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(_to_bf16(p, INTERPRET), kv, acc * alpha[:, None])  # the reference's rounding
+    acc = tl.dot(to_bf16(p, INTERPRET), kv, acc * alpha[:, None])  # the reference's rounding
     return m_new, l_new, acc
 
 
@@ -606,13 +589,13 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     # multiples of 4 there); views that are not take the byte path instead of being copied
     words = d >= 128 and all(x.data_ptr() % 4 == 0 for x in (ring, new_rows, pool))
     n_blocks, h_blocks = triton.cdiv(ww + k, BLOCK_N), triton.cdiv(h, block_h)
-    s = _pick_splits(t_all * h_blocks, n_blocks, _sm_count(q.device)) \
+    s = _pick_splits(t_all * h_blocks, n_blocks, sm_count(q.device)) \
         if num_splits is None else num_splits
     ml = acc = sink  # partials: unused without a split
     if s > 1:  # m and l [2, T, S, H], acc [T, S, H, D]
         ml, acc = q.new_empty(2, t_all, s, h, dtype=torch.float32), q.new_empty(
             t_all, s, h, d, dtype=torch.float32)
-    interp, warps = _interpreting(), num_warps or (4 if d <= 128 else 8)
+    interp, warps = interpreting(), num_warps or (4 if d <= 128 else 8)
     _sparse_attn_paged_kernel[(t_all, h_blocks, s)](
         q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out, ml, acc, float(scale),
         h, n_ring, t_all, ww, k, table.shape[1], pool.shape[1], triton.cdiv(n_blocks, s),

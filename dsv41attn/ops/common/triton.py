@@ -1,0 +1,236 @@
+"""What the Triton ops share: host queries and checks, and the jit helpers of the rounding points
+and number formats that several kernels reproduce (SPEC §2.2-2.5).
+
+Host: ``interpreting`` (is Triton running the CPU interpreter), ``check_device``, ``sm_count``,
+``cos_sin`` (complex64 rotations as the fp32 (cos, sin) pairs the kernels read), ``check_rot``,
+``require`` (a ValueError unless a condition holds).
+Jit helpers, inlined into their callers (they change no rounding): bf16 rounding
+(``to_bf16``, ``round_bf16``), fp8 encode/decode (``ue8m0_exponent``, ``pow2_ceil_exponent``,
+``e4m3_code``, ``e4m3_to_fp32``, ``e8m0_to_fp32``), the RMSNorm scale (``rms_scale``) and the
+RoPE pair rotation (``rope_rotate``). ``rope_heads`` (per-head RoPE) is a whole op that both the
+window K=V path (its public home, ``window_kv.triton``) and the output projection use.
+
+Every jit helper that can round takes ``INTERPRET`` (constexpr, ``interpreting()``): under
+the interpreter the bf16 cast truncates and tl.dot misreads bf16 (triton#11584), so bf16
+values are rounded by bits and kept in fp32 there.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .quant import FP8_BLOCK, FP8_MAX
+
+__all__ = ["DEFAULT_SM_COUNT", "FP8_BLOCK", "INV_FP8_MAX", "check_device", "check_rot",
+           "cos_sin", "e4m3_code", "e4m3_to_fp32", "e8m0_to_fp32", "interpreting",
+           "pow2_ceil_exponent", "require", "rms_scale", "rope_heads", "rope_rotate",
+           "round_bf16", "sm_count", "to_bf16", "ue8m0_exponent"]
+
+INV_FP8_MAX = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32).item()  # fp32(1/448), as quant.py
+DEFAULT_SM_COUNT = 132  # an H200's, for planning off the GPU (the CPU interpreter)
+
+
+# ---- host ------------------------------------------------------------------------------------
+
+def interpreting() -> bool:
+    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1 when triton was imported).
+
+    triton.jit picks the interpreter when a kernel is defined, so this asks a jit function of
+    this module rather than the environment (which may have changed since)."""
+    return type(to_bf16).__name__ == "InterpretedFunction"
+
+
+def check_device(*ts: torch.Tensor) -> None:
+    """Raise ValueError unless the tensors share one device that the kernels can run on: CUDA,
+    or the CPU under the interpreter."""
+    if len({t.device for t in ts}) != 1:
+        raise ValueError(f"tensors on several devices: {[str(t.device) for t in ts]}")
+    if not ts[0].is_cuda and not interpreting():
+        raise ValueError(f"compiled Triton needs CUDA tensors, got {ts[0].device} "
+                         "(set TRITON_INTERPRET=1 before importing triton for the CPU)")
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, DEFAULT_SM_COUNT elsewhere: the kernels'
+    split-K planning sizes one wave of programs with it."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_SM_COUNT
+
+
+def cos_sin(rot: torch.Tensor) -> torch.Tensor:
+    """complex64 rotations [..., R/2] -> contiguous fp32 [..., R/2, 2] (cos, sin), the layout
+    ``rope_rotate`` reads (a conjugate view is resolved first)."""
+    return torch.view_as_real(rot.resolve_conj().contiguous())
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise ValueError(message) unless ok: the argument checks of the host wrappers."""
+    if not ok:
+        raise ValueError(message)
+
+
+def check_rot(rot: torch.Tensor, n: int, d: int) -> int:
+    """Validate rot [n, R/2] complex64 with R <= d (ValueError naming what is wrong); returns
+    R/2."""
+    require(isinstance(rot, torch.Tensor) and rot.dtype == torch.complex64 and rot.dim() == 2,
+          f"rot must be a 2-D complex64 [N, R/2] tensor, got "
+          f"{getattr(rot, 'dtype', type(rot))} {tuple(getattr(rot, 'shape', ()))}")
+    r2 = rot.shape[1]
+    require(rot.shape[0] == n and 1 <= r2 and 2 * r2 <= d,
+          f"rot shape {tuple(rot.shape)} does not match N = {n} rows with 1 <= R/2 <= D/2 = "
+          f"{d // 2}")
+    return r2
+
+
+# ---- jit helpers: bf16 -----------------------------------------------------------------------
+
+@triton.jit
+def to_bf16(x, INTERPRET: tl.constexpr):
+    """fp32 -> bf16 with round-to-nearest-even (the hardware cast, as torch's .bfloat16()).
+
+    Under the interpreter its cast truncates and its tl.dot reads bf16 bit patterns as integers
+    (triton#11584), so there we round by bits and keep the (exact) value in fp32.
+    """
+    if INTERPRET:
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000  # finite x only: all we round here
+        y = u.to(tl.float32, bitcast=True)
+    else:
+        y = x.to(tl.bfloat16)
+    return y
+
+
+@triton.jit
+def round_bf16(x, INTERPRET: tl.constexpr):
+    """fp32 -> the nearest bf16 value (RNE), kept in fp32."""
+    return to_bf16(x, INTERPRET).to(tl.float32)
+
+
+# ---- jit helpers: fp8 formats ----------------------------------------------------------------
+
+@triton.jit
+def pow2_ceil_exponent(t):
+    """Biased fp32 exponent e of 2^ceil(log2(t)) for a positive normal fp32 t, from the bits (as
+    quant.pow2_ceil_scale): the ue8m0 byte of that power of two, which is (e << 23) as fp32."""
+    u = t.to(tl.int32, bitcast=True)
+    return ((u >> 23) & 0xFF) + ((u & 0x7FFFFF) != 0).to(tl.int32)  # ceil: +1 unless 2^k
+
+
+@triton.jit
+def ue8m0_exponent(amax, inv_max):
+    """Biased exponent e of the act_quant block scale s = 2^ceil(log2(max(amax, 1e-4) *
+    inv_max)), an int32 in [1, 254] (amax >= 0 finite): s = e << 23 and 1/s = (254 - e) << 23
+    as fp32 bits."""
+    return pow2_ceil_exponent(tl.maximum(amax, 1e-4) * inv_max)  # normal: >= 1e-4/448
+
+
+@triton.jit
+def e4m3_code(v):
+    """fp32 v -> e4m3 byte as int32 (0..255): clamp to +-448, round to nearest even in software
+    (subnormals step 2^-9), sign bit kept for -0 as torch's cast does. Finite v only. (The
+    interpreter's fp8 cast is not RNE, hence the bits.)"""
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
+    a = tl.abs(v)
+    # normal e4m3 (a >= 2^-6): round the fp32 mantissa to 3 bits, ties to even (carry is fine)
+    u = a.to(tl.int32, bitcast=True)
+    u = (u + 0x7FFFF + ((u >> 20) & 1)) >> 20  # (fp32 exponent << 3) | 3-bit mantissa
+    code_n = u - (120 << 3)  # rebias the exponent 127 -> 7
+    # subnormal (a < 2^-6): multiples of 2^-9, ties to even; 8 steps = 2^-6 = code 8
+    w = a * 512.0  # exact, < 8
+    i = w.to(tl.int32)  # truncation
+    f = w - i.to(tl.float32)  # exact
+    code_s = i + ((f > 0.5) | ((f == 0.5) & ((i & 1) == 1))).to(tl.int32)
+    return tl.where(a >= 0.015625, code_n, code_s) | sign
+
+
+@triton.jit
+def e4m3_to_fp32(codes):
+    """e4m3 bytes (uint8) -> their fp32 values, exactly (the hardware conversion on the GPU)."""
+    return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e8m0_to_fp32(e):
+    """float8_e8m0fnu bytes as int32 -> fp32 2^(e-127), as torch's cast: 0 -> 2^-127 (fp32
+    subnormal), 255 -> NaN. (The packed caches' ue8m0 bytes are read as e << 23 instead.)"""
+    s = tl.where(e == 0, 0x400000, tl.where(e == 255, 0x7FC00000, e << 23))
+    return s.to(tl.float32, bitcast=True)
+
+
+# ---- jit helpers: RMSNorm and RoPE -----------------------------------------------------------
+
+@triton.jit
+def rms_scale(sum_sq, eps, DIM: tl.constexpr):
+    """RMSNorm's 1 / sqrt(sum_sq / DIM + eps) (SPEC §2.4), each step correctly rounded (div_rn,
+    sqrt_rn; the reference's rsqrt may differ by an ulp)."""
+    return tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sum_sq, DIM * 1.0) + eps))
+
+
+@triton.jit
+def rope_rotate(even, odd, cs_ptr, pair, mask, INVERSE: tl.constexpr, INTERPRET: tl.constexpr):
+    """(even + i odd) * (cos + i sin) at the rotation pairs ``pair`` (cs_ptr: the row's [R/2, 2]
+    fp32 from cos_sin; masked pairs turn by 1), conjugate if INVERSE. Each product is rounded
+    to fp32 and the sums then to bf16, as torch's CPU complex64 multiply (kernels using this
+    compile with enable_fp_fusion=False). Returns the bf16 values in fp32."""
+    c = tl.load(cs_ptr + 2 * pair, mask=mask, other=1.0)
+    s = tl.load(cs_ptr + 2 * pair + 1, mask=mask, other=0.0)
+    if INVERSE:
+        s = -s
+    re = even * c - odd * s
+    im = even * s + odd * c
+    return round_bf16(re, INTERPRET), round_bf16(im, INTERPRET)
+
+
+# ---- per-head RoPE ---------------------------------------------------------------------------
+
+@triton.jit
+def _rope_heads_kernel(x_ptr, cs_ptr, out_ptr, H, D: tl.constexpr, R2: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_R2: tl.constexpr,
+                       INVERSE: tl.constexpr, INTERPRET: tl.constexpr):
+    """x, out: [N, H, D] bf16; cs: [N, R2, 2] fp32; all contiguous. Grid (N, cdiv(H, BLOCK_H))."""
+    n = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h[:, None] < H
+    row = n * H * D + offs_h[:, None] * D  # [BLOCK_H, 1]
+    offs_nope = tl.arange(0, BLOCK_NOPE)[None, :]
+    nope_mask = h_mask & (offs_nope < D - 2 * R2)
+    tl.store(out_ptr + row + offs_nope, tl.load(x_ptr + row + offs_nope, mask=nope_mask),
+             mask=nope_mask)
+    pair = tl.arange(0, BLOCK_R2)[None, :]
+    pair_mask = pair < R2
+    mask = h_mask & pair_mask
+    col = D - 2 * R2 + 2 * pair
+    x_even = tl.load(x_ptr + row + col, mask=mask, other=0.0).to(tl.float32)
+    x_odd = tl.load(x_ptr + row + col + 1, mask=mask, other=0.0).to(tl.float32)
+    y_even, y_odd = rope_rotate(x_even, x_odd, cs_ptr + n * (2 * R2), pair, pair_mask, INVERSE,
+                                INTERPRET)
+    tl.store(out_ptr + row + col, y_even.to(tl.bfloat16), mask=mask)  # exact: already bf16
+    tl.store(out_ptr + row + col + 1, y_odd.to(tl.bfloat16), mask=mask)
+
+
+def rope_heads(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """RoPE on the last R dims of every head: ``apply_rope(x, rot.unsqueeze(1), inverse)``.
+
+    x: [N, H, D] bf16; rot: [N, R/2] complex64, one row per position; inverse multiplies by
+    the conjugate. Returns a new [N, H, D] bf16 tensor (x is not modified). One program per
+    (row, head block) copies the nope dims and rotates the tail pairs (rope_rotate).
+    """
+    require(isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and x.dim() == 3,
+          f"x must be a 3-D bf16 [N, H, D] tensor, got {getattr(x, 'dtype', type(x))} "
+          f"{tuple(getattr(x, 'shape', ()))}")
+    n, h, d = x.shape
+    r2 = check_rot(rot, n, d)
+    check_device(x, rot)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if out.numel() == 0:
+        return out
+    block_h = min(triton.next_power_of_2(h), 8)
+    _rope_heads_kernel[(n, triton.cdiv(h, block_h))](
+        x.contiguous(), cos_sin(rot), out, h, D=d, R2=r2, BLOCK_H=block_h,
+        BLOCK_NOPE=triton.next_power_of_2(max(d - 2 * r2, 1)),
+        BLOCK_R2=triton.next_power_of_2(r2), INVERSE=bool(inverse), INTERPRET=interpreting(),
+        num_warps=4, enable_fp_fusion=False)
+    return out
