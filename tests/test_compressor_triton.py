@@ -13,7 +13,6 @@ import triton.language as tl
 
 import dsv41attn.ops.compressor.triton as T
 from dsv41attn.config import preset
-from dsv41attn.ops.common.norm import rms_norm
 from dsv41attn.ops.common.packing import (
     pack_compressed_rows,
     pack_index_keys,
@@ -22,7 +21,6 @@ from dsv41attn.ops.common.packing import (
 )
 from dsv41attn.ops.common.rope import apply_rope, rope_frequencies, rope_rotations
 from dsv41attn.ops.compressor import reference as R
-from dsv41attn.ops.linear.reference import linear
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-20  # SPEC §2.4: every norm in the layer
@@ -153,40 +151,6 @@ def test_all_skipped_and_empty():
     empty = _inputs(0, 2, "tiny", 0, seed=1)
     _, got = _run_both(empty)
     assert (got["rows_pool"] == POISON_BYTE).all() and (got["keys_pool"] == POISON_BYTE).all()
-
-
-@pytest.mark.parametrize("r", [1, 2])
-def test_reference_is_the_layer_flow(r):
-    """reference.pool_norm_rope_pack == compress() + layer._run_compressor's epilogue, bit for bit."""
-    cfg = preset("tiny")
-    d_lat, _, freqs = DIMS["tiny"]
-    g = torch.Generator().manual_seed(r)
-    b, m = 2, 6
-    x = torch.randn(b, m, cfg.dim, generator=g).bfloat16()
-    wkv = torch.randn(d_lat, cfg.dim, generator=g) / cfg.dim ** 0.5
-    wgate = torch.randn(d_lat, cfg.dim, generator=g) / cfg.dim ** 0.5
-    if r == 1:
-        wkv = wkv.bfloat16()
-    args = _inputs(1, r, "tiny", 0, seed=0)
-    latent, kv, score = R.compress(x, 0, r, wkv, wgate if r > 1 else None, args["norm_weight"],
-                                   EPS, None if r == 1 else x.new_empty(b, 0, d_lat).float(),
-                                   None if r == 1 else x.new_empty(b, 0, d_lat).float())
-    n = m // r
-    rot = rope_rotations(freqs, r * torch.arange(n))  # [n, R/2], one row per group
-    keys = rms_norm(linear(latent, args["index_wk"]), args["index_k_norm"], EPS)
-    want_keys = pack_index_keys(apply_rope(keys, rot)).flatten(0, 1)  # [b * n, bytes]
-    want_rows = pack_compressed_rows(apply_rope(latent, rot)).flatten(0, 1)
-    if r == 1:
-        kv = linear(x, wkv).flatten(0, 1)[:, None]  # [b * n, 1, D] bf16
-    else:
-        kv, score = kv.reshape(b * n, r, d_lat), score.reshape(b * n, r, d_lat)
-    args.update(kv=kv, score=score, rot=rot.repeat(b, 1), page=torch.arange(b * n),
-                slot=torch.zeros(b * n, dtype=torch.int64),
-                rows_pool=torch.zeros(b * n, 1, want_rows.shape[-1], dtype=torch.uint8),
-                keys_pool=torch.zeros(b * n, 1, want_keys.shape[-1], dtype=torch.uint8))
-    R.pool_norm_rope_pack(**args)
-    assert torch.equal(args["rows_pool"][:, 0], want_rows)
-    assert torch.equal(args["keys_pool"][:, 0], want_keys)
 
 
 @triton.jit
