@@ -1,28 +1,37 @@
-# make demo | make test — each sets up .venv when needed (CPU torch 2.13 when no torch is
-# present, then this package with its test extras), then runs the job.
+# make demo | make test | make env — each sets up .venv when needed, then runs the job.
+# Two install stamps: the package alone (CPU torch 2.13 when no torch is present, then this
+# package and its dependencies), which is all `demo` and `env` need, and the test extra on top
+# of it (pytest, triton for the kernel tests under the interpreter, matplotlib for `inspect`'s
+# figure), which only `test` installs: a CPU-only `make demo` never fetches the triton wheel.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.dsv41attn-installed
+PACKAGE_STAMP := $(VENV)/.dsv41attn-package
+TEST_STAMP := $(VENV)/.dsv41attn-test-extra
 
 .PHONY: demo test test-fast env clean
 
-$(STAMP): pyproject.toml
+$(PACKAGE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(TEST_STAMP): $(PACKAGE_STAMP)
 	$(PY) -m pip install -q -e ".[test]"
-	touch $(STAMP)
+	touch $@
 
-env: $(STAMP)
-
-demo: $(STAMP)
+demo: $(PACKAGE_STAMP)
 	$(PY) -m dsv41attn demo
 
-test: $(STAMP)
+env: $(PACKAGE_STAMP)
+	$(PY) -m dsv41attn env
+
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 clean:

@@ -235,9 +235,13 @@ def load_layer_weights(
 
     Lazy: only the selected layers' tensors are read, each needed shard is opened once, and
     names, dtypes and shapes are all checked against ``expected_tensors`` (from the index / file
-    headers) before any tensor data is read. ``progress``: True prints a one-line progress bar to
-    stderr, None does so when more than 256 MiB are to be read. Returns {layer: LayerWeights} on
-    ``device``, in the order of ``layers``.
+    headers) before any tensor data is read; then every tensor read is checked for NaN / Inf
+    codes (``nonfinite_summary``), so a shard with corrupt data raises CheckpointError naming
+    the file and the tensor instead of loading weights that turn outputs into NaN.
+    ``progress``: a tqdm bar of the bytes read on stderr; None (default) shows it when more
+    than 256 MiB are to be read and stderr is a terminal, True always, False never. Returns
+    {layer: LayerWeights} on ``device``, in the order of ``layers``. ``path`` may also be the
+    checkpoint's ``config.json`` or ``model.safetensors.index.json``: its directory is read.
     """
     _check_cfg(cfg, "load_layer_weights")
     ids = _layer_ids(cfg, layers)
@@ -295,23 +299,48 @@ def load_layer_weights(
                 meta[rel] = (_ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()), tuple(sl.get_shape()))
             problems += _meta_problems(cfg, spec, meta)
         _raise(problems, "checkpoint " + os.fspath(path))
-        # 3. data.
+        # 3. data, each tensor checked for NaN / Inf codes before it leaves the CPU.
         total_bytes = sum(_meta_nbytes(m) for meta in metas.values() for m in meta.values())
-        total_count = sum(len(meta) for meta in metas.values())
         show = progress if progress is not None else total_bytes > PROGRESS_AUTO_BYTES
-        bar = _Progress(total_count, total_bytes) if show else None
+        bar = _progress_bar(total_bytes, forced=progress is True) if show else None
         if bar is not None:
             stack.callback(bar.close)
-        out: dict[int, LayerWeights] = {}
+        own_of: dict[int, dict[str, torch.Tensor]] = {}
         for spec in specs:
-            own: dict[str, torch.Tensor] = {}
+            own_of[spec.layer] = own = {}
             for rel, full in per_layer[spec.layer].items():
                 t = read(full)
+                bad = nonfinite_summary(t)
+                if bad:
+                    problems.append(f"{full} in {os.path.join(root, weight_map[full])}: {bad} "
+                                    f"(the file's data is corrupt or was written wrong)")
                 own[rel] = t.to(device)
                 if bar is not None:
-                    bar.step(_nbytes(t))
-            out[spec.layer] = _build(spec, own)
+                    bar.update(_nbytes(t))
+        _raise(problems, "checkpoint " + os.fspath(path))
+        out = {spec.layer: _build(spec, own_of[spec.layer]) for spec in specs}
     return out
+
+
+def nonfinite_summary(t: torch.Tensor) -> str | None:
+    """None if every value of ``t`` is a finite number, else what is not and where: NaN codes
+    of float8_e4m3fn (0x7f, 0xff; it has no infinity) and float8_e8m0fnu (0xff), NaN or Inf
+    in the other float dtypes. Integer tensors are always finite."""
+    if t.dtype in (FP8, SCALE):
+        codes = t.contiguous().view(torch.uint8)
+        bad = (codes & 0x7F) == 0x7F if t.dtype == FP8 else codes == 0xFF
+        what = "NaN codes (0x7f/0xff)" if t.dtype == FP8 else "NaN codes (0xff)"
+    elif t.dtype.is_floating_point:
+        bad = ~torch.isfinite(t)
+        what = "NaN or Inf values"
+    else:
+        return None
+    n = int(bad.sum())
+    if n == 0:
+        return None
+    first = [int(i) for i in torch.nonzero(bad.reshape(t.shape))[0]] if t.dim() else []
+    return (f"{n} of its {t.numel()} {str(t.dtype).removeprefix('torch.')} entries are {what}, "
+            f"the first at {first}")
 
 
 def random_checkpoint_tensors(
@@ -632,7 +661,14 @@ def _resolve(path: str | os.PathLike) -> tuple[str, dict[str, str] | None, str |
         raise CheckpointError(f"load_layer_weights: path must be {_PATH_KINDS}, got "
                               f"{type(path).__name__} {path!r:.80}{hint}")
     path = os.fspath(path)
-    if os.path.isfile(path):
+    if os.path.isfile(path) and os.path.basename(path) in (INDEX_FILE, "config.json"):
+        # the checkpoint's own JSON files stand for the directory that holds them
+        path = os.path.dirname(os.path.abspath(path))
+    elif os.path.isfile(path):
+        if path.endswith(".json"):
+            raise CheckpointError(
+                f"checkpoint path {path} is a JSON file, not safetensors weights: pass the "
+                f"checkpoint directory (expected {_PATH_KINDS}); a config goes to load_config")
         return os.path.dirname(path) or ".", None, os.path.basename(path)
     if not os.path.isdir(path):
         if path in PRESETS:
@@ -661,28 +697,12 @@ _PATH_KINDS = (f"a checkpoint directory (with {INDEX_FILE} and its shards, or on
                f"or a .safetensors file")
 
 
-class _Progress:
-    """A one-line stderr progress bar: tensors read / total and MB read / total."""
+def _progress_bar(total_bytes: int, forced: bool):
+    """A tqdm bar of the bytes read, on stderr. Auto (``forced`` False): drawn only when stderr
+    is a terminal (tqdm's ``disable=None``), so logs get no redraws; ``progress=True`` draws it
+    anyway, at most a few redraws a second."""
+    from tqdm.auto import tqdm
 
-    def __init__(self, total_count: int, total_bytes: int, width: int = 30) -> None:
-        self.total_count, self.total_bytes, self.width = total_count, total_bytes, width
-        self.count = self.bytes = 0
-        self.percent = -1
-        self.step(0, count=0)
-
-    def step(self, nbytes: int, count: int = 1) -> None:
-        self.count += count
-        self.bytes += nbytes
-        frac = self.bytes / self.total_bytes if self.total_bytes else 1.0
-        if int(frac * 100) == self.percent and self.count < self.total_count:
-            return  # redraw once per percent: logs that are not a terminal stay short
-        self.percent = int(frac * 100)
-        filled = int(round(frac * self.width))
-        sys.stderr.write(f"\rloading attention weights [{'#' * filled}{'.' * (self.width - filled)}] "
-                         f"{self.count}/{self.total_count} tensors, "
-                         f"{self.bytes / 1e6:.1f}/{self.total_bytes / 1e6:.1f} MB")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        sys.stderr.write("\n")
-        sys.stderr.flush()
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+                desc="loading attention weights", disable=False if forced else None,
+                mininterval=0.5 if forced else 0.1, leave=True, file=sys.stderr)

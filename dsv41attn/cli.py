@@ -1,4 +1,5 @@
-"""The ``dsv41attn`` command line (also ``python -m dsv41attn``): demo, replay, bench, plot.
+"""The ``dsv41attn`` command line (also ``python -m dsv41attn``): demo, replay, inspect, env,
+bench, plot, soak.
 
 Errors a user can make (a bad option value, a missing or foreign file, a config that does not
 fit) end as one line on stderr and exit status 2, as argparse's own do; ``--debug`` (or
@@ -9,9 +10,11 @@ turned into such lines: anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
+import platform
 import re
 import sys
 import tempfile
@@ -21,8 +24,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from . import __version__
 from .cache import StateError
-from .checkpoint import CheckpointError, load_layer_weights, write_synthetic_checkpoint
+from .checkpoint import INDEX_FILE, CheckpointError, load_layer_weights, write_synthetic_checkpoint
 from .config import PRESETS, SEMANTICS, ConfigError, load_config
 from .fixtures import Fixture, compare, parse_schedule, replay
 from .ops.backends import BACKENDS
@@ -30,8 +34,9 @@ from .stack import AttentionStack
 
 DESCRIPTION = """\
 The DeepSeek-V4.1 attention layer, as DeepSeek's reference defines it: run a prefill and
-decode steps through every layer role, replay a golden fixture, time the Triton kernels on a
-GPU, plot those timings."""
+decode steps through every layer role, replay a golden fixture, look inside a forward (what
+each query selected and where its attention went), report the environment for a bug report,
+time the Triton kernels on a GPU, plot those timings."""
 
 EPILOG = """\
 examples:
@@ -41,6 +46,8 @@ examples:
   dsv41attn replay tests/fixtures/tiny_long_prefill.safetensors --out /tmp/o.safetensors
   dsv41attn replay tests/fixtures/tiny_long_prefill.safetensors --out /tmp/o.safetensors \\
       --schedule '13,1,1,4,20;7,6,26'
+  dsv41attn inspect tests/fixtures/tiny_roles.safetensors --out /tmp/inspect.png
+  dsv41attn env                                   versions, GPU, Triton mode: for a bug report
   dsv41attn COMMAND --help                        every option of COMMAND"""
 
 # The tiny fixtures (tests/fixtures/README.md): batch 2, tiny_roles 46 positions,
@@ -180,10 +187,11 @@ def _demo_config(args: argparse.Namespace):
 def _check_checkpoint(path: str) -> None:
     if not os.path.exists(path):
         raise CliError(f"--checkpoint {path}: no such file or directory")
-    if os.path.isfile(path) and not path.endswith(".safetensors"):
-        hint = " (a config.json goes to --config)" if path.endswith(".json") else ""
-        raise CliError(f"--checkpoint {path}: expected a checkpoint directory or a "
-                       f".safetensors file{hint}")
+    own_json = os.path.basename(path) in ("config.json", INDEX_FILE)  # stand for their directory
+    if os.path.isfile(path) and not path.endswith(".safetensors") and not own_json:
+        hint = " (a config file goes to --config)" if path.endswith(".json") else ""
+        raise CliError(f"--checkpoint {path}: expected a checkpoint directory (or its "
+                       f"config.json) or a .safetensors file{hint}")
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -345,6 +353,87 @@ def replay_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- env -------------------------------------------------------------------------------------
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _install_kind() -> str:
+    """How this package is installed: editable, a regular install, or a bare source tree.
+    (A source tree's own ``*.egg-info`` on sys.path is a distribution too: every one found is
+    asked whether pip installed it editable.)"""
+    dists = list(importlib.metadata.distributions(name="dsv41attn"))
+    if not dists:
+        return "not installed: imported from a source tree"
+    for dist in dists:
+        try:
+            info = json.loads(dist.read_text("direct_url.json") or "{}")
+        except json.JSONDecodeError:
+            continue
+        if isinstance(info, dict) and info.get("dir_info", {}).get("editable"):
+            return f"editable install of {info.get('url', '?').removeprefix('file://')}"
+    return "installed"
+
+
+def environment() -> dict[str, object]:
+    """What a bug report should carry: versions, the GPU, how Triton kernels would run."""
+    import dsv41attn
+
+    cuda = torch.cuda.is_available()
+    gpus = []
+    if cuda:
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append(f"cuda:{i} {p.name} (sm_{p.major}{p.minor}, "
+                        f"{p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs)")
+    triton = _dist_version("triton")
+    interpret = os.environ.get("TRITON_INTERPRET")
+    if triton is None:
+        mode = "unavailable: triton is not installed (pip install 'dsv41attn[gpu]'); --backend reference only"
+    elif interpret == "1":
+        mode = "interpreted on the CPU (TRITON_INTERPRET=1): exact but slow"
+    elif cuda:
+        mode = "compiled for the GPU (TRITON_INTERPRET unset or 0)"
+    else:
+        mode = ("neither: no CUDA GPU and TRITON_INTERPRET is not 1; --backend triton needs a GPU "
+                "or TRITON_INTERPRET=1 (the test suite sets it itself on a CPU)")
+    return {
+        "dsv41attn": f"{__version__} at {os.path.dirname(os.path.abspath(dsv41attn.__file__))} "
+                     f"({_install_kind()})",
+        "python": f"{platform.python_version()} ({platform.python_implementation()}, "
+                  f"{sys.executable})",
+        "platform": platform.platform(),
+        "torch": f"{torch.__version__} (CUDA build {torch.version.cuda or 'none'})",
+        "triton": triton or "not installed",
+        "numpy": _dist_version("numpy") or "not installed",
+        "safetensors": _dist_version("safetensors") or "not installed",
+        "tqdm": _dist_version("tqdm") or "not installed",
+        "matplotlib": _dist_version("matplotlib") or "not installed (inspect --out needs it)",
+        "CUDA": (f"available, {torch.cuda.device_count()} device(s)" if cuda
+                 else "not available to this torch"),
+        "GPU": "; ".join(gpus) if gpus else "none",
+        "Triton kernels": mode,
+        "TRITON_INTERPRET": "unset" if interpret is None else interpret,
+        "CPU threads": str(torch.get_num_threads()),
+    }
+
+
+def env_cmd(args: argparse.Namespace) -> int:
+    """Print the environment (``--json``: as one JSON object)."""
+    info = environment()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    width = max(map(len, info))
+    for key, value in info.items():
+        print(f"{key + ':':<{width + 1}} {value}")
+    return 0
+
+
 # ---- bench, plot -----------------------------------------------------------------------------
 
 def bench_cmd(args: argparse.Namespace) -> int:
@@ -402,6 +491,8 @@ def soak_cmd(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     p = _Parser(prog="dsv41attn", description=DESCRIPTION, epilog=EPILOG, formatter_class=fmt)
+    p.add_argument("--version", action="version", version=f"dsv41attn {__version__}",
+                   help="print the package version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            title="commands (COMMAND --help lists its options)")
     common = _Parser(add_help=False)
@@ -472,6 +563,16 @@ def build_parser() -> argparse.ArgumentParser:
     device_opt(r)
     r.set_defaults(func=replay_cmd, parser=r)
 
+    ev = sub.add_parser("env", parents=[common],
+                        help="versions, GPU and Triton mode: what a bug report should carry",
+                        description="Print the versions of dsv41attn (and where it is "
+                                    "installed), Python, torch, triton, numpy, safetensors, "
+                                    "tqdm and matplotlib; CUDA and the GPUs; and whether the "
+                                    "Triton kernels would compile for a GPU or run under the "
+                                    "interpreter (TRITON_INTERPRET). Paste it into a bug report.")
+    ev.add_argument("--json", action="store_true", help="one JSON object instead of lines")
+    ev.set_defaults(func=env_cmd, parser=ev)
+
     bn = sub.add_parser("bench", parents=[common],
                         help="time the Triton kernels against the reference on a CUDA GPU",
                         description="Time one V4.1-Flash layer per role and the sparse-attention "
@@ -525,6 +626,10 @@ def main(argv: list[str] | None = None) -> int:
     debug = args.debug or os.environ.get("DSV41ATTN_DEBUG", "") not in ("", "0")
     try:
         return args.func(args)
+    except BrokenPipeError:  # `dsv41attn env | head`: the reader left; no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except CliError as e:
         if debug:
             raise

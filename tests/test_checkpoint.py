@@ -302,14 +302,40 @@ def test_loading_needs_only_the_shards_of_selected_layers(tmp_path, tiny):
         load_layer_weights(tmp_path, tiny, layers=8)
 
 
-def test_progress_bar(sharded, tiny, capsys):
-    load_layer_weights(sharded, tiny, layers=[1, 2], progress=True)
+class _Terminal:
+    """A stderr that says it is a terminal (tqdm draws only on one unless forced)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, s: str) -> int:
+        self.text += s
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar(sharded, tiny, capsys, monkeypatch):
+    n_bytes = sum(ck._meta_nbytes(m) for L in (1, 2) for m in expected_tensors(tiny, L).values())
+    load_layer_weights(sharded, tiny, layers=[1, 2], progress=True)  # forced, even in a log
     err = capsys.readouterr().err
-    n = len(expected_tensors(tiny, 1)) + len(expected_tensors(tiny, 2))
-    assert f"{n}/{n} tensors" in err and err.endswith("\n")
+    assert "loading attention weights" in err and "100%" in err and err.endswith("\n"), err
+    assert err.count("\r") <= 3, err  # tqdm's rate limit: no redraw per tensor in a log
     load_layer_weights(sharded, tiny, layers=[1, 2])  # None: small, so silent
     load_layer_weights(sharded, tiny, layers=[1, 2], progress=False)
     assert capsys.readouterr().err == ""
+    # None and large: drawn on a terminal only (tqdm's disable=None), never into a log file
+    monkeypatch.setattr(ck, "PROGRESS_AUTO_BYTES", n_bytes - 1)
+    load_layer_weights(sharded, tiny, layers=[1, 2])
+    assert capsys.readouterr().err == ""
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    load_layer_weights(sharded, tiny, layers=[1, 2])
+    assert "loading attention weights" in terminal.text and "100%" in terminal.text
 
 
 # ---- golden fixtures -------------------------------------------------------------------------
@@ -655,3 +681,87 @@ def test_write_synthetic_bad_arguments(tmp_path, tiny, call, texts):
     for text in texts:
         assert text in str(e.value), (text, str(e.value))
     assert sorted(os.listdir(tmp_path)) == ["config.json"]  # nothing written
+
+
+# ---- corrupt data and JSON paths ---------------------------------------------------------------
+
+def _data_offset(path) -> int:
+    """Where a safetensors file's tensor data starts (8-byte header length + header)."""
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+def test_garbage_data_in_a_shard_is_refused(tmp_path, tiny, capsys):
+    """4000 bytes of 0xff over a shard's data: NaN codes in fp8, e8m0 and bf16 tensors alike.
+    The load raises naming the shard file and the spoilt tensors; nothing is returned."""
+    write_synthetic_checkpoint(tmp_path, tiny, seed=0, layers=[0])
+    (shard,) = tmp_path.glob("model-*.safetensors")
+    data = bytearray(shard.read_bytes())
+    start = _data_offset(shard) + 100
+    data[start:start + 4000] = b"\xff" * 4000
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as e:
+        load_layer_weights(tmp_path, tiny, layers=[0])
+    msg = str(e.value)
+    assert str(shard) in msg and "NaN" in msg and "corrupt" in msg, msg
+    assert "layers.0.attn." in msg, msg
+    # the command line says so in one line, naming the shard
+    from dsv41attn.cli import main
+    with pytest.raises(SystemExit) as ex:
+        main(["demo", "--checkpoint", str(tmp_path), "--layers", "0", "--tokens", "2"])
+    err = capsys.readouterr().err.strip()
+    assert ex.value.code == 2 and len(err.splitlines()) == 1, err
+    assert str(shard) in err and "NaN" in err, err
+
+
+E4M3_NAN, E8M0_NAN = 0x7F, 0xFF
+NONFINITE = [  # (tensor, how it is spoilt, words of the message)
+    ("wq_a.weight", lambda t: t.view(torch.uint8).view(-1).__setitem__(5, E4M3_NAN),
+     ("1 of its", "float8_e4m3fn", "NaN codes")),
+    ("wq_a.weight", lambda t: t.view(torch.uint8).view(-1).__setitem__(7, 0xFF),
+     ("1 of its", "float8_e4m3fn", "NaN codes")),
+    ("wkv.scale", lambda t: t.view(torch.uint8).view(-1).__setitem__(0, E8M0_NAN),
+     ("float8_e8m0fnu", "NaN codes (0xff)")),
+    ("q_norm.weight", lambda t: t.__setitem__(3, float("nan")), ("bfloat16", "NaN or Inf", "at [3]")),
+    ("attn_sink", lambda t: t.__setitem__(2, float("inf")), ("float32", "NaN or Inf", "at [2]")),
+    ("wo_a.weight", lambda t: t.view(torch.uint8)[1].__setitem__(2, E4M3_NAN), ("at [1, 2]",)),
+]
+
+
+@pytest.mark.parametrize("name,spoil,words", NONFINITE, ids=[f"{c[0]}-{i}" for i, c in enumerate(NONFINITE)])
+def test_nonfinite_tensor_is_named(tmp_path, tiny, name, spoil, words):
+    tensors = random_checkpoint_tensors(tiny, [0], seed=4)
+    full = "layers.0.attn." + name
+    spoil(tensors[full])
+    path = save_single(tmp_path / "w.safetensors", tensors)
+    with pytest.raises(CheckpointError) as e:
+        load_layer_weights(path, tiny, layers=0)
+    msg = str(e.value)
+    assert "1 problem(s)" in msg and f"{full} in {path}" in msg, msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_finite_weights_pass_the_check(tiny):
+    for t in random_checkpoint_tensors(tiny, seed=5).values():
+        assert ck.nonfinite_summary(t) is None
+    # the largest e4m3 codes (+-448: 0x7e, 0xfe) are finite; 0x7f / 0xff are not
+    codes = torch.tensor([0x7E, 0xFE, 0x00, 0x80], dtype=torch.uint8).view(FP8)
+    assert ck.nonfinite_summary(codes) is None
+    assert "NaN" in ck.nonfinite_summary(torch.tensor([0x7F], dtype=torch.uint8).view(FP8))
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_checkpoint_json_file_stands_for_its_directory(tmp_path, tiny, name):
+    write_synthetic_checkpoint(tmp_path, tiny, seed=2, layers=[1], max_shard_bytes=12_000)
+    loaded = load_layer_weights(tmp_path / name, tiny, layers=1)
+    assert_same_weights(loaded[1], random_layer_weights(tiny, 1, seed=2))
+
+
+def test_other_json_file_is_refused(tmp_path, tiny):
+    other = tmp_path / "generation_config.json"
+    other.write_text("{}")
+    with pytest.raises(CheckpointError) as e:
+        load_layer_weights(other, tiny, layers=0)
+    msg = str(e.value)
+    assert str(other) in msg and "JSON file" in msg and "checkpoint directory" in msg, msg

@@ -5,6 +5,8 @@ command of README.md runs as written, so the README cannot go stale."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import re
 import runpy
 import shlex
@@ -115,6 +117,71 @@ def test_module_entry_point_exit_status(capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         runpy.run_module("dsv41attn", run_name="__main__")
     assert_one_line_error(e.value.code, capsys.readouterr().err, "5-3")
+
+
+def test_checkpoint_config_json_stands_for_its_directory(capsys, tmp_path):
+    write_synthetic_checkpoint(tmp_path, preset("tiny"), layers=[0])
+    code, out, err = run_cli(capsys, ["demo", "--checkpoint", str(tmp_path / "config.json"),
+                                      "--layers", "0", "--tokens", "3", "--decode-steps", "0"])
+    assert code == 0, err
+    assert sorted(_table(out)) == [0]
+    other = tmp_path / "generation_config.json"
+    other.write_text("{}")
+    code, _, err = run_cli(capsys, ["demo", "--checkpoint", str(other)])
+    assert_one_line_error(code, err, "generation_config.json", "--config")
+
+
+# ---- env, --version ------------------------------------------------------------------------
+
+def test_version(capsys):
+    import dsv41attn
+
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", dsv41attn.__version__), dsv41attn.__version__
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'version = "{dsv41attn.__version__}"' in pyproject  # one version, written once
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"dsv41attn {dsv41attn.__version__}"
+
+
+def test_version_falls_back_to_pyproject(monkeypatch):
+    import importlib.metadata
+
+    import dsv41attn
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert dsv41attn._version() == dsv41attn.__version__
+
+
+def test_env_reports_what_a_bug_report_needs(capsys, monkeypatch):
+    import dsv41attn
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    code, out, err = run_cli(capsys, ["env"])
+    assert code == 0, err
+    lines = dict(line.split(":", 1) for line in out.splitlines())
+    for key in ("dsv41attn", "python", "torch", "triton", "numpy", "safetensors", "CUDA", "GPU",
+                "Triton kernels", "TRITON_INTERPRET"):
+        assert key in lines, (key, out)
+    assert dsv41attn.__version__ in lines["dsv41attn"]
+    assert str(Path(dsv41attn.__file__).parent) in lines["dsv41attn"]  # the install path
+    assert torch.__version__ in lines["torch"]
+    assert sys.version.split()[0] in lines["python"]
+    if importlib.util.find_spec("triton") is not None:
+        assert "interpreted" in lines["Triton kernels"]
+    code, out, _ = run_cli(capsys, ["env", "--json"])
+    info = json.loads(out)
+    assert code == 0 and info["TRITON_INTERPRET"] == "1"
+    if not torch.cuda.is_available():
+        assert info["GPU"] == "none"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    info = json.loads(run_cli(capsys, ["env", "--json"])[1])
+    if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+        assert info["Triton kernels"].startswith("neither"), info
 
 
 # ---- help ----------------------------------------------------------------------------------
