@@ -353,6 +353,119 @@ def replay_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- inspect ---------------------------------------------------------------------------------
+
+def _default_inspect_layer(cfg) -> int:
+    """The candidate source if there is one, else the first KV source, else layer 0."""
+    if cfg.candidates_enabled:
+        return cfg.candidate_source_layer
+    return cfg.kv_source_layers[0] if cfg.kv_source_layers else 0
+
+
+def _fmt_list(values, limit: int = 12) -> str:
+    shown = ", ".join(values[:limit])
+    return f"[{shown}{', ...' if len(values) > limit else ''}]"
+
+
+def inspect_cmd(args: argparse.Namespace) -> int:
+    """Trace a forward (a fixture's schedule, or random input) and show what the sparse
+    attention did: a per-layer summary, one token in detail, and (--out) a figure."""
+    from .trace import Trace, plot_trace, trace_fixture, trace_random
+
+    _check_backend(args.backend, args.device)
+    if args.out is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise CliError("inspect --out draws with matplotlib, which is not installed "
+                           "(pip install 'dsv41attn[plot]'); without --out it prints the summary")
+        _check_out(args.out)
+    if args.fixture is not None:
+        for opt, given in (("--config", args.config), ("--tokens", args.tokens),
+                           ("--decode-steps", args.decode_steps), ("--batch", args.batch)):
+            if given is not None:
+                raise CliError(f"{opt} is for random input; a fixture brings its own config and "
+                               "schedule (drop FIXTURE or the option)")
+        fixture = _load_fixture(args.fixture)
+        cfg, source = fixture.config, os.path.basename(args.fixture)
+        if args.semantics not in fixture.semantics:
+            print(f"({source} records {', '.join(fixture.semantics)} outputs; tracing "
+                  f"{args.semantics} semantics, compared with none)")
+    else:
+        try:
+            cfg = load_config(args.config or "tiny")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CliError(f"--config {args.config}: not a JSON config file ({e})") from e
+        source = f"random input, config {args.config or 'tiny'}"
+        tokens = 40 if args.tokens is None else args.tokens
+        steps = 4 if args.decode_steps is None else args.decode_steps
+        if tokens + steps > cfg.max_seq_len:
+            raise CliError(f"--tokens {tokens} + --decode-steps {steps} exceed the config's "
+                           f"max_position_embeddings = {cfg.max_seq_len}")
+    layer = _default_inspect_layer(cfg) if args.layer is None else args.layer
+    if not 0 <= layer < cfg.n_layers:
+        raise CliError(f"--layer {layer}: the config has backbone layers 0..{cfg.n_layers - 1}")
+    if not 0 <= args.head < cfg.n_heads:
+        raise CliError(f"--head {args.head}: the config has heads 0..{cfg.n_heads - 1}")
+    trace = Trace(probs=[layer])
+    if args.fixture is not None:
+        outs = trace_fixture(fixture, trace, args.semantics, args.device, args.backend)
+        schedule = ",".join(str(t) for _, t in fixture.schedule)
+        print(f"{source}: {fixture.batch} sequence(s), schedule {schedule} per sequence, "
+              f"{args.semantics} semantics, backend {args.backend}")
+        if args.semantics in fixture.semantics:
+            same = all(torch.equal(outs[L], fixture.expected(args.semantics, L))
+                       for L in fixture.layers)
+            print("the traced outputs equal the fixture's recorded outputs bit for bit" if same
+                  else "the traced outputs differ from the fixture's recorded outputs")
+    else:
+        batch = 1 if args.batch is None else args.batch
+        trace_random(cfg, trace, tokens, steps, batch, args.seed, args.semantics, args.device,
+                     args.backend)
+        print(f"{source}: {batch} sequence(s), prefill {tokens} then {steps} decode step(s), "
+              f"seed {args.seed}, {args.semantics} semantics, backend {args.backend}")
+    summary = trace.summary()
+    print(f"\nper layer, mean over {len(trace.records)} traced step(s), every token and head: "
+          f"attention mass on the sink,\nthe window rows and the selected compressed rows; "
+          f"compressed rows selected per query; candidate blocks kept per query")
+    print(f"{'layer':>5} {'role':<8} {'ratio':>5} {'sink':>6} {'window':>6} {'compr.':>6} "
+          f"{'selected':>8} {'cand.blocks':>11}")
+    for L, row in summary.items():
+        sel = f"{row['selected']:>8.2f}" if row["selected"] is not None else f"{'-':>8}"
+        cand = f"{row['candidate_blocks']:>11.2f}" if row["candidate_blocks"] is not None \
+            else f"{'-':>11}"
+        print(f"{L:>5} {row['role']:<8} {row['ratio']:>5} {row['sink']:>6.3f} "
+              f"{row['window']:>6.3f} {row['compressed']:>6.3f} {sel} {cand}")
+    # one token in detail: the last token of the first sequence, in the last step
+    rec = trace.layer(layer)
+    t = int((rec.token_row == rec.token_row[0]).nonzero()[-1])
+    pos, wins = int(rec.pos[t]), rec.window_pos[t][rec.window_pos[t] >= 0].tolist()
+    print(f"\nlayer {layer} ({rec.role}, ratio {rec.ratio}), head {args.head}, the last token of "
+          f"sequence row {int(rec.token_row[t])} (position {pos}):")
+    print(f"  window rows: positions {wins[0]}..{wins[-1]} ({len(wins)})")
+    if rec.ratio:
+        ok = rec.selected[t] >= 0
+        g = rec.selected[t][ok].tolist()
+        print(f"  compressed rows visible: {int(rec.visible[t])}; selected {len(g)}: "
+              f"g = {_fmt_list([str(v) for v in g])}, first positions "
+              f"{_fmt_list([str(v) for v in rec.selected_pos[t][ok].tolist()])}")
+        src = rec if rec.index_scores is not None else \
+            trace.records[rec.step].get(rec.index_source)
+        if src is not None and src.index_scores is not None:
+            sc = src.index_scores[t][ok].tolist()
+            print(f"  their index scores (layer {src.layer}'s indexer): "
+                  f"{_fmt_list([f'{v:.3g}' for v in sc])}")
+    print(f"  attention mass: sink {float(rec.mass_sink[t, args.head]):.3f}, window "
+          f"{float(rec.mass_window[t, args.head]):.3f}, compressed "
+          f"{float(rec.mass_compressed[t, args.head]):.3f}")
+    if args.out is not None:
+        try:
+            plot_trace(trace, layer, args.head, args.out,
+                       title=f"{source}, {args.semantics} semantics")
+        except OSError as e:
+            raise CliError(f"--out {args.out}: cannot write it ({e})") from e
+        print(f"wrote {args.out}")
+    return 0
+
+
 # ---- env -------------------------------------------------------------------------------------
 
 def _dist_version(name: str) -> str | None:
@@ -562,6 +675,39 @@ def build_parser() -> argparse.ArgumentParser:
                         "tiny_roles has 2 of 46 (default: the fixture's own schedule)")
     device_opt(r)
     r.set_defaults(func=replay_cmd, parser=r)
+
+    ins = sub.add_parser("inspect", parents=[common],
+                         help="trace a forward: what each query selected and where its "
+                              "attention went, per layer; --out draws a figure",
+                         description="Trace every layer of a forward, a golden fixture's "
+                                     "schedule (FIXTURE) or random input on a preset, and print "
+                                     "per layer the mean attention mass on the sink, the window "
+                                     "rows and the selected compressed rows, the compressed rows "
+                                     "selected per query and the candidate blocks kept; then one "
+                                     "token of --layer in detail. --out draws, for --layer and "
+                                     "--head, the rows each query attended by position and the "
+                                     "attention mass per head (needs matplotlib).")
+    ins.add_argument("fixture", metavar="FIXTURE", nargs="?",
+                     help="a fixture file, e.g. tests/fixtures/tiny_roles.safetensors "
+                          "(default: random input on --config)")
+    ins.add_argument("--out", metavar="FIGURE.png", help="draw the figure to this file")
+    ins.add_argument("--layer", type=_int_at_least(0), metavar="L",
+                     help="the layer shown in detail and drawn (default: the candidate source, "
+                          "else the first KV source)")
+    ins.add_argument("--head", type=_int_at_least(0), default=0, metavar="H",
+                     help="the head shown in detail and drawn (default: 0)")
+    ins.add_argument("--config", metavar="NAME|PATH",
+                     help="without FIXTURE: a preset or config.json (default: tiny)")
+    ins.add_argument("--tokens", type=_int_at_least(1), metavar="N",
+                     help="without FIXTURE: prefill length (default: 40)")
+    ins.add_argument("--decode-steps", type=_int_at_least(0), metavar="N",
+                     help="without FIXTURE: decode steps after the prefill (default: 4)")
+    ins.add_argument("--batch", type=_int_at_least(1), metavar="B",
+                     help="without FIXTURE: sequences run together (default: 1)")
+    ins.add_argument("--seed", type=int, default=0,
+                     help="without FIXTURE: seed of the random weights and inputs (default: 0)")
+    device_opt(ins)
+    ins.set_defaults(func=inspect_cmd, parser=ins)
 
     ev = sub.add_parser("env", parents=[common],
                         help="versions, GPU and Triton mode: what a bug report should carry",

@@ -307,13 +307,18 @@ def test_readme_commands_run(capsys, monkeypatch, tmp_path, argv):
     """Every `python -m dsv41attn` line of the README's sh blocks, from the repository root
     (--out goes to a temporary file); bench and plot need a GPU / a bench CSV."""
     monkeypatch.chdir(ROOT)
-    if "--out" in argv:
+    if "--out" in argv:  # to a temporary file of the same kind
         argv = list(argv)
-        argv[argv.index("--out") + 1] = str(tmp_path / "out.safetensors")
+        i = argv.index("--out") + 1
+        argv[i] = str(tmp_path / ("out" + Path(argv[i]).suffix))
+        if argv[0] == "inspect" and importlib.util.find_spec("matplotlib") is None:
+            pytest.skip("inspect --out needs matplotlib, which is not installed")
     code, out, err = run_cli(capsys, argv)
     assert code == 0, (argv, err)
     if argv[0] == "replay":  # bit for bit, as the README says
         assert "top-k rows differing 0/" in out and "error max 0.000e+00" in out, (argv, out)
+    if argv[0] == "inspect" and "--out" in argv:
+        assert Path(argv[argv.index("--out") + 1]).read_bytes()[:4] == b"\x89PNG"
 
 
 def test_help_schedule_example_fits_its_fixture():
