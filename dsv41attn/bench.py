@@ -1,4 +1,4 @@
-"""``python -m dsv41attn bench``: GPU timings with the floor of PERF.md.
+"""``python -m dsv41attn bench``: GPU timings against a floor of FLOPs and bytes moved.
 
 Two parts:
 - ``layers``: one V4.1-Flash attention layer per role (SWA, Full r=2, Full r=1 candidate
@@ -7,8 +7,8 @@ Two parts:
   (its source layers run untimed before it in the same step, as in the model).
 - ``sparse_attn``: the sparse-attention kernel alone (decode, V4.1-Flash heads, 640 rows).
 
-Floor = max(FLOPs / 790 TFLOP/s, bytes / copy bandwidth measured in the same run), counted as
-PERF.md says: weights once as stored, activations in and out, attention rows once per query
+Floor = max(FLOPs / 790 TFLOP/s, bytes / copy bandwidth measured in the same run), counted
+so: weights once as stored, activations in and out, attention rows once per query
 (window 528 B, compressed 288 B), index keys once per sequence (68 B per scored row),
 projections 2 x tokens x params, attention 4 x heads x 512 per (query, row), indexer
 2 x 32 x 128 per (query, scored row). Times are medians of CUDA-event-timed calls.
@@ -56,7 +56,7 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
 def _weight_bytes_and_params(cfg: AttentionConfig, layer: int) -> tuple[int, int]:
     """(bytes read, matrix elements of the projections) of one layer: weights as stored,
     except the gated compressor's, which run (and are read) in fp32 as the reference holds
-    them (PERF.md's table counts them so)."""
+    them (the floor counts them so)."""
     size = {torch.float8_e4m3fn: 1, torch.float8_e8m0fnu: 1, torch.bfloat16: 2, torch.float32: 4}
     gated = cfg.layer(layer).has_gate
     nbytes = params = 0
@@ -383,7 +383,8 @@ def main(args) -> int:
 
 def plot_csv(csv_path: str, png_path: str) -> None:
     """Ratio to the floor per role and case from a ``bench --csv`` file, log scale, with the
-    PERF.md target (1.5) drawn; needs matplotlib (``pip install dsv41attn[plot]``)."""
+    project's target (1.5 x the floor, README "GPU") drawn; needs matplotlib (``pip install
+    dsv41attn[plot]``)."""
     try:
         import matplotlib
 

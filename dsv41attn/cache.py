@@ -1,4 +1,4 @@
-"""The state the caller owns (SPEC §5), stored packed (SPEC §0.4) and paged.
+"""The state the caller owns, stored packed (docs/numerics.md §3) and paged.
 
 Every cached value is already on the fp8 / fp4 grid, so it is stored as the quantiser's codes
 and scales and unpacked bit for bit (``ops/common/packing.py``). Compressed rows and index keys
@@ -16,7 +16,7 @@ by up to ``rollback`` tokens after speculative decoding.
 | ``SourceState.index_keys`` | KV sources | [P, page_size // r, d/2 + d/32] | uint8 | post-RoPE index keys, fp4 e2m1 + ue8m0 per 32 (68 B), aligned with ``rows`` |
 | ``SourceState.recent_kv`` / ``recent_score`` | KV sources, r > 1 | [B, r + R, D] | fp32 | wkv / wgate outputs of the latest tokens (the open group); slot = position mod (r + R) |
 | ``AttentionState.block_table`` | all sources | [B, ceil(C / page_size)] | int64 | page ids of each sequence, -1 = none |
-| ``AttentionState.index_key_slot`` | the stack | | int or None | KV source whose index keys the shared slot holds ("reference" semantics, SPEC §10.1) |
+| ``AttentionState.index_key_slot`` | the stack | | int or None | KV source whose index keys the shared slot holds ("reference" semantics, docs/numerics.md §7) |
 
 B = sequence slots, W = window_size, R = rollback, D = head_dim, d = index_head_dim, C =
 capacity (positions per sequence), P = pages in the pool.
@@ -234,7 +234,7 @@ class AttentionState:
         undo.save(source.index_keys, where)
 
     def set_index_key_slot(self, layer: int, undo) -> None:
-        """KV source ``layer`` takes the shared index-key slot (SPEC §10.1)."""
+        """KV source ``layer`` takes the shared index-key slot (docs/numerics.md §7)."""
         old = self.index_key_slot
         undo.on_undo(lambda: setattr(self, "index_key_slot", old))
         self.index_key_slot = layer
@@ -460,7 +460,8 @@ class AttentionState:
         return copy.deepcopy(self)
 
     def kv_bytes_per_token(self) -> dict[str, float]:
-        """Cache bytes per token in the packed formats (SPEC §0.4), over this state's layers.
+        """Cache bytes per token in the packed formats (docs/numerics.md §3), over this state's
+        layers.
 
         "compressed": compressed rows + index keys of the KV sources (890 B for V4.1-Flash);
         "window_per_sequence": the rings' W rows, a fixed cost per sequence, not per token.

@@ -1,5 +1,6 @@
-"""Checkpoint tensors of the attention layers (SPEC §8): what each layer must hold, lazy sharded
-loading with validation, exact fp8 block dequantisation, and a synthetic checkpoint writer.
+"""Checkpoint tensors of the attention layers (docs/numerics.md §1, §2): what each layer must
+hold, lazy sharded loading with validation, exact fp8 block dequantisation, and a synthetic
+checkpoint writer.
 
 Names are those of the HF checkpoint: ``layers.{L}.attn.*`` for backbone layers and
 ``mtp.{S}.attn.*`` for draft layers (``LayerSpec.weight_prefix``). FP8 matrices are
@@ -114,7 +115,7 @@ def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
 
 def expected_tensors(cfg: AttentionConfig, layer: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Name (relative to the layer's ``weight_prefix``) -> (dtype, shape) of every tensor the
-    checkpoint holds for ``layer``, given its role (SPEC §8). With H heads, D head_dim,
+    checkpoint holds for ``layer``, given its role. With H heads, D head_dim,
     Q q_lora_rank, G o_groups, R o_lora_rank, X dim, I index_n_heads, d index_head_dim:
 
     every layer: ``wq_a`` fp8 [Q, X], ``q_norm`` bf16 [Q], ``wq_b`` fp8 [H*D, Q], ``wkv`` fp8
@@ -209,7 +210,8 @@ def layer_weights_from_tensors(
     """Validate and assemble layer ``layer`` from ``tensors`` (full checkpoint names -> tensors
     in checkpoint dtypes; other layers' tensors are ignored). Raises CheckpointError listing every
     missing, unexpected, or wrongly typed/shaped tensor before anything is built. ``wo_a`` may be
-    stored fp8 + scale or, as in some re-exported checkpoints (SPEC §10.7), bf16 with no scale."""
+    stored fp8 + scale or, as in some re-exported checkpoints (docs/numerics.md §2), bf16 with
+    no scale."""
     _check_cfg(cfg, "layer_weights_from_tensors")
     spec = cfg.layer(layer)
     p = spec.weight_prefix
@@ -508,7 +510,8 @@ def _meta_problems(cfg: AttentionConfig, spec: LayerSpec, meta: Mapping[str, Met
     problems: list[str] = []
     wo_a = meta.get("wo_a.weight")
     if wo_a is not None and wo_a[0] == torch.bfloat16:
-        # A re-exported checkpoint may hold wo_a already dequantised (SPEC §10.7): no scale then.
+        # A re-exported checkpoint may hold wo_a already dequantised (docs/numerics.md §2): no
+        # scale then.
         expected["wo_a.weight"] = (torch.bfloat16, expected["wo_a.weight"][1])
         if "wo_a.scale" in meta:
             problems.append(f"{p}wo_a.scale: unexpected; {p}wo_a.weight is bfloat16 (already "

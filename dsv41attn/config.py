@@ -1,5 +1,5 @@
 """AttentionConfig: the attention keys of a DeepSeek-V4.1 ``config.json``, validated, and the
-per-layer roles derived from them (SPEC §1, §8).
+per-layer roles derived from them (docs/numerics.md §1).
 
 One source of truth: every shape, role, RoPE table and weight name elsewhere in the package is
 derived from an ``AttentionConfig`` and a layer id.
@@ -107,7 +107,7 @@ class ConfigWarning(UserWarning):
 
 
 class Role(str, enum.Enum):
-    """The CSA2 layer mode (SPEC §1.2)."""
+    """The CSA2 layer mode (docs/numerics.md §1)."""
 
     SWA = "SWA"  # ratio 0: window attention only
     FULL = "Full"  # KV source: compressor, index keys, own indexer
@@ -159,12 +159,14 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """The V4.1 attention hyper-parameters, with inference-code names (HF names in SPEC §8).
+    """The V4.1 attention hyper-parameters, with inference-code names (their config.json keys:
+    ``HF_KEYS``).
 
     ``compress_ratios`` has ``n_layers + n_mtp_layers`` entries (draft layers last, ratio 0).
     ``max_seq_len`` bounds positions (HF ``max_position_embeddings``); results do not depend on
-    it. ``index_semantics`` picks the §10.1 behaviour: "fixed" (default: a KV source publishes
-    its own index keys before scoring) or "reference" (DeepSeek's code as it is).
+    it. ``index_semantics`` picks the index-key semantics (docs/numerics.md §7): "fixed"
+    (default: a KV source publishes its own index keys before scoring) or "reference"
+    (DeepSeek's code as it is).
     """
 
     dim: int
@@ -671,7 +673,8 @@ def load_config(source: "str | os.PathLike | Mapping[str, Any]", **overrides: An
 
 
 def yarn_correction_range(cfg: AttentionConfig, base: float) -> tuple[int, int]:
-    """(low, high) frequency-pair indices of the YaRN ramp (SPEC §2.5): (15, 25) for V4.1."""
+    """(low, high) frequency-pair indices of the YaRN ramp (docs/numerics.md §4): (15, 25) for
+    V4.1."""
     dim = cfg.rope_head_dim
 
     def corr(rotations: float) -> float:

@@ -21,14 +21,16 @@ Per packed token t (all device tensors, derived from the token's position by ``_
 | ``ratios[r].members`` | [N, r] int64 | r > 1: ids of the group's r tokens in the fp32 recent-projection ring (< B*(r+R)) or this step (>= B*(r+R)) |
 | ``ratios[r].recent_write`` | ([n], [n]) | r > 1: (token, flat slot) of the projections that end in the recent ring |
 
-One list layout for every call kind (SPEC §0, our decision): the window part is always W wide
-with its -1 pads last, then the compressed part. It is DeepSeek's prefill layout of a prompt of
->= W tokens, and DeepSeek's decode layout from position W-1 on; for shorter prompts and early
-decode steps DeepSeek's own prefill and decode disagree in the last bits, we keep this one.
+One list layout for every call kind (our decision, docs/numerics.md §6): the window part is
+always W wide with its -1 pads last, then the compressed part. It is DeepSeek's prefill layout
+of a prompt of >= W tokens, and DeepSeek's decode layout from position W-1 on; for shorter
+prompts and early decode steps DeepSeek's own prefill and decode disagree in the last bits, we
+keep this one.
 
 The ``Board`` carries what index sources publish for the layers after them in the same step
-(top-k, candidate blocks), the index-key slot rule (SPEC §10.1) lives in ``publishes_index_keys``,
-and the ``UndoLog`` records the bytes every write overwrites so a failed step can be undone.
+(top-k, candidate blocks), the index-key slot rule (docs/numerics.md §7) lives in
+``publishes_index_keys``, and the ``UndoLog`` records the bytes every write overwrites so a
+failed step can be undone.
 """
 from __future__ import annotations
 
@@ -44,14 +46,14 @@ from .ops.step_facts import reference as facts
 
 def rope_variant(spec: LayerSpec) -> tuple[float, bool]:
     """The key of a layer's RoPE table: (base, YaRN). Window-only layers use one variant,
-    every layer with ratio > 0 the other (SPEC §2.5)."""
+    every layer with ratio > 0 the other (docs/numerics.md §4)."""
     return (spec.rope_base, spec.yarn)
 
 
 def publishes_index_keys(semantics: str, produced: bool) -> bool:
     """Whether a KV source takes the shared index-key slot in this step: always in "fixed"
     semantics, only when it produced a latent in "reference" semantics (DeepSeek's code,
-    SPEC §10.1)."""
+    docs/numerics.md §7)."""
     return semantics == "fixed" or produced
 
 
@@ -76,7 +78,7 @@ class RatioFacts:
 
 
 class Board:
-    """What a step's index sources publish for the layers after them (SPEC §1.2)."""
+    """What a step's index sources publish for the layers after them (docs/numerics.md §1)."""
 
     def __init__(self, keep_index_inputs: bool = False):
         self._topk: dict[int, torch.Tensor] = {}

@@ -1,4 +1,4 @@
-"""RMSNorm (SPEC §2.4)."""
+"""RMSNorm (docs/numerics.md §4)."""
 from __future__ import annotations
 
 import torch

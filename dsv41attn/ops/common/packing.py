@@ -1,5 +1,5 @@
-"""Byte layouts of the cached rows (SPEC §0.4). Each packs the (codes, scales) a quantiser
-produced, so unpacking gives back the fake-quantised bf16 values bit for bit.
+"""Byte layouts of the cached rows (docs/numerics.md §3). Each packs the (codes, scales) a
+quantiser produced, so unpacking gives back the fake-quantised bf16 values bit for bit.
 
 | row | layout | bytes (V4.1-Flash) |
 |---|---|---|

@@ -1,4 +1,4 @@
-"""Quantisers of V4.1 (SPEC §2.2, §2.3): fp8 e4m3 with ue8m0 scales per 32, fp4 e2m1 with ue8m0
+"""Quantisers of V4.1 (docs/numerics.md §2): fp8 e4m3 with ue8m0 scales per 32, fp4 e2m1 with ue8m0
 scales per 32 (index q/k) or e4m3 scales per 16 (compressed latents).
 
 Every function works on the last dimension in contiguous blocks and computes in fp32. The
@@ -53,7 +53,7 @@ def round_e2m1(v: torch.Tensor) -> torch.Tensor:
 
 
 def act_quant(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 activation quantisation (SPEC §2.2), the non-in-place form.
+    """fp8 activation quantisation (docs/numerics.md §2), the non-in-place form.
 
     x: [..., K] bf16. Returns (x_q [..., K] fp32 holding e4m3 values, s [..., K/block] fp32
     powers of two) with x ~= x_q * s per block.
@@ -84,7 +84,7 @@ def fp4_scales_e4m3(xb: torch.Tensor) -> torch.Tensor:
 
 
 def fp4_quant(x: torch.Tensor, block: int, scale_fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp4 e2m1 quantisation (SPEC §2.3). x: [..., K] bf16/fp32.
+    """fp4 e2m1 quantisation (docs/numerics.md §2). x: [..., K] bf16/fp32.
 
     Returns (codes [..., K] fp32 e2m1 values, s [..., K/block] fp32); scale_fmt "ue8m0" (index
     q/k, block 32) or "e4m3" (compressed latents, block 16).

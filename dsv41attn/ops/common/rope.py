@@ -1,6 +1,7 @@
-"""Rotary embeddings (SPEC §2.5): interleaved pairs on the last ``rope_head_dim`` dims, per-layer
-base, YaRN on every layer with ratio > 0. Angles are computed per position on demand (the same
-fp32 values as the reference's table row ``fp32(p) * f_j``), so no table is cached.
+"""Rotary embeddings (docs/numerics.md §4): interleaved pairs on the last ``rope_head_dim``
+dims, per-layer base, YaRN on every layer with ratio > 0. Angles are computed per position on
+demand (the same fp32 values as the reference's table row ``fp32(p) * f_j``), so no table is
+cached.
 """
 from __future__ import annotations
 

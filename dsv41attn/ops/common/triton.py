@@ -1,5 +1,5 @@
 """What the Triton ops share: host queries and checks, and the jit helpers of the rounding points
-and number formats that several kernels reproduce (SPEC §2.2-2.5).
+and number formats that several kernels reproduce (docs/numerics.md §2, §4).
 
 Host: ``interpreting`` (is Triton running the CPU interpreter), ``check_device``, ``sm_count``,
 ``cos_sin`` (complex64 rotations as the fp32 (cos, sin) pairs the kernels read), ``check_rot``,
@@ -164,8 +164,8 @@ def e8m0_to_fp32(e):
 
 @triton.jit
 def rms_scale(sum_sq, eps, DIM: tl.constexpr):
-    """RMSNorm's 1 / sqrt(sum_sq / DIM + eps) (SPEC §2.4), each step correctly rounded (div_rn,
-    sqrt_rn; the reference's rsqrt may differ by an ulp)."""
+    """RMSNorm's 1 / sqrt(sum_sq / DIM + eps) (docs/numerics.md §4), each step correctly
+    rounded (div_rn, sqrt_rn; the reference's rsqrt may differ by an ulp)."""
     return tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sum_sq, DIM * 1.0) + eps))
 
 

@@ -1,9 +1,9 @@
-"""The compressor of a KV source (SPEC §4.3a): pools every ``r`` consecutive tokens into one
-latent. r = 1: ``norm(wkv(x))`` in bf16. r > 1: fp32 wkv and wgate, a per-channel softmax over
-the r tokens of a group, ``norm(bf16(pooled))``. The layer projects the tokens and keeps the
-fp32 projections of a group still open at the end of a step in the source's recent ring
-(``plan.py``: ``RatioFacts.members``); ``pool_norm_rope_pack`` is the epilogue of the groups
-that complete.
+"""The compressor of a KV source (docs/numerics.md §5, step 3): pools every ``r`` consecutive
+tokens into one latent. r = 1: ``norm(wkv(x))`` in bf16. r > 1: fp32 wkv and wgate, a
+per-channel softmax over the r tokens of a group, ``norm(bf16(pooled))``. The layer projects
+the tokens and keeps the fp32 projections of a group still open at the end of a step in the
+source's recent ring (``plan.py``: ``RatioFacts.members``); ``pool_norm_rope_pack`` is the
+epilogue of the groups that complete.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def pool_norm_rope_pack(kv: torch.Tensor, score: torch.Tensor | None, norm_weigh
                         index_wk: torch.Tensor, index_k_norm: torch.Tensor, eps: float,
                         rot: torch.Tensor, rows_pool: torch.Tensor, keys_pool: torch.Tensor,
                         page: torch.Tensor, slot: torch.Tensor) -> None:
-    """The compressor's epilogue for N completed groups (SPEC §4.3a-c, §4.4.1), into the pools.
+    """The compressor's epilogue for N completed groups (docs/numerics.md §5, step 3), into the
+    pools.
 
     kv: [N, r, D] fp32 or bf16, the wkv outputs of each group's r tokens (r = 1: the bf16 wkv
     row as [N, 1, D]); score: [N, r, D] fp32 wgate outputs, None iff r == 1.

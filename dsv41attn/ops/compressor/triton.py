@@ -1,4 +1,4 @@
-"""Triton compressor epilogue (SPEC §4.3a-c, §4.4.1): the same numerics as
+"""Triton compressor epilogue (docs/numerics.md §5, step 3): the same numerics as
 ``reference.pool_norm_rope_pack``, fused from the wkv/wgate outputs to the packed paged rows.
 
 One program per BLOCK_G groups. Channels are held as (even, odd) pairs, the RoPE pairs and the

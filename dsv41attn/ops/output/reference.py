@@ -1,4 +1,5 @@
-"""Inverse RoPE and the block-diagonal wo_a projection (SPEC §4.6), the layer's lines verbatim.
+"""Inverse RoPE and the block-diagonal wo_a projection (docs/numerics.md §5, step 6), the
+layer's lines verbatim.
 
 The attention output's RoPE tail (the last R dims of each head, interleaved pairs) is rotated
 back by the query position (complex64 product with the conjugate rotation, rounded to bf16),

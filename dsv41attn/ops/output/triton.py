@@ -1,4 +1,5 @@
-"""Triton inverse RoPE + block-diagonal wo_a (SPEC §4.6) in one kernel, same math as reference.py.
+"""Triton inverse RoPE + block-diagonal wo_a (docs/numerics.md §5, step 6) in one kernel, same
+math as reference.py.
 
 A program owns a [BLOCK_M rows, BLOCK_N columns of one group g] output tile and walks (its
 split of) group g's K = H*D/G dims in BLOCK_K steps. The o tile is inverse-rotated as it is

@@ -1,4 +1,4 @@
-"""Sparse attention with a per-head sink (SPEC §4.5), with the kernel's rounding points.
+"""Sparse attention with a per-head sink (docs/numerics.md §6), with the kernel's rounding points.
 
 One KV row serves every head (MQA; K = V). Per (batch, query) the index list is walked in
 blocks of 64 in list order with an online softmax: fp32 logits from bf16 operands (dot

@@ -1,4 +1,5 @@
-"""Triton sparse attention with a per-head sink (SPEC §4.5), same numerics as reference.py.
+"""Triton sparse attention with a per-head sink (docs/numerics.md §6), same numerics as
+reference.py.
 
 ``sparse_attn`` (bf16 rows) and ``sparse_attn_paged`` (the packed caches: fp8 window rows,
 read in place from the layer's ring or from the step's new rows, paged fp4 compressed rows,
@@ -34,7 +35,7 @@ import triton.language as tl
 
 from ..common.triton import e4m3_to_fp32, interpreting, sm_count, to_bf16
 
-BLOCK_N = 64  # index-list block: fixed by the reference's rounding points (SPEC §10.6)
+BLOCK_N = 64  # index-list block, fixed by the rounding points (docs/numerics.md §6)
 BLOCK_H = 16  # head tile: tl.dot needs every dim >= 16
 
 

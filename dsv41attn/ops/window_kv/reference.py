@@ -1,4 +1,4 @@
-"""Window K=V rows and per-head RoPE (SPEC §2.4, §2.5, §4.1-4.2), plain torch: the spec in code.
+"""Window K=V rows and per-head RoPE (docs/numerics.md §4, §5), plain torch: the spec in code.
 
 ``norm_rope_pack`` is kv_norm, RoPE on the last rope_head_dim dims, fp8 act_quant (32-blocks,
 ue8m0) and packing into the window row layout, plus the optional ring write; ``rope_heads`` is

@@ -59,7 +59,7 @@ def _norm_rope_pack_kernel(kv_ptr, w_ptr, cs_ptr, out_ptr, ring_ptr, ring_row_pt
     y_even = tl.where(is_rope, rot_even, y_even)
     y_odd = tl.where(is_rope, rot_odd, y_odd)
 
-    # act_quant per 32-block (SPEC §2.2); 1/s is a power of two so y * (1/s) == y / s
+    # act_quant per 32-block (docs/numerics.md §2); 1/s is a power of two so y * (1/s) == y / s
     amax = tl.maximum(tl.max(tl.abs(y_even), 1), tl.max(tl.abs(y_odd), 1))  # [BLOCK_KB]
     e = ue8m0_exponent(amax, inv_max)
     inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)[:, None]
