@@ -105,7 +105,7 @@ def save_single(path, tensors: dict[str, torch.Tensor]) -> str:
 # ---- expected tensors ------------------------------------------------------------------------
 
 def test_flash_layer_2_matches_spec_table(flash):
-    """SPEC §8, a KV source with r = 2 (has every tensor), shapes copied from the table."""
+    """A KV source with r = 2 (has every tensor), shapes copied from the V4.1-Flash checkpoint."""
     exp = expected_tensors(flash, 2)
     assert exp == {
         "wq_a.weight": (FP8, (1280, 5120)), "wq_a.scale": (SCALE, (40, 160)),

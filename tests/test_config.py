@@ -1,5 +1,6 @@
-"""AttentionConfig: the V4.1-Flash preset and its role table (SPEC §1), HF config.json parsing and
-round trips (SPEC §8), the golden fixtures' configs, and every validation error."""
+"""AttentionConfig: the V4.1-Flash preset and its role table (README, "V4.1-Flash layer roles";
+docs/numerics.md §1), HF config.json parsing and round trips, the golden fixtures' configs, and
+every validation error."""
 from __future__ import annotations
 
 import copy
@@ -38,11 +39,11 @@ S, F, RI, RU = Role.SWA, Role.FULL, Role.REINDEX, Role.REUSE
 
 
 # ---------------------------------------------------------------------------------------------
-# V4.1-Flash preset: SPEC §1.1 / §1.2, written out independently of the config's own helpers.
+# V4.1-Flash preset: the README's role table, written out independently of the config's helpers.
 # ---------------------------------------------------------------------------------------------
 
 def _flash_table() -> dict[int, tuple[Role, int, int | None, int | None]]:
-    """layer -> (role, ratio, kv_source, index_source), straight from SPEC §1.2."""
+    """layer -> (role, ratio, kv_source, index_source), straight from the README's role table."""
     t: dict[int, tuple[Role, int, int | None, int | None]] = {}
     for L in (0, 1, 40, 41, 42):
         t[L] = (S, 0, None, None)
