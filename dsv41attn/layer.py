@@ -27,6 +27,7 @@ from .ops.common.quant import index_fp4_fake_quant
 from .ops.common.rope import apply_rope, rope_frequencies
 from .ops.linear.reference import linear
 from .plan import Board, RatioFacts, StepPlan, UndoLog, publishes_index_keys
+from .tp import TensorParallel, check_shard_weights
 
 if TYPE_CHECKING:
     from .stack import Step
@@ -34,14 +35,26 @@ if TYPE_CHECKING:
 
 class AttentionLayer:
     """Layer ``weights.layer`` of ``cfg`` with its weights; stateless between calls.
-    ``backend``: "reference" (plain torch) or "triton" (Triton kernels where they exist)."""
+    ``backend``: "reference" (plain torch) or "triton" (Triton kernels where they exist).
+    ``tp_group``: None, or a torch.distributed process group over which the heads are split
+    (SPEC §7, ``tp.py``): ``weights`` is then this rank's shard (``shard_layer_weights``),
+    ``cfg`` stays the global config, and every rank runs the same calls on its own replicated
+    state. A group of one rank is the unsharded layer."""
 
-    def __init__(self, cfg: AttentionConfig, weights: LayerWeights, backend: str = "reference"):
+    def __init__(self, cfg: AttentionConfig, weights: LayerWeights, backend: str = "reference",
+                 tp_group=None):
         self.cfg = cfg
         self.ops = get_ops(backend)
         self.spec = cfg.layer(weights.layer)
         self.weights = weights
-        check_layer_weights(cfg, weights)
+        self.tp = TensorParallel.of(cfg, tp_group)  # None: unsharded
+        if self.tp is None:
+            check_layer_weights(cfg, weights)
+            self.heads, self.groups, self.index_heads = cfg.n_heads, cfg.o_groups, cfg.index_n_heads
+        else:
+            check_shard_weights(cfg, weights, self.tp.shape)
+            s = self.tp.shape
+            self.heads, self.groups, self.index_heads = s.heads, s.groups, s.index_heads
         # [rope_head_dim/2] fp32 on the weights' device (plans build rotations from it)
         self.freqs = rope_frequencies(cfg, self.spec).to(self.device)
 
@@ -82,7 +95,7 @@ class AttentionLayer:
 
         # Query path (§4.1).
         qr = rms_norm(ops.fp8_linear(x, w.wq_a.weight, w.wq_a.scale), w.q_norm, cfg.norm_eps)
-        q = ops.fp8_linear(qr, w.wq_b.weight, w.wq_b.scale).view(t, cfg.n_heads, cfg.head_dim)
+        q = ops.fp8_linear(qr, w.wq_b.weight, w.wq_b.scale).view(t, self.heads, cfg.head_dim)
         q = ops.rope_heads(q, rot)  # [T, H, D]
 
         # Window K/V (§4.2): norm, RoPE, fp8, packed rows of this step (the ring is written
@@ -112,8 +125,11 @@ class AttentionLayer:
             trace(self, {"plan": plan, "board": board, "q": q, "new_rows": new_rows,
                          "window_ring": layer_state.window, "pool": pool, "selected": selected,
                          "block_table": state.block_table, "o": o})
-        u = ops.inverse_rope_wo_a(o, rot, w.wo_a, cfg.o_groups)  # [T, G * o_lora_rank]
-        y = ops.fp8_linear(u, w.wo_b.weight, w.wo_b.scale)
+        u = ops.inverse_rope_wo_a(o, rot, w.wo_a, self.groups)  # [T, G * o_lora_rank]
+        if self.tp is None:
+            y = ops.fp8_linear(u, w.wo_b.weight, w.wo_b.scale)
+        else:  # this rank's fp32 partial, all-reduced in fp32, then bf16
+            y = self.tp.wo_b(ops, u, w.wo_b)
 
         state.write_window(spec.layer, plan, new_rows, undo)
         return y
@@ -158,7 +174,7 @@ class AttentionLayer:
                 keep = torch.empty(t, 0, dtype=torch.bool, device=x.device)
         else:
             q_index = self.ops.fp8_linear(qr, w.index_wq_b.weight, w.index_wq_b.scale)
-            q_index = q_index.view(t, cfg.index_n_heads, cfg.index_head_dim)
+            q_index = q_index.view(t, self.index_heads, cfg.index_head_dim)
             q_index = index_fp4_fake_quant(apply_rope(q_index, rot.unsqueeze(1)))
             head_weights = linear(x, w.index_weights_proj) * cfg.index_weight_scale  # [T, I]
             keys = state.sources[state.index_key_source(spec.layer)].index_keys
@@ -167,7 +183,8 @@ class AttentionLayer:
                 facts.scan, cfg.index_topk, plan.token_groups,
                 board.candidates() if spec.is_candidate_consumer else None,
                 cfg.candidate_topk_blocks if spec.is_candidate_source else None,
-                cfg.candidate_block_size)
+                cfg.candidate_block_size,
+                reduce=None if self.tp is None else self.tp.reduce_scores)
             if board.index_inputs is not None:  # a traced step keeps what the indexer scored
                 board.index_inputs[spec.layer] = (q_index, head_weights, keys, facts)
         if keep is not None:

@@ -170,7 +170,9 @@ class AttentionStack:
     """The attention layers of one model (any subset of its layers), run in layer order."""
 
     def __init__(self, cfg: AttentionConfig, weights: Mapping[int, LayerWeights],
-                 backend: str = "reference"):
+                 backend: str = "reference", tp_group=None):
+        """``tp_group``: None, or the process group the layers' heads are split over
+        (``AttentionLayer``); ``weights`` then hold this rank's shards."""
         if not isinstance(cfg, AttentionConfig):
             raise TypeError(f"cfg must be an AttentionConfig, got {type(cfg).__name__}")
         for key, w in weights.items():
@@ -183,7 +185,8 @@ class AttentionStack:
             raise ValueError("weights must hold at least one layer")
         self.cfg = cfg
         self.backend = backend
-        self.layers = {layer: AttentionLayer(cfg, weights[layer], backend)
+        self.tp_group = tp_group
+        self.layers = {layer: AttentionLayer(cfg, weights[layer], backend, tp_group)
                        for layer in sorted(weights)}
         devices = {layer.device for layer in self.layers.values()}
         if len(devices) != 1:

@@ -84,7 +84,7 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
                block_table: torch.Tensor, token_row: torch.Tensor, visible: torch.Tensor,
                n_rows: int, topk: int, token_groups: list[tuple[int, torch.Tensor]],
                candidates: torch.Tensor | None = None, candidate_topk: int | None = None,
-               block_size: int = 8, score_budget: int = 1 << 30
+               block_size: int = 8, score_budget: int = 1 << 30, reduce=None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The lightning indexer over the paged fp4 index keys, one query per packed token.
 
@@ -99,7 +99,10 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
     blocks a candidate source kept (a consumer scores only rows inside them) or None.
     candidate_topk: for the candidate source, the blocks to keep per query (newest visible
     block pinned). score_budget: bytes of bf16 scores per query tile (bounds memory at long
-    context, SPEC §10.5; results do not depend on it).
+    context, SPEC §10.5; results do not depend on it). reduce: None, or a callable given each
+    tile's bf16 scores [g, m, n] summed over the heads of ``q_index`` and returning the scores
+    to use (tensor parallelism: the local heads' partial sum all-reduced over the ranks, SPEC
+    §7), applied before visibility, candidates and top-k; every rank calls it equally often.
 
     Returns (selected [T, min(topk, n_rows)] int32 row numbers ascending, -1 padded;
     kept blocks [T, nblk] bool for the candidate source, else None).
@@ -126,7 +129,10 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
         tile = max(1, min(m, score_budget // max(1, g * n_heads * n_rows * 2)))
         for i0 in range(0, m, tile):
             t = slice(i0, i0 + tile)
-            scores = mask_invisible(index_scores(q[:, t], w[:, t], keys), vis[:, t])
+            scores = index_scores(q[:, t], w[:, t], keys)
+            if reduce is not None:
+                scores = reduce(scores)
+            scores = mask_invisible(scores, vis[:, t])
             if kept is not None:
                 kept[:, t] = candidate_blocks(scores, vis[:, t], candidate_topk, block_size)
             if cand is not None:

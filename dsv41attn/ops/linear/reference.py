@@ -40,16 +40,18 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     return out
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """y = x W^T for an fp8 weight: act_quant(x) then the blockwise fp8 GEMM.
 
     x: [..., K] bf16; weight [N, K] e4m3; weight_scale [ceil(N/32), ceil(K/32)] e8m0.
-    Returns [..., N] bf16.
+    Returns [..., N] in ``out_dtype``: bf16 (the layer's outputs), or torch.float32 for the
+    GEMM's fp32 result before that cast (a tensor-parallel wo_b partial, all-reduced first).
     """
     lead = x.shape[:-1]
     x_q, s = act_quant(x.reshape(-1, x.shape[-1]))
     y = fp8_gemm(x_q, s, weight, weight_scale)
-    return y.to(torch.bfloat16).reshape(*lead, weight.shape[0])
+    return y.to(out_dtype).reshape(*lead, weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

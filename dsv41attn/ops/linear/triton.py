@@ -249,12 +249,14 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
-               num_splits: int | None = None, precise_dot: bool = True) -> torch.Tensor:
+               num_splits: int | None = None, precise_dot: bool = True,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """y = x W^T for an fp8 weight: act_quant(x) then the blockwise fp8 GEMM (SPEC §2.1).
 
     x: [..., K] bf16; weight [N, K] float8_e4m3fn; weight_scale [ceil(N/32), K/32]
     float8_e8m0fnu; num_splits: fp8_gemm's split-K (None: by shape); precise_dot: fp8_gemm's
-    (default True: fp16 operands to the GPU's tl.dot). Returns [..., N] bf16.
+    (default True: fp16 operands to the GPU's tl.dot). Returns [..., N] in ``out_dtype``
+    (bf16, or torch.float32: the GEMM's fp32 result, as a tensor-parallel wo_b partial needs).
     """
     if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
@@ -262,4 +264,4 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     x_q, s = act_quant(x.reshape(-1, x.shape[-1]))
     y = fp8_gemm(x_q, s, weight, weight_scale, num_splits=num_splits,
                  precise_dot=precise_dot)
-    return y.to(torch.bfloat16).reshape(*lead, weight.shape[0])
+    return y.to(out_dtype).reshape(*lead, weight.shape[0])
