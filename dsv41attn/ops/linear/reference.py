@@ -55,5 +55,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """bf16 or fp32 weight: plain F.linear in the weight's dtype (fp32 accumulation)."""
+    """bf16 or fp32 weight: F.linear in the weight's dtype (fp32 accumulation).
+
+    An fp32 weight (the ratio > 1 compressor's wkv / wgate) is applied in float64 and rounded
+    once to fp32: the correctly rounded product, which a BLAS fp32 GEMM is not (its blocking,
+    and so its last bits, change with the number of rows), so a token's projections do not
+    depend on which other tokens share its call. Every golden fixture keeps every bit."""
+    if weight.dtype == torch.float32:
+        return F.linear(x.double(), weight.double()).float()
     return F.linear(x.to(weight.dtype), weight)
