@@ -7,6 +7,8 @@ import json
 import os
 
 import pytest
+
+from conftest import fixture_files
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -19,7 +21,7 @@ from dsv41attn.checkpoint import (
 )
 from dsv41attn.config import AttentionConfig, Role
 
-FIXTURES = "/work/shared/fixtures"
+FIXTURES = {f.stem: f for f in fixture_files()}
 FP8, SCALE, BF16, F32 = torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.bfloat16, torch.float32
 COMMON = {
     "wq_a.weight", "wq_a.scale", "q_norm.weight", "wq_b.weight", "wq_b.scale", "wkv.weight",
@@ -342,7 +344,7 @@ def test_progress_bar(sharded, tiny, capsys, monkeypatch):
 
 @pytest.mark.parametrize("name", ["tiny_roles", "tiny_long_prefill"])
 def test_fixture_weights_load(name):
-    path = os.path.join(FIXTURES, f"{name}.safetensors")
+    path = str(FIXTURES[name])
     with safe_open(path, "pt") as f:
         cfg = AttentionConfig.from_hf(json.loads(f.metadata()["config"]))
         wo_a_fp8 = f.get_tensor("layers.1.attn.wo_a.weight")

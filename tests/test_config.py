@@ -11,6 +11,8 @@ import warnings
 from pathlib import Path
 
 import pytest
+
+from conftest import fixture_files
 import torch
 from safetensors import safe_open
 
@@ -19,21 +21,7 @@ from dsv41attn.config import (
     AttentionConfig, ConfigError, ConfigWarning, Role, load_config, preset, yarn_correction_range,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURE_DIRS = [Path("/work/shared/fixtures"), ROOT.parent / "shared" / "fixtures",
-                ROOT / "tests" / "fixtures"]
-
-
-def _fixture_files() -> list[Path]:
-    found: dict[str, Path] = {}
-    for d in FIXTURE_DIRS:
-        if d.is_dir():
-            for f in sorted(d.glob("*.safetensors")):
-                found.setdefault(f.name, f)
-    return [found[k] for k in sorted(found)]
-
-
-FIXTURES = _fixture_files()
+FIXTURES = fixture_files()
 
 S, F, RI, RU = Role.SWA, Role.FULL, Role.REINDEX, Role.REUSE
 

@@ -105,9 +105,10 @@ def test_triton_backend_replays_a_fixture(tmp_path):
     import os
     path = next(f for f in FILES if f.stem == "tiny_long_prefill")
     out = tmp_path / "t.safetensors"
-    env = {**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
+    device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # the session's mode
     subprocess.run([sys.executable, "-m", "dsv41attn", "replay", str(path), "--out", str(out),
-                    "--backend", "triton"], check=True, cwd=ROOT, env=env, capture_output=True)
+                    "--backend", "triton", "--device", device], check=True, cwd=ROOT,
+                   env=dict(os.environ), capture_output=True)
     fx = Fixture.load(str(path))
     got = load_file(str(out))
     c = compare(fx, {k: v for k, v in got.items()}, "fixed")
