@@ -8,7 +8,6 @@ import json
 import math
 import re
 import warnings
-from pathlib import Path
 
 import pytest
 
