@@ -28,7 +28,8 @@ def _tolerances(fx: Fixture) -> dict:
     return {"topk_frac": 0.0, "output": 1e-1, "median": 1e-2, "layer": 1.5e-2}
 
 
-@pytest.fixture(scope="module", params=FILES, ids=[f.stem for f in FILES])
+@pytest.fixture(scope="module", ids=[f.stem for f in FILES], params=[
+    pytest.param(f, marks=pytest.mark.slow) if f.stem == "v41_geometry" else f for f in FILES])
 def replayed(request):
     fx = Fixture.load(str(request.param))
     return fx, replay(fx, fx.semantics)
