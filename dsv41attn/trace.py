@@ -22,6 +22,7 @@ check per layer. ``Trace(probs=True)`` also keeps every entry's probability (for
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -85,14 +86,16 @@ class Trace:
         self.layers = None if self.layers is None else frozenset(int(L) for L in self.layers)
         self.probs = self.probs if isinstance(self.probs, bool) else \
             frozenset(int(L) for L in self.probs)
-        self._plan = None  # the plan of the step being recorded (a new one opens a new step)
+        # the plan of the step being recorded (a new plan opens a new step); weak, so the
+        # trace does not keep a finished step's device tensors alive
+        self._plan = lambda: None
 
     # ---- the hook ----------------------------------------------------------------------------
     def __call__(self, layer, record: dict) -> None:
         spec = layer.spec
         plan = record["plan"]
-        if plan is not self._plan:
-            self._plan = plan
+        if plan is not self._plan():
+            self._plan = weakref.ref(plan)
             self.records.append({})
         if self.layers is not None and spec.layer not in self.layers:
             return

@@ -321,6 +321,20 @@ def test_readme_commands_run(capsys, monkeypatch, tmp_path, argv):
         assert Path(argv[argv.index("--out") + 1]).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_numerics_citations_name_existing_sections():
+    """Every 'docs/numerics.md §N' in the library and the tests names a section of that file."""
+    sections = set(re.findall(r"^## (\d+)\. ", (ROOT / "docs" / "numerics.md").read_text(), re.M))
+    cited = {}
+    for path in [*ROOT.glob("dsv41attn/**/*.py"), *ROOT.glob("tests/**/*.py")]:
+        for n in re.findall(r"numerics\.md §(\d+)", path.read_text()):
+            cited.setdefault(n, path.name)
+        for n in re.findall(r"numerics\.md §\d+(?:, §(\d+))+", path.read_text()):
+            cited.setdefault(n, path.name)
+    assert cited, "no citations found"
+    missing = {n: where for n, where in cited.items() if n not in sections}
+    assert not missing, missing
+
+
 def test_help_schedule_example_fits_its_fixture():
     from dsv41attn.cli import SCHEDULE_EXAMPLE
     from dsv41attn.fixtures import Fixture, parse_schedule
