@@ -1,4 +1,4 @@
-"""One V4.1 attention layer's forward (SPEC §4), readable top to bottom.
+"""One V4.1 attention layer's forward (docs/numerics.md §5), readable top to bottom.
 
 The layer holds only its config, spec and weights. Every cache lives in the caller's
 ``AttentionState``; every per-token fact of the step (positions, RoPE, window lists, ring and
@@ -37,9 +37,9 @@ class AttentionLayer:
     """Layer ``weights.layer`` of ``cfg`` with its weights; stateless between calls.
     ``backend``: "reference" (plain torch) or "triton" (Triton kernels where they exist).
     ``tp_group``: None, or a torch.distributed process group over which the heads are split
-    (SPEC §7, ``tp.py``): ``weights`` is then this rank's shard (``shard_layer_weights``),
-    ``cfg`` stays the global config, and every rank runs the same calls on its own replicated
-    state. A group of one rank is the unsharded layer."""
+    (``tp.py``, docs/numerics.md §10): ``weights`` is then this rank's shard
+    (``shard_layer_weights``), ``cfg`` stays the global config, and every rank runs the same
+    calls on its own replicated state. A group of one rank is the unsharded layer."""
 
     def __init__(self, cfg: AttentionConfig, weights: LayerWeights, backend: str = "reference",
                  tp_group=None):
@@ -93,17 +93,17 @@ class AttentionLayer:
         t = x.shape[0]
         rot = plan.rotations_of(spec)  # [T, R/2] complex64
 
-        # Query path (§4.1).
+        # Query path (docs/numerics.md §5, step 1).
         qr = rms_norm(ops.fp8_linear(x, w.wq_a.weight, w.wq_a.scale), w.q_norm, cfg.norm_eps)
         q = ops.fp8_linear(qr, w.wq_b.weight, w.wq_b.scale).view(t, self.heads, cfg.head_dim)
         q = ops.rope_heads(q, rot)  # [T, H, D]
 
-        # Window K/V (§4.2): norm, RoPE, fp8, packed rows of this step (the ring is written
+        # Window K/V (step 2): norm, RoPE, fp8, packed rows of this step (the ring is written
         # after attention: a long chunk's rows would overwrite slots its early queries read).
         kv = ops.fp8_linear(x, w.wkv.weight, w.wkv.scale)  # [T, D] bf16
         new_rows = ops.norm_rope_pack(kv, w.kv_norm, cfg.norm_eps, rot)  # [T, D + D/32] uint8
 
-        # Compressed rows (§4.3) and their selection (§4.4).
+        # Compressed rows (step 3) and their selection (step 4).
         pool = None
         selected = torch.empty(t, 0, dtype=torch.int32, device=x.device)
         if spec.ratio > 0:
@@ -114,13 +114,13 @@ class AttentionLayer:
                 if spec.is_index_source else board.topk(spec.index_source)
             pool = state.sources[spec.kv_source].rows
 
-        # Sparse attention with sink (§4.5), the ring read in place.
+        # Sparse attention with sink (step 5, §6), the ring read in place.
         layer_state = state.layers[spec.layer]
         o = ops.sparse_attn_paged(q, w.attn_sink, cfg.softmax_scale, layer_state.window,
                                   new_rows, plan.window_ids, pool, state.block_table,
                                   plan.token_row, selected)  # [T, H, D]
 
-        # Inverse RoPE and the grouped output projection (§4.6).
+        # Inverse RoPE and the grouped output projection (step 6).
         if trace is not None:
             trace(self, {"plan": plan, "board": board, "q": q, "new_rows": new_rows,
                          "window_ring": layer_state.window, "pool": pool, "selected": selected,
@@ -136,8 +136,8 @@ class AttentionLayer:
 
     def _compress(self, x: torch.Tensor, state: AttentionState, facts: RatioFacts,
                   undo: UndoLog, semantics: str) -> None:
-        """KV source (§4.3a-c): the groups completed by this step's tokens become compressed
-        rows and index keys in the pool (keys from the pre-RoPE latent, SPEC §10.10); r > 1
+        """KV source (docs/numerics.md §5, step 3): the groups completed by this step's tokens
+        become compressed rows and index keys in the pool (keys from the pre-RoPE latent); r > 1
         keeps every token's fp32 projections in the recent ring for the open group."""
         cfg, spec, w = self.cfg, self.spec, self.weights
         source = state.sources[spec.layer]
@@ -162,7 +162,7 @@ class AttentionLayer:
     def _index(self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor,
                state: AttentionState, plan: StepPlan, facts: RatioFacts,
                board: Board) -> torch.Tensor:
-        """The lightning indexer of an index source (§4.4): top-k compressed rows [T, k]
+        """The lightning indexer of an index source (docs/numerics.md §5, step 4): top-k [T, k]
         int32 (-1 pad), published for the layers that reuse them (and, for the candidate
         source, the kept candidate blocks)."""
         cfg, spec, w = self.cfg, self.spec, self.weights

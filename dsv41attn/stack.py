@@ -8,7 +8,8 @@ caller calls ``step.abort()``), every sequence of the step returns exactly to wh
 before the step: rings, open compressor groups, compressed rows and index keys, the pages the
 step reserved and the shared index-key slot. It commits when its last layer has run.
 Which index keys the shared slot holds is ``AttentionState.index_key_slot``: it persists
-across steps, which is DeepSeek's stale-key behaviour in "reference" semantics (SPEC §10.1).
+across steps, which is DeepSeek's stale-key behaviour in "reference" semantics
+(docs/numerics.md §7).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Tensor parallelism over the heads (SPEC §7), with torch.distributed only (NCCL or gloo: the
-same code path).
+"""Tensor parallelism over the heads (docs/numerics.md §10), with torch.distributed only
+(NCCL or gloo: the same code path).
 
 World size w must divide n_heads, o_groups and index_n_heads. Rank r holds the contiguous
 slices of the per-head tensors: ``wq_b`` rows (local heads H/w, with their 32-row scale
@@ -80,9 +80,9 @@ class TPShape:
 
 
 def check_world_size(cfg: AttentionConfig, world: int) -> None:
-    """Raise ConfigError unless ``cfg`` can be split over ``world`` ranks (SPEC §7): w divides
-    n_heads, o_groups and index_n_heads, and every rank's fp8 row slices (wq_b, indexer.wq_b)
-    start and end on their 32-row scale blocks. Reads no tensor."""
+    """Raise ConfigError unless ``cfg`` can be split over ``world`` ranks (docs/numerics.md
+    §10): w divides n_heads, o_groups and index_n_heads, and every rank's fp8 row slices (wq_b,
+    indexer.wq_b) start and end on their 32-row scale blocks. Reads no tensor."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ConfigError(f"tensor-parallel world size must be a positive int, got {world!r}")
     bad = [f"{name}={n}" for name, n in (("n_heads", cfg.n_heads), ("o_groups", cfg.o_groups),
@@ -138,8 +138,8 @@ def _rows(w: Fp8Weight, r0: int, r1: int) -> Fp8Weight:
 
 def shard_layer_weights(cfg: AttentionConfig, weights: LayerWeights, rank: int,
                         world: int) -> LayerWeights:
-    """Rank ``rank``'s slices (SPEC §7) of a full layer's weights (copies: the full tensors can
-    be dropped). world = 1 returns ``weights`` itself."""
+    """Rank ``rank``'s slices (docs/numerics.md §10) of a full layer's weights (copies: the
+    full tensors can be dropped). world = 1 returns ``weights`` itself."""
     s = tp_shape(cfg, rank, world)
     if world == 1:
         return weights
@@ -320,7 +320,8 @@ class TensorParallel:
         return cls(cfg, group)
 
     def reduce_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        """Index scores: local heads' bf16 partial sum -> SUM over ranks, in bf16 (SPEC §7)."""
+        """Index scores: local heads' bf16 partial sum -> SUM over ranks, in bf16
+        (docs/numerics.md §10)."""
         scores = scores.contiguous()
         dist.all_reduce(scores, op=dist.ReduceOp.SUM, group=self.group)
         return scores

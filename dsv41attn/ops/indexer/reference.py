@@ -1,5 +1,6 @@
-"""The lightning indexer (SPEC §4.4): bf16 index scores, per-query visibility, the two-level
-candidate blocks, and the deterministic top-k (SPEC §0.2).
+"""The lightning indexer (docs/numerics.md §5, step 4): bf16 index scores, per-query
+visibility, the two-level candidate blocks, and the deterministic top-k (higher score first,
+ties to the lower row).
 """
 from __future__ import annotations
 
@@ -99,10 +100,11 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
     blocks a candidate source kept (a consumer scores only rows inside them) or None.
     candidate_topk: for the candidate source, the blocks to keep per query (newest visible
     block pinned). score_budget: bytes of bf16 scores per query tile (bounds memory at long
-    context, SPEC §10.5; results do not depend on it). reduce: None, or a callable given each
+    context; results do not depend on it). reduce: None, or a callable given each
     tile's bf16 scores [g, m, n] summed over the heads of ``q_index`` and returning the scores
-    to use (tensor parallelism: the local heads' partial sum all-reduced over the ranks, SPEC
-    §7), applied before visibility, candidates and top-k; every rank calls it equally often.
+    to use (tensor parallelism: the local heads' partial sum all-reduced over the ranks,
+    docs/numerics.md §10), applied before visibility, candidates and top-k; every rank calls
+    it equally often.
 
     Returns (selected [T, min(topk, n_rows)] int32 row numbers ascending, -1 padded;
     kept blocks [T, nblk] bool for the candidate source, else None).

@@ -1,5 +1,5 @@
-"""The linears of the layer (SPEC §2.1): fp8 e4m3 weights with ue8m0 32x32 block scales, fed by
-fp8 act-quantised activations; bf16 and fp32 weights through plain F.linear.
+"""The linears of the layer (docs/numerics.md §4): fp8 e4m3 weights with ue8m0 32x32 block
+scales, fed by fp8 act-quantised activations; bf16 and fp32 weights through F.linear.
 
 Rounding points of the fp8 GEMM: each 32-wide K block is summed exactly and rounded once to
 fp32, scaled by the activation and weight block scales (powers of two: exact), and the blocks

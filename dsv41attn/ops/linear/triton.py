@@ -1,4 +1,4 @@
-"""Triton fp8 linear (SPEC §2.1-2.2), same numerics as reference.py and common/quant.py.
+"""Triton fp8 linear (docs/numerics.md §2, §4), same numerics as reference.py and quant.py.
 
 act_quant: one program per (row, 16 blocks of 32); amax in fp32 floored at 1e-4, the ue8m0
 scale built from exponent bits, x * (1/s) (exact: s is a power of two) clamped to +-448 and
@@ -155,7 +155,7 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 activation quantisation (SPEC §2.2), bit-exact with common.quant.act_quant.
+    """fp8 activation quantisation (docs/numerics.md §2), bit-exact with common.quant.act_quant.
 
     x: [M, K] bf16, K a multiple of 32. Returns (codes [M, K] float8_e4m3fn, scales [M, K/32]
     fp32 powers of two) with x ~= codes * scales per block of 32. Finite inputs only.
@@ -251,7 +251,7 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
                num_splits: int | None = None, precise_dot: bool = True,
                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """y = x W^T for an fp8 weight: act_quant(x) then the blockwise fp8 GEMM (SPEC §2.1).
+    """y = x W^T for an fp8 weight: act_quant(x) then the blockwise fp8 GEMM (docs/numerics.md §4).
 
     x: [..., K] bf16; weight [N, K] float8_e4m3fn; weight_scale [ceil(N/32), K/32]
     float8_e8m0fnu; num_splits: fp8_gemm's split-K (None: by shape); precise_dot: fp8_gemm's
