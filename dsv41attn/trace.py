@@ -19,6 +19,11 @@ It reads the record only (every op out of place) and copies what it keeps to the
 traced step computes exactly what an untraced one does; an untraced step pays one ``None``
 check per layer. ``Trace(probs=True)`` also keeps every entry's probability (for the figure of
 ``python -m dsv41attn inspect``); that is [tokens, heads, list width] floats per layer.
+
+Under tensor parallelism (``AttentionLayer(tp_group=...)``) each rank's trace sees its own
+heads: ``LayerRecord.heads`` is the global range its masses cover, and index scores are not
+recorded (a rank holds only its index heads' partial sum; the all-reduced scores never leave
+the indexer).
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ class LayerRecord:
     role: str
     ratio: int
     index_source: int | None
+    heads: range  # the global heads of the mass columns (all of them unless tensor-parallel)
     token_row: torch.Tensor  # [T] int64 state row of each token
     pos: torch.Tensor  # [T] int64
     window_pos: torch.Tensor  # [T, W] int64, -1 pad
@@ -120,14 +126,17 @@ class Trace:
         if spec.ratio > 0:
             visible = plan.ratios[spec.ratio].visible.cpu()
             inputs = (board.index_inputs or {}).get(spec.layer)
-            if inputs is not None:
+            if inputs is not None and getattr(layer, "tp", None) is None:
                 scores = selected_index_scores(*inputs, rec["block_table"], plan.token_row,
                                                selected).cpu()
             if spec.is_candidate_source:
                 candidates = board.candidates().cpu().clone()
+        tp = getattr(layer, "tp", None)
+        heads = range(cfg.n_heads) if tp is None else \
+            range(tp.shape.head_slice.start, tp.shape.head_slice.stop)
         return LayerRecord(
             step=len(self.records) - 1, layer=spec.layer, role=spec.role.value, ratio=spec.ratio,
-            index_source=spec.index_source, token_row=plan.token_row.cpu().clone(),
+            index_source=spec.index_source, heads=heads, token_row=plan.token_row.cpu().clone(),
             pos=plan.pos.cpu().clone(), window_pos=window_pos.cpu(),
             selected=selected.cpu().clone(), selected_pos=selected_pos.cpu(), visible=visible,
             mass_sink=masses[0], mass_window=masses[1], mass_compressed=masses[2],
@@ -340,7 +349,7 @@ def plot_trace(trace: Trace, layer: int, head: int, path: str, row: int | None =
     sink = torch.cat([x.mass_sink for x in recs]).mean(0)
     win = torch.cat([x.mass_window for x in recs]).mean(0)
     cmp = torch.cat([x.mass_compressed for x in recs]).mean(0)
-    heads = list(range(sink.numel()))
+    heads = list(first.heads)
     bx.bar(heads, sink.tolist(), label="sink", color="#d62728")
     bx.bar(heads, win.tolist(), bottom=sink.tolist(), label="window rows", color="#7f7f7f")
     bx.bar(heads, cmp.tolist(), bottom=(sink + win).tolist(), label="compressed rows",

@@ -113,6 +113,7 @@ def test_recorded_selections_are_the_step_topk(traced):
         for L in step.layers:
             spec, rec = cfg.layer(L), trace.layer(L, s)
             assert torch.equal(rec.pos, step.plan.pos.cpu())
+            assert rec.heads == range(cfg.n_heads) and rec.mass_sink.shape[1] == cfg.n_heads
             if spec.ratio == 0:
                 assert rec.selected.numel() == 0 and rec.visible is None
                 continue
