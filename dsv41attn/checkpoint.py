@@ -224,6 +224,22 @@ def layer_weights_from_tensors(
     return _build(spec, own)
 
 
+
+def _names_per_layer(cfg, specs, weight_map, path) -> dict[int, dict[str, str]]:
+    """layer -> {name inside ``layers.L.attn.``: full checkpoint name}, from the index or
+    header key list only; raises naming every missing or unexpected name."""
+    per_layer: dict[int, dict[str, str]] = {spec.layer: {} for spec in specs}
+    layer_of = {spec.weight_prefix: spec.layer for spec in specs}
+    for name in weight_map:
+        cut = name.find(".attn.") + len(".attn.")
+        if cut >= len(".attn.") and name[:cut] in layer_of:
+            per_layer[layer_of[name[:cut]]][name[cut:]] = name
+    problems: list[str] = []
+    for spec in specs:
+        problems += _name_problems(cfg, spec, per_layer[spec.layer])
+    _raise(problems, "checkpoint " + os.fspath(path))
+    return per_layer
+
 def load_layer_weights(
     path: str | os.PathLike,
     cfg: AttentionConfig,
@@ -276,16 +292,8 @@ def load_layer_weights(
         if weight_map is None:
             weight_map = dict.fromkeys(shard(single)[1], single)
         # 1. names, from the index / header key list only (one pass over all names).
-        per_layer: dict[int, dict[str, str]] = {spec.layer: {} for spec in specs}
-        layer_of = {spec.weight_prefix: spec.layer for spec in specs}
-        for name in weight_map:
-            cut = name.find(".attn.") + len(".attn.")
-            if cut >= len(".attn.") and name[:cut] in layer_of:
-                per_layer[layer_of[name[:cut]]][name[cut:]] = name
+        per_layer = _names_per_layer(cfg, specs, weight_map, path)
         problems: list[str] = []
-        for spec in specs:
-            problems += _name_problems(cfg, spec, per_layer[spec.layer])
-        _raise(problems, "checkpoint " + os.fspath(path))
         # 2. dtypes and shapes, from the shard headers.
         metas: dict[int, dict[str, Meta]] = {}
         for spec in specs:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
 from .checkpoint import (FP8, SCALE, CheckpointError, Fp8Weight, LayerWeights, _build,
-                         _layer_ids, _meta_problems, _name_problems, _raise, _resolve,
+                         _layer_ids, _meta_problems, _names_per_layer, _raise, _resolve,
                          _ST_DTYPES, check_layer_weights, nonfinite_summary)
 from .config import AttentionConfig, ConfigError
 from .ops.common.quant import act_quant
@@ -257,16 +257,8 @@ def load_layer_weights_tp(path: str | os.PathLike, cfg: AttentionConfig,
 
         if weight_map is None:
             weight_map = dict.fromkeys(shard(single).keys(), single)
-        per_layer: dict[int, dict[str, str]] = {spec.layer: {} for spec in specs}
-        layer_of = {spec.weight_prefix: spec.layer for spec in specs}
-        for name in weight_map:
-            cut = name.find(".attn.") + len(".attn.")
-            if cut >= len(".attn.") and name[:cut] in layer_of:
-                per_layer[layer_of[name[:cut]]][name[cut:]] = name
+        per_layer = _names_per_layer(cfg, specs, weight_map, path)
         problems: list[str] = []
-        for spec in specs:
-            problems += _name_problems(cfg, spec, per_layer[spec.layer])
-        _raise(problems, "checkpoint " + os.fspath(path))
         for spec in specs:  # the full tensors' dtypes and shapes, from the headers
             meta = {}
             for rel, full in per_layer[spec.layer].items():
