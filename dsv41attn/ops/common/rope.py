@@ -45,8 +45,13 @@ def apply_rope(x: torch.Tensor, rotations: torch.Tensor, inverse: bool = False) 
     """
     rope_dims = 2 * rotations.shape[-1]
     nope, tail = x[..., :-rope_dims], x[..., -rope_dims:]
-    z = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)).contiguous())
+    pairs = tail.float().unflatten(-1, (-1, 2))
+    re, im = pairs[..., 0], pairs[..., 1]
+    c, s = rotations.real, rotations.imag
     if inverse:
-        rotations = rotations.conj()
-    rotated = torch.view_as_real(z * rotations).flatten(-2).to(x.dtype)
+        s = -s
+    # the complex64 product written out, each product rounded to fp32 before the sum: torch's
+    # own complex multiply takes a vector or a scalar path (fused or not) by tensor size, so
+    # its last bit would depend on how many tokens share the call
+    rotated = torch.stack([re * c - im * s, re * s + im * c], -1).flatten(-2).to(x.dtype)
     return torch.cat([nope, rotated], dim=-1)
