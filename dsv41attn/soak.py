@@ -127,15 +127,21 @@ def soak(seconds: float = 10.0, seed: int = 0, backend: str = "reference",
     def live() -> list[int]:
         return [r for r in range(slots) if state.active[r]]
 
-    def run_step(rows, counts, fail_at=None, abort_after=None):
-        xs_per_row = {r: token(m) for r, m in zip(rows, counts)}
-        packed = {L: torch.stack([x[L] for r in rows for x in xs_per_row[r]]) for L in layers}
+    def or_out_of_pages(open_call):
+        """``open_call()``, or None counted as an out-of-pages refusal (any other error raises)."""
         try:
-            step = stack.step(state, counts, rows=rows)
+            return open_call()
         except StateError as e:
             if "out of cache pages" not in str(e):
                 raise
             fig.out_of_pages += 1
+            return None
+
+    def run_step(rows, counts, fail_at=None, abort_after=None):
+        xs_per_row = {r: token(m) for r, m in zip(rows, counts)}
+        packed = {L: torch.stack([x[L] for r in rows for x in xs_per_row[r]]) for L in layers}
+        step = or_out_of_pages(lambda: stack.step(state, counts, rows=rows))
+        if step is None:
             return
         note_pages()
         if fail_at is not None:
@@ -213,12 +219,8 @@ def soak(seconds: float = 10.0, seed: int = 0, backend: str = "reference",
             pick = [r for r in rows if state.position_of(r) < capacity - 3] or None
             if pick:
                 n = rng.randint(1, 3)
-                try:
-                    plan = stack.plan_decode(state, rows=pick, steps=n)
-                except StateError as e:
-                    if "out of cache pages" not in str(e):
-                        raise
-                    fig.out_of_pages += 1
+                plan = or_out_of_pages(lambda: stack.plan_decode(state, rows=pick, steps=n))
+                if plan is None:
                     continue
                 note_pages()
                 fig.decode_plans += 1
@@ -263,12 +265,8 @@ def soak(seconds: float = 10.0, seed: int = 0, backend: str = "reference",
             row = rng.choice(rows)
             p = state.position_of(row)
             if p < capacity:
-                try:
-                    step = stack.step(state, [1], rows=[row])
-                except StateError as e:
-                    if "out of cache pages" not in str(e):
-                        raise
-                    fig.out_of_pages += 1
+                step = or_out_of_pages(lambda: stack.step(state, [1], rows=[row]))
+                if step is None:
                     continue
                 state.truncate(row, p)
                 try:
