@@ -216,12 +216,12 @@ def layer_weights_from_tensors(
     spec = cfg.layer(layer)
     p = spec.weight_prefix
     own = {name[len(p):]: t for name, t in tensors.items() if name.startswith(p)}
-    _raise([f"{p}{n}: expected a torch.Tensor, found {_found(t)}"
+    raise_problems([f"{p}{n}: expected a torch.Tensor, found {_found(t)}"
             for n, t in own.items() if not isinstance(t, torch.Tensor)], f"layer {layer}")
     problems = _name_problems(cfg, spec, own)
     problems += _meta_problems(cfg, spec, {n: (t.dtype, tuple(t.shape)) for n, t in own.items()})
-    _raise(problems, f"layer {layer}")
-    return _build(spec, own)
+    raise_problems(problems, f"layer {layer}")
+    return build_layer_weights(spec, own)
 
 
 
@@ -237,7 +237,7 @@ def _names_per_layer(cfg, specs, weight_map, path) -> dict[int, dict[str, str]]:
     problems: list[str] = []
     for spec in specs:
         problems += _name_problems(cfg, spec, per_layer[spec.layer])
-    _raise(problems, "checkpoint " + os.fspath(path))
+    raise_problems(problems, "checkpoint " + os.fspath(path))
     return per_layer
 
 def load_layer_weights(
@@ -262,9 +262,32 @@ def load_layer_weights(
     checkpoint's ``config.json`` or ``model.safetensors.index.json``: its directory is read.
     """
     _check_cfg(cfg, "load_layer_weights")
+    tensors, _ = read_layer_tensors(path, cfg, layers, device=device, progress=progress)
+    return {L: build_layer_weights(cfg.layer(L), own) for L, own in tensors.items()}
+
+
+def read_layer_tensors(
+    path: str | os.PathLike,
+    cfg: AttentionConfig,
+    layers: int | Iterable[int] | None = None,
+    slices: Mapping[str, tuple[slice, ...]] | None = None,
+    device: torch.device | str = "cpu",
+    progress: bool | None = None,
+) -> tuple[dict[int, dict[str, torch.Tensor]], int]:
+    """The checkpoint tensors of ``layers`` as stored (the reading half of
+    ``load_layer_weights``, whose paths, checks and ``progress`` it shares): names from the
+    index / header key list, then dtypes and shapes from the shard headers, all checked before
+    any data is read; every tensor read is checked for NaN / Inf codes.
+
+    ``slices``: name relative to the layer prefix (e.g. ``"wq_b.weight"``) -> the index of the
+    part to read (a tuple of slices, read with safetensors ``get_slice``: tensor parallelism's
+    per-rank slices, ``tp.py``); other tensors are read whole. Returns ({layer: {relative name:
+    tensor on ``device``}} in the order of ``layers``, the bytes read)."""
+    _check_cfg(cfg, "read_layer_tensors")
     ids = _layer_ids(cfg, layers)
     specs = [cfg.layer(L) for L in ids]
     root, weight_map, single = _resolve(path)
+    slices = slices or {}
     with ExitStack() as stack:
         handles: dict[str, tuple[object, set[str]]] = {}  # shard file -> (open handle, its keys)
 
@@ -282,10 +305,11 @@ def load_layer_weights(
                                           f"corrupt or another format): {e}") from e
             return handles[fname]
 
-        def read(full: str) -> torch.Tensor:
+        def read(full: str, rel: str) -> torch.Tensor:
             fname = weight_map[full]
             try:
-                return shard(fname)[0].get_tensor(full)
+                h = shard(fname)[0]
+                return h.get_slice(full)[slices[rel]] if rel in slices else h.get_tensor(full)
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{os.path.join(root, fname)}: reading {full} failed: {e}") from e
 
@@ -308,28 +332,30 @@ def load_layer_weights(
                 sl = h.get_slice(full)
                 meta[rel] = (_ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()), tuple(sl.get_shape()))
             problems += _meta_problems(cfg, spec, meta)
-        _raise(problems, "checkpoint " + os.fspath(path))
+        raise_problems(problems, "checkpoint " + os.fspath(path))
         # 3. data, each tensor checked for NaN / Inf codes before it leaves the CPU.
-        total_bytes = sum(_meta_nbytes(m) for meta in metas.values() for m in meta.values())
+        total_bytes = sum(_meta_nbytes((m[0], _sliced_shape(m[1], slices.get(rel))))
+                          for meta in metas.values() for rel, m in meta.items())
         show = progress if progress is not None else total_bytes > PROGRESS_AUTO_BYTES
         bar = _progress_bar(total_bytes, forced=progress is True) if show else None
         if bar is not None:
             stack.callback(bar.close)
-        own_of: dict[int, dict[str, torch.Tensor]] = {}
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        nbytes = 0
         for spec in specs:
-            own_of[spec.layer] = own = {}
+            out[spec.layer] = own = {}
             for rel, full in per_layer[spec.layer].items():
-                t = read(full)
+                t = read(full, rel)
                 bad = nonfinite_summary(t)
                 if bad:
                     problems.append(f"{full} in {os.path.join(root, weight_map[full])}: {bad} "
                                     f"(the file's data is corrupt or was written wrong)")
                 own[rel] = t.to(device)
+                nbytes += _nbytes(t)
                 if bar is not None:
                     bar.update(_nbytes(t))
-        _raise(problems, "checkpoint " + os.fspath(path))
-        out = {spec.layer: _build(spec, own_of[spec.layer]) for spec in specs}
-    return out
+        raise_problems(problems, "checkpoint " + os.fspath(path))
+    return out, nbytes
 
 
 def nonfinite_summary(t: torch.Tensor) -> str | None:
@@ -457,6 +483,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _sliced_shape(shape: tuple[int, ...], index: tuple[slice, ...] | None) -> tuple[int, ...]:
+    """The shape of ``tensor[index]`` for a tensor of ``shape`` (index: slices of the leading
+    dims, or None for the whole tensor)."""
+    if index is None:
+        return tuple(shape)
+    return tuple(len(range(*index[i].indices(n))) if i < len(index) else n
+                 for i, n in enumerate(shape))
+
+
 def _meta_nbytes(meta: Meta) -> int:
     dtype, shape = meta
     itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 1
@@ -537,7 +572,9 @@ def _meta_problems(cfg: AttentionConfig, spec: LayerSpec, meta: Mapping[str, Met
     return problems
 
 
-def _raise(problems: list[str], where: str) -> None:
+def raise_problems(problems: list[str], where: str) -> None:
+    """Raise one CheckpointError listing ``problems`` (the first 20) under ``where``; nothing if
+    there are none."""
     if not problems:
         return
     shown = problems[:20]
@@ -558,9 +595,11 @@ _FIELDS = (
 _FP8_STEMS = {"wq_a", "wq_b", "wkv", "wo_b", "indexer.wq_b"}
 
 
-def _build(spec: LayerSpec, t: Mapping[str, torch.Tensor]) -> LayerWeights:
-    """Assemble from validated relative-name tensors (checkpoint dtypes): wo_a dequantised
-    to bf16, the gated compressor's weights promoted to fp32 (as the reference runs them)."""
+def build_layer_weights(spec: LayerSpec, t: Mapping[str, torch.Tensor]) -> LayerWeights:
+    """Assemble layer ``spec``'s LayerWeights from validated tensors keyed by their names
+    relative to the layer prefix, in checkpoint dtypes (``read_layer_tensors``): wo_a dequantised
+    to bf16 (a bf16 wo_a kept as it is), the gated compressor's weights promoted to fp32 (as the
+    reference runs them)."""
     fields: dict[str, object] = {}
     for field, name in _FIELDS:
         if name in _FP8_STEMS:
@@ -579,8 +618,8 @@ def _build(spec: LayerSpec, t: Mapping[str, torch.Tensor]) -> LayerWeights:
 
 def _held_dtypes(spec: LayerSpec) -> dict[str, torch.dtype]:
     """LayerWeights field -> dtype of the tensor it holds for ``spec``'s layer (fp8 fields: of
-    their ``.weight``; their ``.scale`` is float8_e8m0fnu). What ``_build`` makes of the
-    checkpoint dtypes: wo_a dequantised to bf16, the gated compressor promoted to fp32."""
+    their ``.weight``; their ``.scale`` is float8_e8m0fnu). What ``build_layer_weights`` makes of
+    the checkpoint dtypes: wo_a dequantised to bf16, the gated compressor promoted to fp32."""
     out: dict[str, torch.dtype] = {}
     for field, name in _FIELDS:
         if name in _FP8_STEMS:
@@ -656,7 +695,7 @@ def check_layer_weights(cfg: AttentionConfig, w: LayerWeights) -> None:
                               for dev, fields in devices.items() if dev != main)
         problems.append(f"layer {w.layer}: all tensors must be on one device, found {elsewhere}, "
                         f"the other {len(devices[main])} on {main}")
-    _raise(problems, f"layer {w.layer} weights")
+    raise_problems(problems, f"layer {w.layer} weights")
 
 
 def _found(v: object) -> str:

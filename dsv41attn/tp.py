@@ -27,17 +27,14 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError, safe_open
 
-from .checkpoint import (FP8, SCALE, CheckpointError, Fp8Weight, LayerWeights, _build,
-                         _layer_ids, _meta_problems, _names_per_layer, _raise, _resolve,
-                         _ST_DTYPES, check_layer_weights, nonfinite_summary)
+from .checkpoint import (FP8, SCALE, Fp8Weight, LayerWeights, build_layer_weights,
+                         check_layer_weights, raise_problems, read_layer_tensors)
 from .config import AttentionConfig, ConfigError
 from .ops.common.quant import act_quant
 from .ops.linear.reference import fp8_gemm
@@ -208,16 +205,17 @@ def check_shard_weights(cfg: AttentionConfig, weights: LayerWeights, s: TPShape)
                  "wo_a": (cfg.o_groups * cfg.o_lora_rank, shapes["wo_a"][1]),
                  "index_weights_proj": (cfg.index_n_heads, cfg.dim)}[field]
             stand_in[field] = torch.empty(n, dtype=v.dtype, device=v.device)
-    _raise(problems, f"layer {weights.layer} tensor-parallel weights")
+    raise_problems(problems, f"layer {weights.layer} tensor-parallel weights")
     check_layer_weights(cfg, dataclasses.replace(weights, **stand_in))
 
 
 def load_layer_weights_tp(path: str | os.PathLike, cfg: AttentionConfig,
                           layers: int | Iterable[int] | None, rank: int, world: int,
-                          device: torch.device | str = "cpu"
+                          device: torch.device | str = "cpu", progress: bool | None = None
                           ) -> tuple[dict[int, LayerWeights], int]:
     """Rank ``rank``'s shard of ``layers`` (None: all) from a checkpoint (the paths of
-    ``load_layer_weights``), reading only that rank's slices with safetensors ``get_slice``.
+    ``load_layer_weights``), reading only that rank's slices with safetensors ``get_slice``
+    (``checkpoint.read_layer_tensors``).
 
     The world size is checked (``check_world_size``) before any file is opened, then names,
     dtypes and shapes of the full tensors from the headers, before any data is read; every
@@ -225,69 +223,29 @@ def load_layer_weights_tp(path: str | os.PathLike, cfg: AttentionConfig,
     read by this rank)."""
     check_world_size(cfg, world)
     s = tp_shape(cfg, rank, world)
-    ids = _layer_ids(cfg, layers)
-    specs = [cfg.layer(L) for L in ids]
-    root, weight_map, single = _resolve(path)
+    sharded = world > 1
     b0, b1 = s.o_col_blocks
     (q0, q1), (a0, a1), (c0, c1), (i0, i1) = s.q_rows, s.o_rows, s.o_cols, s.index_rows
-    h, ih = s.head_slice, s.index_head_slice
-    sharded = world > 1
-    index_slices = {  # relative name -> the slice this rank reads (others: everything)
+    slices = {  # relative name -> the slice this rank reads (others: everything)
         "wq_b.weight": (slice(q0, q1),), "wq_b.scale": (slice(q0 // BLOCK, q1 // BLOCK),),
-        "attn_sink": (h,),
+        "attn_sink": (s.head_slice,),
         "wo_a.weight": (slice(a0, a1),), "wo_a.scale": (slice(a0 // BLOCK, -(-a1 // BLOCK)),),
         "wo_b.weight": (slice(None), slice(c0, c1)), "wo_b.scale": (slice(None), slice(b0, b1)),
         "indexer.wq_b.weight": (slice(i0, i1),),
         "indexer.wq_b.scale": (slice(i0 // BLOCK, i1 // BLOCK),),
-        "indexer.weights_proj.weight": (ih,),
-    } if sharded else {}
-    nbytes = 0
-    with ExitStack() as stack:
-        handles: dict[str, object] = {}
-
-        def shard(fname: str):
-            if fname not in handles:
-                full = os.path.join(root, fname)
-                try:
-                    handles[fname] = stack.enter_context(safe_open(full, framework="pt",
-                                                                   device="cpu"))
-                except (SafetensorError, OSError) as e:
-                    raise CheckpointError(f"{full}: not a readable safetensors file: {e}") from e
-            return handles[fname]
-
-        if weight_map is None:
-            weight_map = dict.fromkeys(shard(single).keys(), single)
-        per_layer = _names_per_layer(cfg, specs, weight_map, path)
-        problems: list[str] = []
-        for spec in specs:  # the full tensors' dtypes and shapes, from the headers
-            meta = {}
-            for rel, full in per_layer[spec.layer].items():
-                sl = shard(weight_map[full]).get_slice(full)
-                meta[rel] = (_ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()), tuple(sl.get_shape()))
-            problems += _meta_problems(cfg, spec, meta)
-        _raise(problems, "checkpoint " + os.fspath(path))
-        out = {}
-        for spec in specs:
-            own = {}
-            for rel, full in per_layer[spec.layer].items():
-                sl = shard(weight_map[full]).get_slice(full)
-                try:
-                    t = sl[index_slices.get(rel, (slice(None),))]
-                except (SafetensorError, OSError) as e:
-                    raise CheckpointError(f"{weight_map[full]}: reading {full} failed: {e}") from e
-                bad = nonfinite_summary(t)
-                if bad:
-                    problems.append(f"{full} in {os.path.join(root, weight_map[full])}: {bad}")
-                nbytes += t.numel() * t.element_size()
-                own[rel] = t
-            if sharded and own["wo_a.weight"].dtype != torch.bfloat16:
-                # dequantise the shard itself: its rows need not start on a scale block
-                sc = own.pop("wo_a.scale").float().repeat_interleave(BLOCK, 0)
-                sc = sc.repeat_interleave(BLOCK, 1)[a0 - a0 // BLOCK * BLOCK:][:a1 - a0]
-                wa = own["wo_a.weight"]
-                own["wo_a.weight"] = (wa.float() * sc[:, :wa.shape[1]]).to(torch.bfloat16)
-            out[spec.layer] = _build(spec, {k: v.to(device) for k, v in own.items()})
-        _raise(problems, "checkpoint " + os.fspath(path))
+        "indexer.weights_proj.weight": (s.index_head_slice,),
+    } if sharded else None
+    tensors, nbytes = read_layer_tensors(path, cfg, layers, slices=slices, progress=progress)
+    out = {}
+    for layer, own in tensors.items():
+        if sharded and own["wo_a.weight"].dtype != torch.bfloat16:
+            # dequantise the shard itself: its rows need not start on a scale block
+            sc = own.pop("wo_a.scale").float().repeat_interleave(BLOCK, 0)
+            sc = sc.repeat_interleave(BLOCK, 1)[a0 - a0 // BLOCK * BLOCK:][:a1 - a0]
+            wa = own["wo_a.weight"]
+            own["wo_a.weight"] = (wa.float() * sc[:, :wa.shape[1]]).to(torch.bfloat16)
+        out[layer] = build_layer_weights(cfg.layer(layer),
+                                         {k: v.to(device) for k, v in own.items()})
     for lw in out.values():
         check_shard_weights(cfg, lw, s) if sharded else check_layer_weights(cfg, lw)
     return out, nbytes
