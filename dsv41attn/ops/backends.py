@@ -2,8 +2,8 @@
 
 "reference" runs every op in plain torch (the spec in code); "triton" runs the ops that have
 a Triton kernel through it (sparse attention with sink over the packed caches, the fp8
-linears, the window K/V epilogue and query RoPE, the compressor epilogue, inverse RoPE with
-the grouped wo_a) and the rest through the reference ops, on whatever device the tensors live.
+linears, the window K/V epilogue and query RoPE, the compressor epilogue, the lightning
+indexer, inverse RoPE with the grouped wo_a) and the rest through the reference ops, on whatever device the tensors live.
 Each op's reference (``ops/<op>/reference.py``) has the same signature as its kernel.
 """
 from __future__ import annotations
@@ -30,10 +30,9 @@ class Ops:
 
 
 def get_ops(backend: str) -> Ops:
-    from .indexer.reference import index_topk  # the Triton indexer is not written yet
-
     if backend == "reference":
         from .compressor.reference import pool_norm_rope_pack
+        from .indexer.reference import index_topk
         from .linear.reference import fp8_linear
         from .output.reference import inverse_rope_wo_a
         from .sparse_attn.reference import sparse_attn_paged
@@ -41,6 +40,7 @@ def get_ops(backend: str) -> Ops:
     elif backend == "triton":
         try:
             from .compressor.triton import pool_norm_rope_pack
+            from .indexer.triton import index_topk
             from .linear.triton import fp8_linear
             from .output.triton import inverse_rope_wo_a
             from .sparse_attn.triton import sparse_attn_paged

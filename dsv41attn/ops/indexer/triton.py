@@ -1,0 +1,436 @@
+"""Triton lightning indexer: the same selections as reference.py (docs/numerics.md §5, step 4).
+
+Flow of one call (every launch on the device, no host sync, so a decode step can be captured):
+
+1. ``_score_kernel``: one program per (query tile, run of row tiles). A query tile is one
+   token (decode) or up to ``PREFILL_TILE`` consecutive tokens of one sequence (they share the
+   sequence's keys). Index keys are read straight from the paged pool through the block table
+   as 32-bit words (17 per 68-byte row) and decoded in registers: nibble p of word i is
+   element 8i + p, so the score is the sum over p of dot(q[:, 8i + p], k_p) with bf16 operands
+   and fp32 accumulation (the e2m1 x power-of-two products and their block sums are exact in
+   fp32, as in the reference's matmul). Per head the dot is rounded to bf16, relu'd,
+   multiplied by its weight and rounded to bf16, then the heads are summed in fp32 and rounded
+   to bf16: the reference's rounding points. Rows a query cannot see, and for a candidate
+   consumer rows outside its kept blocks, are -inf and their key bytes are never loaded; a
+   tile with nothing to score loads nothing. Scores go to a bf16 buffer [queries, rows].
+2. Candidate source only: ``_block_key_kernel`` takes each block's maximum (the newest
+   visible block pinned to +inf) as an ordered 16-bit key per block.
+3. Exact top-k by radix select on the ordered 16-bit keys of the bf16 scores (``_order_key``:
+   larger key = larger score, -0 = +0, every NaN largest, as torch.sort orders them), rows
+   split across programs: ``_hist_kernel`` (twice: the high byte, then the low byte inside
+   the high byte's threshold bin; atomic 256-bin histograms) fixes the k-th key u and how many
+   rows equal to u are needed; ``_count_kernel`` counts rows above and equal to u per row
+   chunk; ``_select_kernel`` writes the selection in ascending row order: every row above u and
+   the lowest-numbered rows equal to u, i.e. higher score first, ties to the lower row (SPEC
+   §0.2). For top-k rows past a query's ``visible`` become -1; for candidate blocks the kept
+   mask is written (a block whose maximum is -inf is never kept).
+
+The score buffer is bounded by ``score_budget`` bytes: longer prefills run in query chunks.
+Under TRITON_INTERPRET the dot runs in fp32 on the exact values (the interpreter misreads bf16
+dot operands) and gives the same bits.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.packing import index_key_bytes
+from ..common.triton import check_device, interpreting, require, round_bf16
+
+PREFILL_TILE = 4  # queries of one sequence per scoring program (they share the key loads)
+SCORE_ROWS = 64  # rows per scoring tile
+SCORE_TILES_PER_PROGRAM = 4  # row tiles per scoring program (the query is loaded once)
+SELECT_CHUNK = 4096  # rows per selection program
+BLOCK_KEYS = 128  # candidate blocks per block-key program
+
+KEY_NINF = 0x007F  # _order_key of bf16 -inf: below every other key
+KEY_PINF = 0xFF80  # _order_key of bf16 +inf
+
+
+@triton.jit
+def _order_key(bits):
+    """bf16 bit patterns (int32, 0..65535) -> 16-bit keys ordered as torch.sort orders the
+    values: sign-magnitude flipped to two's order, -0 equal to +0, every NaN largest."""
+    mag = bits & 0x7FFF
+    key = tl.where((bits & 0x8000) != 0, (~bits) & 0xFFFF, bits | 0x8000)
+    key = tl.where(mag == 0, 0x8000, key)
+    return tl.where(mag > 0x7F80, 0xFFFF, key)
+
+
+@triton.jit
+def _load_keys(src_ptr, offs, mask, FROM_SCORES: tl.constexpr):
+    """Keys of a selection source: bf16 scores stored as int16 bits, or int32 keys."""
+    if FROM_SCORES:
+        bits = tl.load(src_ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        return _order_key(bits)
+    else:
+        return tl.load(src_ptr + offs, mask=mask, other=0)
+
+
+@triton.jit
+def _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base,
+                 TILE: tl.constexpr, HAS_TILES: tl.constexpr):
+    """(first token, token count) of a query slot's tile; with tiles, slot // TILE is the tile
+    (relative to tile_base) and slot % TILE the token in it; without, slot_base + slot."""
+    if HAS_TILES:
+        tile = tile_base + slot // TILE
+        tok = tl.load(tile_tok_ptr + tile) + slot % TILE
+        ok = slot % TILE < tl.load(tile_cnt_ptr + tile)
+    else:
+        tok = (slot_base + slot).to(tl.int64)
+        ok = slot >= 0
+    return tok, ok
+
+
+@triton.jit
+def _e2m1(nib):
+    """e2m1 nibbles (int32 0..15) -> fp32 values: sign << 3 | index into (0, .5, 1, 1.5, 2, 3,
+    4, 6)."""
+    i = (nib & 7).to(tl.float32)
+    mag = tl.where(i < 4, i * 0.5, tl.where(i < 6, i - 2.0, (i - 4.0) * 2.0))
+    return tl.where((nib & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _q_plane(q_ptr, q_off, r_ok, offs_i, NIB: tl.constexpr, P: tl.constexpr,
+             INTERPRET: tl.constexpr):
+    """Query columns NIB * i + P of every (token, head) row: [rows, units]."""
+    v = tl.load(q_ptr + q_off[:, None] + NIB * offs_i[None, :] + P, mask=r_ok[:, None],
+                other=0.0)
+    if INTERPRET:
+        return v.to(tl.float32)
+    else:
+        return v
+
+
+@triton.jit
+def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, out_ptr,
+                  tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, N, bt_stride, page_rows,
+                  keep_stride, tiles_per_prog,
+                  I: tl.constexpr, I_PAD: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+                  BN: tl.constexpr, BLOCK_SIZE: tl.constexpr, WORDS: tl.constexpr,
+                  HAS_TILES: tl.constexpr, HAS_KEEP: tl.constexpr, INTERPRET: tl.constexpr):
+    """q: [T, I, D] bf16; w: [T, I] bf16; pool: the key rows (D/2 bytes of e2m1 pairs, then
+    D/32 ue8m0 bytes) as int32 words (WORDS, D % 128 == 0: 8 nibbles a unit) or bytes (2
+    nibbles a unit); bt: [B, pages] int64; vis, row: [T] int64; keep: uint8 [T, keep_stride]
+    (HAS_KEEP); out: int16 [slots, N] bf16 bits, slot = the query's place in this call's
+    chunk. Grid (chunk tiles, cdiv(N, BN * tiles_per_prog))."""
+    NIB: tl.constexpr = 8 if WORDS else 2  # nibbles per load unit
+    UB: tl.constexpr = 4 if WORDS else 1  # bytes per load unit
+    UNITS: tl.constexpr = D // NIB  # code units per row
+    ROW_UNITS: tl.constexpr = (D // 2 + D // 32) // UB
+    R: tl.constexpr = TILE * I_PAD  # (token, head) rows of the dot
+    tile = tl.program_id(0)
+    if HAS_TILES:
+        tok0 = tl.load(tile_tok_ptr + tile_base + tile)
+        cnt = tl.load(tile_cnt_ptr + tile_base + tile)
+    else:
+        tok0 = (slot_base + tile).to(tl.int64)
+        cnt = 1
+    row = tl.load(row_ptr + tok0)
+    offs_m = tl.arange(0, TILE)
+    m_ok = offs_m < cnt
+    vis = tl.load(vis_ptr + tok0 + offs_m, mask=m_ok, other=0)  # [TILE]
+    offs_r = tl.arange(0, R)
+    r_tok = offs_r // I_PAD
+    r_head = offs_r % I_PAD
+    r_ok = (r_tok < cnt) & (r_head < I)
+    q_off = (tok0 + r_tok) * (I * D) + r_head * D
+    offs_i = tl.arange(0, UNITS)
+    blk = (NIB * offs_i) // 32  # the scale block of each unit's elements
+    if WORDS:  # the scale word of each unit and the unit's byte in it
+        s_unit = D // 8 + blk // 4
+        s_shift = 8 * (blk % 4)
+    else:
+        s_unit = D // 2 + blk
+        s_shift = blk * 0
+    wv = tl.load(w_ptr + (tok0 + r_tok) * I + r_head, mask=r_ok, other=0.0).to(tl.float32)
+    slot0 = tile.to(tl.int64) * TILE
+    out_rows = out_ptr + (slot0 + offs_m.to(tl.int64))[:, None] * N  # [TILE, 1]
+    for it in range(tiles_per_prog):
+        offs_g = (tl.program_id(1) * tiles_per_prog + it) * BN + tl.arange(0, BN)
+        g_ok = offs_g < N
+        seen = offs_g[None, :] < vis[:, None]  # [TILE, BN]
+        if HAS_KEEP:
+            kept = tl.load(keep_ptr + (tok0 + offs_m)[:, None] * keep_stride
+                           + (offs_g // BLOCK_SIZE)[None, :],
+                           mask=m_ok[:, None] & seen & g_ok[None, :], other=0) != 0
+            seen = seen & kept
+        need = tl.max(seen.to(tl.int32), 0) != 0  # [BN]: some query of the tile scores it
+        page = tl.load(bt_ptr + row * bt_stride + offs_g // page_rows, mask=need & g_ok,
+                       other=-1)
+        live = need & (page >= 0)  # unallocated pages read as zero keys, as the reference
+        store_ok = m_ok[:, None] & g_ok[None, :]
+        if tl.max(need.to(tl.int32), 0) == 0:
+            tl.store(out_rows + offs_g[None, :], tl.full([TILE, BN], 0xFF80, tl.int32)
+                     .to(tl.int16), mask=store_ok)  # -inf
+        else:
+            base = (page * page_rows + offs_g % page_rows) * ROW_UNITS  # [BN] int64
+            codes = tl.load(pool_ptr + base[None, :] + offs_i[:, None], mask=live[None, :],
+                            other=0).to(tl.int32)  # [UNITS, BN]
+            sb = tl.load(pool_ptr + base[None, :] + s_unit[:, None], mask=live[None, :],
+                         other=0).to(tl.int32)
+            e = (sb >> s_shift[:, None]) & 0xFF
+            scale = (e << 23).to(tl.float32, bitcast=True)  # ue8m0 as the reference: 0 -> 0
+            acc = tl.zeros([R, BN], dtype=tl.float32)
+            for p in tl.static_range(NIB):
+                kp = _e2m1((codes >> (4 * p)) & 15) * scale  # elements NIB * i + p: exact
+                if not INTERPRET:
+                    kp = kp.to(tl.bfloat16)
+                acc = tl.dot(_q_plane(q_ptr, q_off, r_ok, offs_i, NIB, p, INTERPRET), kp, acc)
+            s = round_bf16(acc, INTERPRET)  # the per-head bf16 dot
+            s = tl.where(s < 0, 0.0, s)  # relu (NaN kept)
+            prod = round_bf16(s * wv[:, None], INTERPRET)
+            score = round_bf16(tl.sum(tl.reshape(prod, [TILE, I_PAD, BN]), 1), INTERPRET)
+            score = tl.where(seen, score, float("-inf"))
+            bits = (score.to(tl.uint32, bitcast=True) >> 16).to(tl.int32)
+            tl.store(out_rows + offs_g[None, :], bits.to(tl.int16), mask=store_ok)
+
+
+@triton.jit
+def _block_key_kernel(src_ptr, key_ptr, vis_ptr, row_ptr, tile_tok_ptr, tile_cnt_ptr,
+                      tile_base, slot_base, N, nblk,
+                      BLOCK_SIZE: tl.constexpr, BS_PAD: tl.constexpr, BB: tl.constexpr,
+                      TILE: tl.constexpr, HAS_TILES: tl.constexpr):
+    """src: int16 [slots, N] bf16 score bits; key: int32 [slots, nblk] block keys (the max key
+    of the block's rows, the newest visible block KEY_PINF). Grid (slots, cdiv(nblk, BB))."""
+    slot = tl.program_id(0)
+    tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
+                           HAS_TILES)
+    if ok:
+        vis = tl.load(vis_ptr + tok)
+        offs_b = tl.program_id(1) * BB + tl.arange(0, BB)
+        offs_e = tl.arange(0, BS_PAD)
+        g = offs_b[:, None] * BLOCK_SIZE + offs_e[None, :]
+        m = (offs_e[None, :] < BLOCK_SIZE) & (g < N)
+        keys = _load_keys(src_ptr + slot.to(tl.int64) * N, g, m, True)
+        keys = tl.where(m, keys, KEY_NINF)  # padding past N is -inf, as the reference's
+        bk = tl.max(keys, 1)
+        newest = tl.where(vis > 0, (vis - 1) // BLOCK_SIZE, -1)  # vis 0: none pinned
+        bk = tl.where(offs_b == newest, KEY_PINF, bk)
+        tl.store(key_ptr + slot.to(tl.int64) * nblk + offs_b, bk, mask=offs_b < nblk)
+
+
+@triton.jit
+def _threshold(hist_ptr, n, k):
+    """From a 256-bin histogram of n keys' bytes: the bin b holding the k-th largest, and how
+    many keys lie in bins above it."""
+    bins = tl.arange(0, 256)
+    h = tl.load(hist_ptr + bins)
+    incl = tl.cumsum(h, 0)
+    b = tl.sum((incl - h <= n - k).to(tl.int32), 0) - 1
+    above = n - tl.sum(tl.where(bins == b, incl, 0), 0)
+    in_bin = tl.sum(tl.where(bins == b, h, 0), 0)
+    return b, above, in_bin
+
+
+@triton.jit
+def _hist_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, tile_tok_ptr, tile_cnt_ptr, tile_base,
+                 slot_base, N, k, LOW: tl.constexpr, CH: tl.constexpr, TILE: tl.constexpr,
+                 HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr):
+    """Radix select, one level: the high bytes' histogram (LOW false) or, inside the high
+    byte's threshold bin, the low bytes' (LOW true). hist_*: int32 [slots, 256], zeroed.
+    Grid (slots, cdiv(N, CH))."""
+    slot = tl.program_id(0)
+    _, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
+                         HAS_TILES)
+    if ok:
+        offs = tl.program_id(1) * CH + tl.arange(0, CH)
+        m = offs < N
+        key = _load_keys(src_ptr + slot.to(tl.int64) * N, offs, m, FROM_SCORES)
+        bins = tl.arange(0, 256)
+        if LOW:
+            b, _, _ = _threshold(hist_hi_ptr + slot * 256, N, k)
+            m = m & ((key >> 8) == b)
+            byte = key & 0xFF
+            dst = hist_lo_ptr
+        else:
+            byte = key >> 8
+            dst = hist_hi_ptr
+        h = tl.histogram(tl.where(m, byte, 0), 256)
+        h = h - tl.where(bins == 0, CH - tl.sum(m.to(tl.int32), 0), 0)  # the masked lanes
+        tl.atomic_add(dst + slot * 256 + bins, h, mask=h != 0)
+
+
+@triton.jit
+def _cut(hist_hi_ptr, hist_lo_ptr, N, k):
+    """The k-th largest key u and how many keys equal to u the selection takes."""
+    b, above, in_bin = _threshold(hist_hi_ptr, N, k)
+    lo, above_lo, _ = _threshold(hist_lo_ptr, in_bin, k - above)
+    return b * 256 + lo, k - above - above_lo
+
+
+@triton.jit
+def _count_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, tile_tok_ptr, tile_cnt_ptr,
+                  tile_base, slot_base, N, k, nch, CH: tl.constexpr, TILE: tl.constexpr,
+                  HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr):
+    """cnt: int32 [slots, 2, nch]: per row chunk, the keys above u and equal to u."""
+    slot = tl.program_id(0)
+    c = tl.program_id(1)
+    _, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
+                         HAS_TILES)
+    if ok:
+        u, _ = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256, N, k)
+        offs = c * CH + tl.arange(0, CH)
+        m = offs < N
+        key = _load_keys(src_ptr + slot.to(tl.int64) * N, offs, m, FROM_SCORES)
+        gt = tl.sum((m & (key > u)).to(tl.int32), 0)
+        eq = tl.sum((m & (key == u)).to(tl.int32), 0)
+        tl.store(cnt_ptr + slot * 2 * nch + c, gt)
+        tl.store(cnt_ptr + slot * 2 * nch + nch + c, eq)
+
+
+@triton.jit
+def _select_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, out_ptr, vis_ptr,
+                   tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, N, k, nch, out_stride,
+                   CH: tl.constexpr, NCH_PAD: tl.constexpr, TILE: tl.constexpr,
+                   HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr, MASK_OUT: tl.constexpr):
+    """Write the selection of one row chunk, rows ascending. MASK_OUT false: out int32 [T, k]
+    row numbers (-1 past the query's visible); true: out uint8 [T, N] kept flags (key above
+    -inf). Grid (slots, nch)."""
+    slot = tl.program_id(0)
+    c = tl.program_id(1)
+    tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
+                           HAS_TILES)
+    if ok:
+        u, need = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256, N, k)
+        prev = tl.arange(0, NCH_PAD)
+        before = prev < c
+        gt_before = tl.sum(tl.load(cnt_ptr + slot * 2 * nch + prev, mask=before, other=0), 0)
+        eq_before = tl.sum(tl.load(cnt_ptr + slot * 2 * nch + nch + prev, mask=before,
+                                   other=0), 0)
+        offs = c * CH + tl.arange(0, CH)
+        m = offs < N
+        key = _load_keys(src_ptr + slot.to(tl.int64) * N, offs, m, FROM_SCORES)
+        gt = (m & (key > u)).to(tl.int32)
+        eq = (m & (key == u)).to(tl.int32)
+        eq_rank = eq_before + tl.cumsum(eq, 0) - eq
+        take = (gt != 0) | ((eq != 0) & (eq_rank < need))
+        if MASK_OUT:
+            tl.store(out_ptr + tok * out_stride + offs, (take & (key > KEY_NINF)).to(tl.uint8),
+                     mask=m)
+        else:
+            t32 = take.to(tl.int32)
+            pos = gt_before + tl.minimum(eq_before, need) + tl.cumsum(t32, 0) - t32
+            vis = tl.load(vis_ptr + tok)
+            val = tl.where(offs < vis, offs, -1)
+            tl.store(out_ptr + tok * out_stride + pos, val, mask=take)
+
+
+def _select(src, k: int, out, visible, tiles, tile_base: int, slot_base: int, slots: int,
+            n: int, from_scores: bool, mask_out: bool) -> None:
+    """Radix top-k of ``slots`` rows of ``src`` [slots, n] into ``out`` (see _select_kernel)."""
+    dev = src.device
+    hist = torch.zeros(2, slots, 256, dtype=torch.int32, device=dev)
+    nch = triton.cdiv(n, SELECT_CHUNK)
+    cnt = torch.empty(slots, 2, nch, dtype=torch.int32, device=dev)
+    tile_tok, tile_cnt, tile = tiles
+    common = (tile_tok, tile_cnt, tile_base, slot_base, n, k)
+    meta = dict(CH=SELECT_CHUNK, TILE=tile, HAS_TILES=tile_tok is not None,
+                FROM_SCORES=from_scores)
+    grid = (slots, nch)
+    _hist_kernel[grid](src, hist[0], hist[1], *common, LOW=False, **meta, num_warps=4)
+    _hist_kernel[grid](src, hist[0], hist[1], *common, LOW=True, **meta, num_warps=4)
+    _count_kernel[grid](src, hist[0], hist[1], cnt, *common, nch, **meta, num_warps=4)
+    _select_kernel[grid](src, hist[0], hist[1], cnt, out, visible, *common, nch, out.stride(0),
+                         NCH_PAD=triton.next_power_of_2(nch), MASK_OUT=mask_out, **meta,
+                         num_warps=4)
+
+
+def _query_tiles(token_groups, tile: int, device):
+    """Tiles of up to ``tile`` consecutive tokens of one sequence, as (first token [n] int64,
+    count [n] int32), from the step's token groups (device ops only)."""
+    firsts, counts = [], []
+    for m, tokens in token_groups:
+        first = tokens.view(-1, m)[:, 0].to(device)
+        offs = torch.arange(0, m, tile, device=device)
+        firsts.append((first[:, None] + offs).flatten())
+        counts.append((m - offs).clamp(max=tile).to(torch.int32).expand(first.numel(), -1)
+                      .flatten())
+    return torch.cat(firsts), torch.cat(counts)
+
+
+def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
+               block_table: torch.Tensor, token_row: torch.Tensor, visible: torch.Tensor,
+               n_rows: int, topk: int, token_groups: list[tuple[int, torch.Tensor]],
+               candidates: torch.Tensor | None = None, candidate_topk: int | None = None,
+               block_size: int = 8, score_budget: int = 1 << 30, reduce=None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """reference.index_topk in Triton (same arguments, same results; module docstring).
+
+    score_budget: bytes of bf16 scores held at once (a prefill longer than that runs in query
+    chunks; the results do not depend on it). reduce: called on each chunk's bf16 scores
+    [queries, n_rows] (tensor parallelism's all-reduce) before candidates and top-k."""
+    t_all, dev = q_index.shape[0], q_index.device
+    require(q_index.dim() == 3 and q_index.dtype == torch.bfloat16,
+            f"q_index must be a bf16 [T, I, d] tensor, got {q_index.dtype} {tuple(q_index.shape)}")
+    _, heads, d = q_index.shape
+    require(d % 32 == 0 and d >= 32,
+            f"index_head_dim must be a multiple of 32 for the kernel, got {d}")
+    require(key_pool.dtype == torch.uint8 and key_pool.dim() == 3
+            and key_pool.shape[2] == index_key_bytes(d) and key_pool.is_contiguous(),
+            f"key_pool must be a contiguous uint8 [P, page_rows, {index_key_bytes(d)}] tensor, "
+            f"got {key_pool.dtype} {tuple(key_pool.shape)}")
+    check_device(q_index, head_weights, key_pool, block_table, token_row, visible)
+    k = min(topk, n_rows)
+    selected = torch.empty(t_all, k, dtype=torch.int32, device=dev)
+    nblk = -(-n_rows // block_size)
+    keep = torch.empty(t_all, nblk, dtype=torch.bool, device=dev) \
+        if candidate_topk is not None else None
+    if n_rows == 0 or t_all == 0:
+        return selected, keep
+    words = d % 128 == 0  # rows of whole 32-bit words (68 B at d = 128): word loads
+    units = key_pool.view(torch.int32) if words else key_pool
+    q = q_index.contiguous()
+    w = head_weights.contiguous()
+    table = block_table.contiguous()
+    vis = visible.contiguous()
+    rows = token_row.contiguous()
+    cand = None
+    if candidates is not None:
+        require(candidates.dim() == 2 and candidates.shape[0] == t_all
+                and candidates.shape[1] * block_size >= n_rows,
+                f"candidates must be [T={t_all}, >= {nblk}] blocks, got "
+                f"{tuple(candidates.shape)}")
+        cand = candidates.contiguous().view(torch.uint8)
+    prefill = any(m > 1 for m, _ in token_groups)
+    tile = PREFILL_TILE if prefill else 1
+    if prefill:
+        tile_tok, tile_cnt = _query_tiles(token_groups, tile, dev)
+        n_tiles = tile_tok.numel()
+    else:
+        tile_tok = tile_cnt = None
+        n_tiles = t_all
+    per_tile = tile * n_rows * 2
+    chunk_tiles = max(1, min(n_tiles, score_budget // per_tile))
+    i_pad = max(triton.next_power_of_2(heads), 16 // tile)
+    interpret = interpreting()
+    tiles_per_prog = SCORE_TILES_PER_PROGRAM
+    row_progs = triton.cdiv(n_rows, SCORE_ROWS * tiles_per_prog)
+    bs_pad = triton.next_power_of_2(block_size)
+    for t0 in range(0, n_tiles, chunk_tiles):
+        c = min(chunk_tiles, n_tiles - t0)
+        slots = c * tile
+        tile_base, slot_base = (t0, 0) if prefill else (0, t0)
+        scores = torch.empty(slots, n_rows, dtype=torch.int16, device=dev)
+        _score_kernel[(c, row_progs)](
+            q, w, units, table, vis, rows, cand, scores, tile_tok, tile_cnt, tile_base,
+            slot_base, n_rows, table.stride(0), key_pool.shape[1],
+            cand.shape[1] if cand is not None else 0, tiles_per_prog,
+            I=heads, I_PAD=i_pad, D=d, TILE=tile, BN=SCORE_ROWS, BLOCK_SIZE=block_size,
+            WORDS=words, HAS_TILES=prefill, HAS_KEEP=cand is not None, INTERPRET=interpret,
+            num_warps=4)
+        if reduce is not None:
+            scores = reduce(scores.view(torch.bfloat16)).contiguous().view(torch.int16)
+        tiles = (tile_tok, tile_cnt, tile)
+        if keep is not None:
+            bkeys = torch.empty(slots, nblk, dtype=torch.int32, device=dev)
+            _block_key_kernel[(slots, triton.cdiv(nblk, BLOCK_KEYS))](
+                scores, bkeys, vis, rows, tile_tok, tile_cnt, tile_base, slot_base, n_rows, nblk,
+                BLOCK_SIZE=block_size, BS_PAD=bs_pad, BB=BLOCK_KEYS, TILE=tile,
+                HAS_TILES=prefill, num_warps=4)
+            _select(bkeys, min(candidate_topk, nblk), keep.view(torch.uint8), vis, tiles,
+                    tile_base, slot_base, slots, nblk, False, True)
+        _select(scores, k, selected, vis, tiles, tile_base, slot_base, slots, n_rows, True, False)
+    return selected, keep

@@ -1,0 +1,127 @@
+"""Triton indexer (ops/indexer/triton.py) against the reference selection, exact index sets:
+paged fp4 keys through shuffled block tables, decode and prefill query tiles, tie-heavy rows,
+rows with fewer visible rows than k and none at all, unallocated pages, candidate pinning and
+partial blocks, consumers reading a source's kept blocks, rows split over several selection
+programs, and query chunks. Runs under TRITON_INTERPRET=1 on the CPU (conftest)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dsv41attn.ops.common.packing import pack_index_keys
+from dsv41attn.ops.common.quant import index_fp4_fake_quant
+from dsv41attn.ops.indexer import reference as ref
+from dsv41attn.ops.indexer import triton as tri
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles small enough that a short row spans several scoring and selection programs."""
+    monkeypatch.setattr(tri, "SCORE_ROWS", 16)
+    monkeypatch.setattr(tri, "SCORE_TILES_PER_PROGRAM", 1)
+    monkeypatch.setattr(tri, "SELECT_CHUNK", 16)
+    monkeypatch.setattr(tri, "BLOCK_KEYS", 4)
+
+
+def setup(seqs, n_rows, heads, d, seed, page_rows=4, ties=False):
+    """Paged index keys of len(seqs) sequences on shuffled pages; one query per token (seqs[i]
+    tokens of sequence i, packed), with visibility ending at its position as in a prefill."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(seqs)
+    pages = -(-n_rows // page_rows)
+    table = torch.randperm(b * pages + 2, generator=g)[: b * pages].view(b, pages)
+    if ties:  # a few distinct key and query values: many exactly equal scores
+        keys = torch.randint(-1, 2, (b, n_rows, d), generator=g).bfloat16()
+        q = torch.randint(0, 2, (sum(seqs), heads, d), generator=g).bfloat16()
+        w = torch.full((sum(seqs), heads), 0.125).bfloat16()
+    else:
+        keys = torch.randn(b, n_rows, d, generator=g).bfloat16()
+        q = torch.randn(sum(seqs), heads, d, generator=g).bfloat16()
+        w = (torch.randn(sum(seqs), heads, generator=g) / 8).bfloat16()
+    pool = torch.zeros(b * pages + 2, page_rows, d // 2 + d // 32, dtype=torch.uint8)
+    packed = pack_index_keys(index_fp4_fake_quant(keys))
+    for s in range(b):
+        for t in range(n_rows):
+            pool[table[s, t // page_rows], t % page_rows] = packed[s, t]
+    token_row, visible, groups, start = [], [], {}, 0
+    for s, m in enumerate(seqs):
+        token_row += [s] * m
+        top = int(torch.randint(0, n_rows + 1, (1,), generator=g))
+        visible += [max(0, top - (m - 1 - i)) for i in range(m)]  # causal: +1 per token
+        groups.setdefault(m, []).extend(range(start, start + m))
+        start += m
+    token_groups = [(m, torch.tensor(ids, device=DEV)) for m, ids in groups.items()]
+    return (index_fp4_fake_quant(q).to(DEV), w.to(DEV), pool.to(DEV), table.to(DEV),
+            torch.tensor(token_row, device=DEV), torch.tensor(visible, device=DEV),
+            token_groups)
+
+
+def both(args, n_rows, topk, **kw):
+    want = ref.index_topk(*args[:6], n_rows, topk, args[6], **kw)
+    got = tri.index_topk(*args[:6], n_rows, topk, args[6], **kw)
+    return want, got
+
+
+def assert_same(want, got):
+    assert got[0].dtype == torch.int32 and torch.equal(got[0].cpu(), want[0].cpu())
+    if want[1] is None:
+        assert got[1] is None
+    else:
+        assert got[1].dtype == torch.bool and torch.equal(got[1].cpu(), want[1].cpu())
+
+
+@pytest.mark.parametrize("d,heads", [(32, 4), (128, 32)], ids=["tiny-bytes", "flash-words"])
+def test_decode_queries_and_candidate_source(d, heads, small_tiles):
+    """One query per sequence (decode), 37 rows: 3 scoring tiles, 3 selection chunks, a
+    partial last candidate block; topk 5 and more than the rows."""
+    args = setup([1, 1, 1, 1], 37, heads, d, seed=d)
+    args[5][0] = 0  # a query that sees nothing: all -1, nothing kept, nothing pinned
+    args[5][1] = 1  # one visible row: its block pinned
+    for topk in (5, 40):
+        want, got = both(args, 37, topk, candidate_topk=3, block_size=3)
+        assert_same(want, got)
+    assert (got[0][0] == -1).all() and not got[1][0].any()
+
+
+def test_prefill_tiles_ties_and_query_chunks(small_tiles):
+    """Sequences of 6, 1 and 3 tokens (query tiles of 4 with a partial one and a mixed step),
+    tie-heavy scores, and a score budget of one tile per chunk."""
+    args = setup([6, 1, 3], 29, 4, 32, seed=3, ties=True)
+    want, got = both(args, 29, 7, candidate_topk=2, block_size=4)
+    assert_same(want, got)
+    got_chunked = tri.index_topk(*args[:6], 29, 7, args[6], candidate_topk=2, block_size=4,
+                                 score_budget=1)
+    assert_same(want, got_chunked)
+
+
+def test_consumer_reads_kept_blocks_and_wider_candidates(small_tiles):
+    """A Reindex consumer scores only rows inside the source's kept blocks (a source scanning
+    more rows than the consumer: a wider candidate mask), with fewer kept rows than k so the
+    reference's -inf ties past the kept blocks decide the rest."""
+    args = setup([2, 1, 4], 26, 4, 32, seed=5)
+    src = setup([2, 1, 4], 33, 4, 32, seed=6)
+    _, keep = ref.index_topk(*src[:6], 33, 4, src[6], candidate_topk=2, block_size=4)
+    for topk in (4, 12):
+        want, got = both(args, 26, topk, candidates=keep, block_size=4)
+        assert_same(want, got)
+
+
+def test_unallocated_pages_read_zero_keys():
+    args = list(setup([1, 3], 12, 4, 32, seed=7))
+    args[3][:, -1] = -1  # never allocated
+    args[5].fill_(12)
+    want, got = both(args, 12, 12)
+    assert_same(want, got)
+
+
+def test_bad_arguments_name_the_value():
+    args = setup([1], 8, 4, 32, seed=8)
+    with pytest.raises(ValueError, match="key_pool"):
+        tri.index_topk(args[0], args[1], args[2][..., :-1], *args[3:6], 8, 4, args[6])
+    with pytest.raises(ValueError, match="candidates"):
+        tri.index_topk(*args[:6], 8, 4, args[6], candidates=torch.ones(2, 1, dtype=torch.bool,
+                                                                         device=DEV))
