@@ -47,7 +47,7 @@ class AttentionLayer:
         self.ops = get_ops(backend)
         self.spec = cfg.layer(weights.layer)
         self.weights = weights
-        self.tp = TensorParallel.of(cfg, tp_group)  # None: unsharded
+        self.tp = TensorParallel.of(cfg, tp_group, weights.attn_sink.device)  # None: unsharded
         if self.tp is None:
             check_layer_weights(cfg, weights)
             self.heads, self.groups, self.index_heads = cfg.n_heads, cfg.o_groups, cfg.index_n_heads
@@ -69,12 +69,20 @@ class AttentionLayer:
         when every sequence of the step has m tokens. Returns the output in x's layout.
         Everything is checked before the first write; if this layer raises, the whole step is
         undone (every sequence back where it was before the step) and the error re-raised.
+        Under tensor parallelism the call succeeds or fails on every rank together: if one
+        rank's part raises, every rank undoes the step (the others raise ``tp.PeerFailure``);
+        ``TensorParallel.agreement``.
         """
         step.begin_layer(self, x, state)
         try:
             with torch.no_grad():
-                y = self.run(x.reshape(-1, x.shape[-1]), state, step.plan, step.board,
-                             step.undo, step.semantics, step.trace)
+                if self.tp is None:
+                    y = self.run(x.reshape(-1, x.shape[-1]), state, step.plan, step.board,
+                                 step.undo, step.semantics, step.trace)
+                else:
+                    with self.tp.agreement(self.spec.layer):
+                        y = self.run(x.reshape(-1, x.shape[-1]), state, step.plan, step.board,
+                                     step.undo, step.semantics, step.trace)
         except BaseException:
             step.abort()
             raise

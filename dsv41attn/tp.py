@@ -21,12 +21,20 @@ split is 32-aligned (V4.1: 8192/w), each rank quantises its own columns (same bl
 When it is not (the tiny test geometries, o_groups*o_lora_rank = 32), the blocks straddle
 ranks: the ranks all-gather the wo_b input so every block's scale is that of w = 1, and each
 rank multiplies only its own columns (zero weight elsewhere in its blocks).
+
+A layer call of a step succeeds or fails on every rank together (``TensorParallel.agreement``):
+a rank whose part raises (out of memory, an interrupt: what differs between ranks that run the
+same calls) announces it at the next agreement, a one-int all-reduce before each collective
+and at the end of the call, so no rank waits in a collective for a rank that left, and every
+rank undoes the step (``Step.abort``). Argument checks run before it and fail alike on every
+rank given the same calls. Plans and CUDA graphs run without it (a graph cannot read the host).
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -253,26 +261,80 @@ def load_layer_weights_tp(path: str | os.PathLike, cfg: AttentionConfig,
 
 # ---- the layer's collectives ----------------------------------------------------------------
 
-class TensorParallel:
-    """One layer's view of its process group: local counts and the two reductions."""
+class PeerFailure(RuntimeError):
+    """Raised on the ranks whose part of a layer call went through when another rank's part
+    raised: the step was undone on every rank (that rank raises its own error)."""
 
-    def __init__(self, cfg: AttentionConfig, group):
+
+class TensorParallel:
+    """One layer's view of its process group: local counts, the two reductions, and the
+    agreement that makes a step's layer call succeed or fail on every rank together."""
+
+    def __init__(self, cfg: AttentionConfig, group, device: torch.device | str = "cpu"):
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.shape = tp_shape(cfg, self.rank, self.world)
+        self._flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self._agreeing: int | None = None  # the layer of the guarded call under way
+        self._settled = False  # this call's outcome is agreed (a peer's failure was heard)
 
     @classmethod
-    def of(cls, cfg: AttentionConfig, group) -> "TensorParallel | None":
+    def of(cls, cfg: AttentionConfig, group,
+           device: torch.device | str = "cpu") -> "TensorParallel | None":
         """None without a group or with a group of one rank (the unsharded layer)."""
         if group is None or dist.get_world_size(group) == 1:
             return None
-        return cls(cfg, group)
+        return cls(cfg, group, device)
 
+    # ---- agreement: a step's layer call fails on every rank or on none ---------------------
+    @contextmanager
+    def agreement(self, layer: int):
+        """Guard one layer call of a step (``AttentionLayer.forward``).
+
+        Every collective of the body is preceded by an agreement, a one-int MAX all-reduce of
+        this rank's status (0, or rank + 1 once it has failed), and the body ends with one
+        more. A rank whose body raises takes part in one agreement, the next, announcing its
+        failure, and re-raises; the ranks still running hear it at that same agreement (their
+        next collective would have been the data collective the failed rank never reaches)
+        and raise PeerFailure. So every rank issues the same collectives, none waits on a rank
+        that left, and the call fails or succeeds on all of them; the caller undoes the step.
+        Costs one agreement per collective plus one per layer call; plans and CUDA graphs
+        (``AttentionLayer.run`` outside a step) run without it."""
+        self._agreeing, self._settled = layer, False
+        try:
+            yield
+            self._agree(failed=False)  # the call's end: every rank's part went through
+        except BaseException:
+            if not self._settled:
+                self._settled = True
+                self._agree(failed=True)
+            raise
+        finally:
+            self._agreeing = None
+
+    def _agree(self, failed: bool) -> None:
+        """One agreement; raises PeerFailure if another rank announced a failure."""
+        flag = self._flag
+        flag.fill_(self.rank + 1 if failed else 0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        who = int(flag.item()) - 1
+        if who >= 0 and not failed:
+            self._settled = True
+            raise PeerFailure(f"layer {self._agreeing}: rank {who} of {self.world} raised in "
+                              f"this layer call (its own error is raised there); the step was "
+                              f"undone on every rank")
+
+    def _before_collective(self) -> None:
+        if self._agreeing is not None:
+            self._agree(failed=False)
+
+    # ---- the layer's collectives -----------------------------------------------------------
     def reduce_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """Index scores: local heads' bf16 partial sum -> SUM over ranks, in bf16
         (docs/numerics.md §10)."""
         scores = scores.contiguous()
+        self._before_collective()
         dist.all_reduce(scores, op=dist.ReduceOp.SUM, group=self.group)
         return scores
 
@@ -283,6 +345,7 @@ class TensorParallel:
             y = ops.fp8_linear(u, wo_b.weight, wo_b.scale, out_dtype=torch.float32)
         else:
             y = self._straddled_partial(u, wo_b)
+        self._before_collective()
         dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
         return y.to(torch.bfloat16)
 
@@ -291,7 +354,9 @@ class TensorParallel:
         gathered so each block's activation scale is that of w = 1; this rank's columns only
         (zero weight on the rest of its blocks)."""
         parts = [torch.empty_like(u) for _ in range(self.world)]
-        dist.all_gather(parts, u.contiguous(), group=self.group)
+        u = u.contiguous()
+        self._before_collective()
+        dist.all_gather(parts, u, group=self.group)
         x_q, x_s = act_quant(torch.cat(parts, dim=-1))  # [T, K] e4m3 values, [T, K/32]
         (c0, c1), (b0, b1) = self.shape.o_cols, self.shape.o_col_blocks
         w = torch.zeros(wo_b.weight.shape[0], (b1 - b0) * BLOCK, dtype=FP8, device=u.device)
@@ -309,5 +374,6 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None
                             world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-__all__ = ["TPShape", "TensorParallel", "check_world_size", "tp_shape", "shard_layer_weights",
-           "check_shard_weights", "load_layer_weights_tp", "init_gloo", "SCALE"]
+__all__ = ["TPShape", "TensorParallel", "PeerFailure", "check_world_size", "tp_shape",
+           "shard_layer_weights", "check_shard_weights", "load_layer_weights_tp", "init_gloo",
+           "SCALE"]

@@ -10,6 +10,10 @@ The seeded random inputs here are fixed, and give the same selections at w = 1 a
 different seed could meet a near-tie and legitimately differ); the golden fixture is tie-free
 by construction (its README: >= 6 bf16 ulps at every top-k and candidate boundary). Without
 either all-reduce the same checks fail (top-k and outputs differ), so they have teeth.
+
+A rank that fails mid-step: one rank's layer raises (before, between or after the layer's
+collectives) and every rank undoes the step (``TensorParallel.agreement``), bit for bit, and
+the same step then gives what a never-failed state gives.
 """
 from __future__ import annotations
 
@@ -20,10 +24,13 @@ import statistics
 import time
 from pathlib import Path
 
+import dataclasses
+
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from conftest import assert_same, clone_state, make_x, snapshot
 from dsv41attn.checkpoint import (load_layer_weights, random_layer_weights,
                                   write_synthetic_checkpoint)
 from dsv41attn.config import ConfigError, preset
@@ -123,9 +130,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def test_tp2_equals_unsharded_and_replays_fixture(tmp_path):
-    """2 gloo ranks: per-role equality with w = 1 and the golden fixture at TP 2."""
-    ctx = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD,
+def _spawn(worker, tmp_path) -> None:
+    """Run ``worker(rank, port, out_dir)`` on WORLD spawned gloo ranks; fail on a hang."""
+    ctx = mp.start_processes(worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD,
                              join=False, start_method="spawn")
     deadline = time.time() + DEADLINE_S
     try:
@@ -136,9 +143,110 @@ def test_tp2_equals_unsharded_and_replays_fixture(tmp_path):
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+
+
+def test_tp2_equals_unsharded_and_replays_fixture(tmp_path):
+    """2 gloo ranks: per-role equality with w = 1 and the golden fixture at TP 2."""
+    _spawn(_worker, tmp_path)
     report = json.loads((tmp_path / "report.json").read_text())
     print(json.dumps(report))
     assert report["tiny.max_err"] <= 1e-2 and report["tiny_r32.max_err"] <= 1e-2
+
+
+# ---- a rank that fails mid-step ------------------------------------------------------------
+
+class Boom(RuntimeError):
+    pass
+
+
+def _raising(ops, op_name):
+    def boom(*a, **k):
+        raise Boom(op_name)
+    return dataclasses.replace(ops, **{op_name: boom})
+
+
+MIXED = [5, 1, 3]  # a chunk across a compressor group and a page, a decode, 3 drafts
+
+
+def _mixed_step(stack, state, seed=2):
+    """One mixed step through every layer; packed inputs, the same on every rank."""
+    step = stack.step(state, MIXED)
+    xs = {L: make_x(stack.cfg, 1, sum(MIXED), 1000 * seed + L)[0] for L in stack.layers}
+    return stack.run(step, xs)
+
+
+# (what each rank injects: None, or (layer, where)) -> the error each rank must raise.
+# where: an op of the layer (its first call raises: fp8_linear is the first op, before any
+# collective; sparse_attn_paged runs between the index-score and the wo_b collectives) or
+# "write_window" (the ring write after the layer's last collective: it writes, then raises).
+FAILURES = [
+    ((None, (3, "fp8_linear")), ("PeerFailure", "Boom")),
+    ((None, (3, "sparse_attn_paged")), ("PeerFailure", "Boom")),
+    (((5, "write_window"), None), ("Boom", "PeerFailure")),
+    (((7, "sparse_attn_paged"), (3, "fp8_linear")), ("PeerFailure", "Boom")),  # 1 fails first
+    (((3, "sparse_attn_paged"), (3, "sparse_attn_paged")), ("Boom", "Boom")),
+]
+
+
+def _failure_worker(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from dsv41attn.stack import AttentionStack
+    from dsv41attn.tp import PeerFailure, init_gloo
+
+    torch.set_num_threads(1)
+    init_gloo(rank, WORLD, port, timeout_s=60)
+    try:
+        cfg = preset("tiny")
+        shards = {L: shard_layer_weights(cfg, random_layer_weights(cfg, L, seed=0), rank, WORLD)
+                  for L in range(cfg.n_layers)}
+        stack = AttentionStack(cfg, shards, tp_group=dist.group.WORLD)
+        base = stack.new_state(3, capacity=64, page_size=4, rollback=4)
+        step = stack.step(base, [7, 3, 6])
+        stack.run(step, {L: make_x(cfg, 1, 16, L)[0] for L in stack.layers})
+        want = _mixed_step(stack, clone_state(base))  # the never-failed state's outputs
+        errors = {"Boom": Boom, "PeerFailure": PeerFailure}
+        for injected, raised in FAILURES:
+            state = clone_state(base)
+            before = snapshot(state)
+            mine = injected[rank]
+            if mine is not None:
+                layer, where = stack.layers[mine[0]], mine[1]
+                good = layer.ops
+                if where == "write_window":
+                    write = state.write_window
+
+                    def write_then_raise(*a, **k):
+                        write(*a, **k)
+                        raise Boom("write_window")
+
+                    state.write_window = write_then_raise
+                else:
+                    layer.ops = _raising(good, where)
+            try:
+                with pytest.raises(errors[raised[rank]]):
+                    _mixed_step(stack, state)
+            finally:
+                if mine is not None:
+                    layer.ops = good
+                    state.__dict__.pop("write_window", None)
+            assert_same(before, snapshot(state))  # every tensor and host list, bit for bit
+            assert state.open_step == [None] * 3
+            got = _mixed_step(stack, state)  # the same step, now on every rank
+            for L in want:
+                assert torch.equal(got[L], want[L]), (injected, L)
+        if rank == 0:
+            (Path(out_dir) / "failures.json").write_text(json.dumps(len(FAILURES)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_failing_mid_step_undoes_the_step_on_every_rank(tmp_path):
+    """2 gloo ranks, a mixed step: one rank's layer raises (at several points, or both ranks'
+    at different points): no rank hangs or commits, every rank's state is bit-identical to
+    before the step, and the step then gives what a never-failed state gives."""
+    _spawn(_failure_worker, tmp_path)
+    assert json.loads((tmp_path / "failures.json").read_text()) == len(FAILURES)
 
 
 # ---- no processes needed -------------------------------------------------------------------
