@@ -26,6 +26,7 @@ from .config import AttentionConfig, preset
 from .ops.common.packing import (compressed_row_bytes, index_key_bytes, pack_compressed_rows,
                                  pack_index_keys, pack_window_rows, window_row_bytes)
 from .stack import AttentionStack
+from .tp import shard_layer_weights
 
 BF16_FLOPS = 790e12
 ROLES = {"SWA": 0, "Full r=2": 2, "Full r=1 cand": 20, "Reindex": 24, "Reuse": 21}
@@ -134,9 +135,11 @@ def role_layers(cfg: AttentionConfig, role: str) -> list[int]:
 class RoleBench:
     """One role's layer and the sources it reads, on the GPU, for one backend."""
 
-    def __init__(self, cfg: AttentionConfig, role: str, backend: str, weights: dict):
+    def __init__(self, cfg: AttentionConfig, role: str, backend: str, weights: dict,
+                 tp_group=None):
         self.cfg, self.target, self.layers = cfg, ROLES[role], role_layers(cfg, role)
-        self.stack = AttentionStack(cfg, {L: weights[L] for L in self.layers}, backend)
+        self.stack = AttentionStack(cfg, {L: weights[L] for L in self.layers}, backend,
+                                    tp_group=tp_group)
 
     def _decode_state(self, batch: int, ctx: int, steps: int):
         """Sequences at position ``ctx`` (at most max_seq_len - steps: room for the steps)."""
@@ -218,18 +221,30 @@ class RoleBench:
         return sorted(rows, key=lambda r: -r[1])[:top]
 
 
+def _weights(cfg: AttentionConfig, layers, tp=None) -> dict:
+    """Random weights of ``layers`` on the GPU; under ``--tp`` (tp: the CLI's ranks) this
+    rank's shards of them."""
+    return {L: shard_layer_weights(cfg, random_layer_weights(cfg, L, seed=L),
+                                   0 if tp is None else tp.rank,
+                                   1 if tp is None else tp.world).to("cuda") for L in layers}
+
+
 def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
-                 reference_cases=((1, 4096), (64, 4096)), compile_cases=(), log=print):
+                 reference_cases=((1, 4096), (64, 4096)), compile_cases=(), log=print, tp=None):
     """Rows of the per-role table: triton under CUDA-graph replay (the serving path), and for
     ``reference_cases`` the reference path eager and the triton path eager (host launches
-    included); ``compile_cases``: the reference path under torch.compile as well."""
+    included); ``compile_cases``: the reference path under torch.compile as well. ``tp``:
+    the ranks of ``--tp`` (every rank runs the same cases on its shard; the floor stays one
+    GPU's whole layer)."""
     cfg = preset("v41-flash")
     copy_bw = measure_copy_bandwidth()
     layers = sorted({L for r in roles for L in role_layers(cfg, r)})
-    weights = {L: random_layer_weights(cfg, L, seed=L).to("cuda") for L in layers}
+    weights = _weights(cfg, layers, tp)
+    group = None if tp is None else tp.group
     rows = []
     for role in roles:
-        tri, ref = RoleBench(cfg, role, "triton", weights), RoleBench(cfg, role, "reference", weights)
+        tri = RoleBench(cfg, role, "triton", weights, group)
+        ref = RoleBench(cfg, role, "reference", weights, group)
         cases = [("decode", b, c) for b, c in decode] + [("prefill", 1, t) for t in prefill]
         for kind, batch, n in cases:
             start, tokens = (n, 1) if kind == "decode" else (0, n)
@@ -339,8 +354,9 @@ def main(args) -> int:
     if args.prefill is not None:
         prefill = [int(v) for v in args.prefill.split(",") if v]
     compile_cases = ((64, 4096),) if args.compile else ()
+    tp = getattr(args, "tp_run", None)
     rows, copy_bw = bench_layers(decode=decode, prefill=prefill, roles=roles,
-                                 compile_cases=compile_cases)
+                                 compile_cases=compile_cases, tp=tp)
     fields = ["role", "kind", "batch", "context", "triton_us", "triton_eager_us", "reference_us",
               "compiled_us", "floor_us", "ratio", "TFLOP/s", "GB/s", "speedup_reference",
               "speedup_compiled", "flops", "bytes"]
@@ -366,13 +382,13 @@ def main(args) -> int:
               f"{fmt(r, 'speedup_reference', '.0f'):>7}x")
     if args.profile:
         cfg = preset("v41-flash")
-        weights = {L: random_layer_weights(cfg, L, seed=L).to("cuda")
-                   for r in roles for L in role_layers(cfg, r)}
+        weights = _weights(cfg, sorted({L for r in roles for L in role_layers(cfg, r)}), tp)
         for role in roles:
             for batch in (1, 64):
                 print(f"per-kernel GPU time, {role}, decode b={batch} 4K (one eager step):")
                 try:
-                    top = RoleBench(cfg, role, "triton", weights).profile_decode(batch, 4096)
+                    top = RoleBench(cfg, role, "triton", weights,
+                                    None if tp is None else tp.group).profile_decode(batch, 4096)
                 except Exception as e:  # noqa: BLE001 - reported, the table above stands
                     print(f"  failed: {type(e).__name__}: {e}"[:300])
                     continue

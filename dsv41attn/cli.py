@@ -10,6 +10,7 @@ turned into such lines: anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -21,6 +22,7 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as distributed
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
@@ -31,6 +33,7 @@ from .config import PRESETS, SEMANTICS, ConfigError, load_config
 from .fixtures import Fixture, compare, parse_schedule, replay
 from .ops.backends import BACKENDS
 from .stack import AttentionStack
+from .tp import check_world_size, load_layer_weights_tp
 
 DESCRIPTION = """\
 The DeepSeek-V4.1 attention layer, as DeepSeek's reference defines it: run a prefill and
@@ -48,6 +51,8 @@ examples:
       --schedule '13,1,1,4,20;7,6,26'
   dsv41attn inspect tests/fixtures/tiny_roles.safetensors --out /tmp/inspect.png
   dsv41attn env                                   versions, GPU, Triton mode: for a bug report
+  torchrun --nproc-per-node 2 -m dsv41attn demo --tp 2 --device cpu
+                                                  heads split over 2 processes (gloo)
   dsv41attn COMMAND --help                        every option of COMMAND"""
 
 # The tiny fixtures (tests/fixtures/README.md): batch 2, tiny_roles 46 positions,
@@ -141,6 +146,67 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# ---- tensor parallelism: one process per rank, started by torchrun --------------------------
+
+class _TP:
+    """The processes a command runs on: one (group None), or the ``--tp`` ranks torchrun
+    started, in one process group (NCCL on CUDA, gloo on the CPU: the only difference)."""
+
+    def __init__(self, group=None, rank: int = 0, world: int = 1, backend: str | None = None):
+        self.group, self.rank, self.world, self.backend = group, rank, world, backend
+
+    def describe(self) -> str:
+        return "" if self.group is None else \
+            f", tensor parallel over {self.world} ranks ({self.backend})"
+
+
+def _tp_world(args: argparse.Namespace, device: torch.device) -> int:
+    """``--tp`` against torchrun's environment (WORLD_SIZE), before any work: the world size."""
+    tp, env = args.tp, os.environ.get("WORLD_SIZE")
+    command = args.parser.prog.split()[-1]
+    if env is None:
+        if tp > 1:
+            raise CliError(f"--tp {tp} runs one process per rank: start it with torchrun "
+                           f"--nproc-per-node {tp} -m dsv41attn {command} ... --tp {tp} "
+                           "(WORLD_SIZE is not set)")
+        return 1
+    if not env.isdigit() or int(env) < 1:
+        raise CliError(f"WORLD_SIZE={env!r} (from torchrun) is not a positive integer")
+    if int(env) != tp:
+        raise CliError(f"--tp {tp} does not match torchrun's WORLD_SIZE={env} (--nproc-per-node "
+                       f"times nodes): pass --tp {env}, or start {tp} processes")
+    if tp > 1 and device.type == "cuda":
+        if device.index is not None:
+            raise CliError(f"--device {device}: under --tp each rank runs on its own GPU, "
+                           "cuda:LOCAL_RANK; pass --device cuda")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():
+            raise CliError(f"--tp {tp}: rank with LOCAL_RANK={local} has no GPU of its own (this "
+                           f"host has {torch.cuda.device_count()})")
+    return tp
+
+
+def _tp_start(args: argparse.Namespace, world: int,
+              device: torch.device) -> tuple[_TP, torch.device]:
+    """Join torchrun's process group (world > 1; after every check of the options), NCCL with
+    one GPU per rank (cuda:LOCAL_RANK) or gloo on the CPU. ``main`` destroys it at exit."""
+    if world == 1:
+        return _TP(), device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    distributed.init_process_group(backend)
+    args.tp_joined = True
+    return _TP(distributed.group.WORLD, distributed.get_rank(),
+               distributed.get_world_size(), backend), device
+
+
+def _not_rank0(args: argparse.Namespace) -> bool:
+    """A rank other than 0 of a ``--tp`` command under torchrun: it prints nothing."""
+    return getattr(args, "tp", 1) > 1 and os.environ.get("RANK", "0") != "0"
+
+
 # ---- demo ------------------------------------------------------------------------------------
 
 def _parse_layers(text: str, n: int, cfg_name: str) -> list[int]:
@@ -212,11 +278,14 @@ def demo(args: argparse.Namespace) -> int:
         cfg.layer(L).kv_source, cfg.layer(L).index_source,
         cfg.candidate_source_layer if cfg.layer(L).is_candidate_consumer else None)
         if s is not None})
+    world = _tp_world(args, device)
+    check_world_size(cfg, world)
     if needed != layers:
         print(f"adding source layers {sorted(set(needed) - set(layers))} that {layers} read")
+    tp, device = _tp_start(args, world, device)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.checkpoint
-        if path is None:
+        if path is None:  # under --tp every rank writes the same one and reads its slices
             path = os.path.join(tmp, "synthetic")
             write_synthetic_checkpoint(path, cfg, seed=args.seed, layers=needed)
             print(f"config {cfg_name}: synthetic checkpoint (seed {args.seed}) for layers {needed}")
@@ -224,7 +293,11 @@ def demo(args: argparse.Namespace) -> int:
             print(f"config {cfg_name}: checkpoint {path}, layers {needed}")
         t0 = time.perf_counter()
         try:
-            weights = load_layer_weights(path, cfg, needed, device=device)
+            if tp.group is None:
+                weights = load_layer_weights(path, cfg, needed, device=device)
+            else:
+                weights, nbytes = load_layer_weights_tp(path, cfg, needed, tp.rank, tp.world,
+                                                        device=device)
         except SafetensorError as e:
             raise CliError(f"--checkpoint {path}: a file in it is not readable safetensors "
                            f"({e})") from e
@@ -234,8 +307,14 @@ def demo(args: argparse.Namespace) -> int:
             raise CliError(f"{_one_line(e)} (does --config {args.config} fit this checkpoint? "
                            "without --config its config.json is read)") from e
         print(f"loaded {sum(w.nbytes for w in weights.values()) / 2**20:.1f} MiB of attention "
-              f"weights in {time.perf_counter() - t0:.2f} s")
-    stack = AttentionStack(cfg, weights, backend=args.backend)
+              f"weights in {time.perf_counter() - t0:.2f} s" + ("" if tp.group is None else
+                                                               " on rank 0"))
+        if tp.group is not None:  # what each rank read: its own slices only
+            per_rank = [None] * tp.world
+            distributed.all_gather_object(per_rank, nbytes, group=tp.group)
+            print("read from the checkpoint per rank: " + ", ".join(
+                f"rank {r} {b / 2**20:.2f} MiB" for r, b in enumerate(per_rank)))
+    stack = AttentionStack(cfg, weights, backend=args.backend, tp_group=tp.group)
     state = stack.new_state(args.batch, capacity=total, device=device)
     gen = torch.Generator().manual_seed(args.seed)
 
@@ -268,7 +347,7 @@ def demo(args: argparse.Namespace) -> int:
             info[L] = (win, n_cmp, sel)
     last = total - 1
     print(f"\n{args.batch} sequence(s): prefill {args.tokens} token(s), then {args.decode_steps} "
-          f"decode step(s); backend {args.backend}, {device}")
+          f"decode step(s); backend {args.backend}, {device}{tp.describe()}")
     print(f"per layer, what the last token (position {last}) attends: its window rows, the "
           f"compressed rows that exist,\nand top-k = the compressed rows it selected (the "
           f"entries >= 0 of its row of step.topk(index source))")
@@ -330,16 +409,22 @@ def _schedule(text: str, fixture: Fixture, semantics: str) -> list[list[int]]:
 def replay_cmd(args: argparse.Namespace) -> int:
     """Run a fixture through the library and write its outputs (a stable contract)."""
     _check_backend(args.backend, args.device)
-    _check_out(args.out)
+    world = _tp_world(args, args.device)
+    _check_out(args.out)  # on every rank: each decides alike whether to go on
     fixture = _load_fixture(args.fixture)
     schedule = _schedule(args.schedule, fixture, args.semantics) if args.schedule else None
-    result = replay(fixture, [args.semantics], device=args.device, schedule=schedule,
-                    backend=args.backend)[args.semantics]
+    check_world_size(fixture.config, world)
+    tp, device = _tp_start(args, world, args.device)
+    result = replay(fixture, [args.semantics], device=device, schedule=schedule,
+                    stack=fixture.stack(device, args.backend, tp.group))[args.semantics]
+    if tp.rank != 0:  # every rank holds the same outputs (all-reduced); rank 0 writes them
+        return 0
     try:
         save_file({k: v.contiguous() for k, v in result.items()}, args.out,
                   metadata={"fixture": os.path.basename(args.fixture),
                             "semantics": args.semantics, "backend": args.backend,
-                            "device": str(args.device), "schedule": args.schedule or "fixture"})
+                            "device": str(args.device), "schedule": args.schedule or "fixture",
+                            "tp": str(tp.world)})
     except (OSError, SafetensorError) as e:
         raise CliError(f"--out {args.out}: cannot write it ({e})") from e
     if args.semantics in fixture.semantics:
@@ -567,6 +652,9 @@ def bench_cmd(args: argparse.Namespace) -> int:
         raise CliError(f"--prefill {args.prefill!r}: expected lengths like 8192,65536")
     if args.csv:
         _check_out(args.csv, "--csv")
+    world = _tp_world(args, torch.device("cuda"))
+    check_world_size(load_config("v41-flash"), world)
+    args.tp_run, _ = _tp_start(args, world, torch.device("cuda"))
     return bench_main(args)
 
 
@@ -612,6 +700,12 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true",
                         help="show the Python traceback of an error (also DSV41ATTN_DEBUG=1)")
 
+    def tp_opt(q: argparse.ArgumentParser, device: str) -> None:
+        q.add_argument("--tp", type=_int_at_least(1), default=1, metavar="N",
+                       help="tensor parallelism: split the heads over N processes, started by "
+                            f"torchrun --nproc-per-node N; {device}; rank 0 prints "
+                            "(default: 1)")
+
     def device_opt(q: argparse.ArgumentParser) -> None:
         q.add_argument("--device", type=_device, default="cpu",
                        help="torch device to run on: cpu, cuda or cuda:N (default: cpu)")
@@ -653,6 +747,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0,
                    help="seed of the random weights and inputs (default: 0)")
     device_opt(d)
+    tp_opt(d, "gloo with --device cpu, NCCL (one GPU per rank) with --device cuda")
     d.set_defaults(func=demo, parser=d)
 
     r = sub.add_parser("replay", parents=[common],
@@ -674,6 +769,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"runs every sequence's k-th chunk, e.g. {SCHEDULE_EXAMPLE}; "
                         "tiny_roles has 2 of 46 (default: the fixture's own schedule)")
     device_opt(r)
+    tp_opt(r, "gloo with --device cpu, NCCL (one GPU per rank) with --device cuda; rank 0 "
+              "writes --out")
     r.set_defaults(func=replay_cmd, parser=r)
 
     ins = sub.add_parser("inspect", parents=[common],
@@ -740,6 +837,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also time the reference path under torch.compile (decode b=64 4K)")
     bn.add_argument("--profile", action="store_true",
                     help="per-kernel breakdown of each role's decode (b=64, 4K)")
+    tp_opt(bn, "NCCL, one GPU per rank; times are rank 0's")
     bn.set_defaults(func=bench_cmd, parser=bn)
 
     pl = sub.add_parser("plot", parents=[common],
@@ -770,8 +868,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; user errors exit with status 2 and one line on stderr."""
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("DSV41ATTN_DEBUG", "") not in ("", "0")
+    quiet = _not_rank0(args)
     try:
-        return args.func(args)
+        with contextlib.ExitStack() as on_exit:
+            if quiet:  # under --tp only rank 0 prints
+                on_exit.enter_context(contextlib.redirect_stdout(
+                    on_exit.enter_context(open(os.devnull, "w"))))
+            on_exit.callback(_tp_end, args)
+            return args.func(args)
     except BrokenPipeError:  # `dsv41attn env | head`: the reader left; no traceback
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -786,8 +890,18 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         message = _one_line(e)
+    if quiet and not getattr(args, "tp_joined", False):
+        raise SystemExit(2)  # every rank checked the same options; rank 0 says what is wrong
+    if quiet:
+        message = f"rank {os.environ.get('RANK')}: {message}"
     sys.stderr.write(f"{args.parser.prog}: error: {message}\n")
     raise SystemExit(2)
+
+
+def _tp_end(args: argparse.Namespace) -> None:
+    """Destroy the process group a --tp command joined (at exit, errors included)."""
+    if getattr(args, "tp_joined", False) and distributed.is_initialized():
+        distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from .checkpoint import layer_weights_from_tensors
 from .config import AttentionConfig
 from .stack import AttentionStack
+from .tp import shard_layer_weights
 
 FORMAT = "dsv41-attn-fixture/1"
 
@@ -47,10 +49,16 @@ class Fixture:
     def layers(self) -> list[int]:
         return list(range(self.config.n_layers))
 
-    def stack(self, device: str | torch.device = "cpu", backend: str = "reference") -> AttentionStack:
-        weights = {L: layer_weights_from_tensors(self.config, L, self.tensors).to(device)
-                   for L in self.layers}
-        return AttentionStack(self.config, weights, backend)
+    def stack(self, device: str | torch.device = "cpu", backend: str = "reference",
+              tp_group=None) -> AttentionStack:
+        """The fixture's layers; ``tp_group``: a process group to split the heads over, each
+        rank holding its shard (``tp.py``)."""
+        world = 1 if tp_group is None else dist.get_world_size(tp_group)
+        rank = 0 if tp_group is None else dist.get_rank(tp_group)
+        weights = {L: shard_layer_weights(
+            self.config, layer_weights_from_tensors(self.config, L, self.tensors), rank,
+            world).to(device) for L in self.layers}
+        return AttentionStack(self.config, weights, backend, tp_group=tp_group)
 
     def inputs(self, step: int, device="cpu") -> dict[int, torch.Tensor]:
         return {L: self.tensors[f"x.s{step}.l{L}"].to(device) for L in self.layers}
