@@ -6,9 +6,10 @@ Host: ``interpreting`` (is Triton running the CPU interpreter), ``check_device``
 ``require`` (a ValueError unless a condition holds).
 Jit helpers, inlined into their callers (they change no rounding): bf16 rounding
 (``to_bf16``, ``round_bf16``), fp8 encode/decode (``ue8m0_exponent``, ``pow2_ceil_exponent``,
-``e4m3_code``, ``e4m3_to_fp32``, ``e8m0_to_fp32``), the RMSNorm scale (``rms_scale``) and the
-RoPE pair rotation (``rope_rotate``). ``rope_heads`` (per-head RoPE) is a whole op that both the
-window K=V path (its public home, ``window_kv.triton``) and the output projection use.
+``e4m3_code``, ``e4m3_of_e2m1``, ``e4m3_to_fp32``, ``e8m0_to_fp32``), the RMSNorm scale
+(``rms_scale``) and the RoPE pair rotation (``rope_rotate``). ``rope_heads`` (per-head RoPE)
+is a whole op that both the window K=V path (its public home, ``window_kv.triton``) and the
+output projection use.
 
 Every jit helper that can round takes ``INTERPRET`` (constexpr, ``interpreting()``): under
 the interpreter the bf16 cast truncates and tl.dot misreads bf16 (triton#11584), so bf16
@@ -23,7 +24,8 @@ import triton.language as tl
 from .quant import FP8_BLOCK, FP8_MAX
 
 __all__ = ["DEFAULT_SM_COUNT", "FP8_BLOCK", "INV_FP8_MAX", "check_device", "check_rot",
-           "cos_sin", "e4m3_code", "e4m3_to_fp32", "e8m0_to_fp32", "interpreting",
+           "cos_sin", "e4m3_code", "e4m3_of_e2m1", "e4m3_to_fp32", "e8m0_to_fp32",
+           "interpreting",
            "pow2_ceil_exponent", "require", "rms_scale", "rope_heads", "rope_rotate",
            "round_bf16", "sm_count", "to_bf16", "ue8m0_exponent"]
 
@@ -150,6 +152,13 @@ def e4m3_code(v):
 def e4m3_to_fp32(codes):
     """e4m3 bytes (uint8) -> their fp32 values, exactly (the hardware conversion on the GPU)."""
     return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e4m3_of_e2m1(nib):
+    """e2m1 nibbles (uint8 0..15, sign << 3 | e1 e0 m) -> the e4m3 bytes s|0 0 e1 e0|m 0 0,
+    worth exactly the e2m1 value * 2^-6 (the packed fp4 caches decode through fp8 this way)."""
+    return ((nib & 7) << 2) | ((nib & 8) << 4)
 
 
 @triton.jit

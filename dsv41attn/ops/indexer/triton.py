@@ -5,14 +5,16 @@ Flow of one call (every launch on the device, no host sync, so a decode step can
 1. ``_score_kernel``: one program per (query tile, run of row tiles). A query tile is one
    token (decode) or up to ``PREFILL_TILE`` consecutive tokens of one sequence (they share the
    sequence's keys). Index keys are read straight from the paged pool through the block table
-   as 32-bit words (17 per 68-byte row) and decoded in registers: nibble p of word i is
-   element 8i + p, so the score is the sum over p of dot(q[:, 8i + p], k_p) with bf16 operands
-   and fp32 accumulation (the e2m1 x power-of-two products and their block sums are exact in
-   fp32, as in the reference's matmul). Per head the dot is rounded to bf16, relu'd,
-   multiplied by its weight and rounded to bf16, then the heads are summed in fp32 and rounded
-   to bf16: the reference's rounding points. Rows a query cannot see, and for a candidate
-   consumer rows outside its kept blocks, are -inf and their key bytes are never loaded; a
-   tile with nothing to score loads nothing. Scores go to a bf16 buffer [queries, rows].
+   (as 32-bit words where rows are 4-byte aligned: 68 B at d = 128) and decoded in registers,
+   8 nibbles per word, to f16 codes worth e2m1 * 2^-6 (an e4m3 re-encoding and the hardware
+   e4m3 -> f16 conversion). Per 32-element scale block the dot of key codes and query codes
+   (the query split exactly into f16 codes times a power of two) is exact in fp32; it is
+   scaled by both powers of two and the blocks are summed in fp32, which is the reference's
+   exact bf16 product sum. Per head the dot is rounded to bf16, relu'd, multiplied by its
+   weight and rounded to bf16, then the heads are summed in fp32 and rounded to bf16: the
+   reference's rounding points. Rows a query cannot see, and for a candidate consumer rows
+   outside its kept blocks, are -inf and their key bytes are never loaded; a tile with
+   nothing to score loads nothing. Scores go to a bf16 buffer [queries, rows].
 2. Candidate source only: ``_block_key_kernel`` takes each block's maximum (the newest
    visible block pinned to +inf) as an ordered 16-bit key per block.
 3. Exact top-k by radix select on the ordered 16-bit keys of the bf16 scores (``_order_key``:
@@ -26,8 +28,8 @@ Flow of one call (every launch on the device, no host sync, so a decode step can
    mask is written (a block whose maximum is -inf is never kept).
 
 The score buffer is bounded by ``score_budget`` bytes: longer prefills run in query chunks.
-Under TRITON_INTERPRET the dot runs in fp32 on the exact values (the interpreter misreads bf16
-dot operands) and gives the same bits.
+Under TRITON_INTERPRET the dot runs in fp32 on the same exact values (the interpreter has no
+inline asm and misreads 16-bit dot operands) and gives the same bits.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ import triton
 import triton.language as tl
 
 from ..common.packing import index_key_bytes
-from ..common.triton import check_device, interpreting, require, round_bf16
+from ..common.triton import (check_device, e4m3_of_e2m1, e4m3_to_fp32, interpreting,
+                             require, round_bf16)
 
 PREFILL_TILE = 4  # queries of one sequence per scoring program (they share the key loads)
 SCORE_ROWS = 64  # rows per scoring tile
@@ -44,8 +47,8 @@ SCORE_TILES_PER_PROGRAM = 4  # row tiles per scoring program (the query is loade
 SELECT_CHUNK = 4096  # rows per selection program
 BLOCK_KEYS = 128  # candidate blocks per block-key program
 
-KEY_NINF = 0x007F  # _order_key of bf16 -inf: below every other key
-KEY_PINF = 0xFF80  # _order_key of bf16 +inf
+KEY_NINF = tl.constexpr(0x007F)  # _order_key of bf16 -inf: below every other key
+KEY_PINF = tl.constexpr(0xFF80)  # _order_key of bf16 +inf
 
 
 @triton.jit
@@ -83,25 +86,76 @@ def _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base,
     return tok, ok
 
 
-@triton.jit
-def _e2m1(nib):
-    """e2m1 nibbles (int32 0..15) -> fp32 values: sign << 3 | index into (0, .5, 1, 1.5, 2, 3,
-    4, 6)."""
-    i = (nib & 7).to(tl.float32)
-    mag = tl.where(i < 4, i * 0.5, tl.where(i < 6, i - 2.0, (i - 4.0) * 2.0))
-    return tl.where((nib & 8) != 0, -mag, mag)
+# A word of 8 e2m1 nibbles ($8, element t in bits 4t..4t+3) -> 8 f16 ($0..$7) worth the e2m1
+# values * 2^-6, exactly: each nibble s|e1 e0|m becomes the e4m3 byte s|0 0 e1 e0|m 0 0
+# (e4m3_of_e2m1), bytes put in element order, then the hardware e4m3x2 -> f16x2 conversion.
+_NIBBLES_F16_ASM = tl.constexpr(
+    "{ .reg .b32 t, u, l, h, a, b, x; .reg .b16 e01, e23, e45, e67;"
+    " shl.b32 t, $8, 2; and.b32 t, t, 0x1C1C1C1C; shl.b32 u, $8, 4; and.b32 u, u, 0x80808080;"
+    " or.b32 l, t, u; shr.b32 t, $8, 2; and.b32 t, t, 0x1C1C1C1C; and.b32 u, $8, 0x80808080;"
+    " or.b32 h, t, u; prmt.b32 a, l, h, 0x5140; prmt.b32 b, l, h, 0x7362;"
+    " mov.b32 {e01, e23}, a; mov.b32 {e45, e67}, b;"
+    + "".join(f" cvt.rn.f16x2.e4m3x2 x, {src}; mov.b32 {{{d0}, {d1}}}, x;"
+              for src, d0, d1 in (("e01", "$0", "$1"), ("e23", "$2", "$3"),
+                                  ("e45", "$4", "$5"), ("e67", "$6", "$7"))) + " }")
 
 
 @triton.jit
-def _q_plane(q_ptr, q_off, r_ok, offs_i, NIB: tl.constexpr, P: tl.constexpr,
-             INTERPRET: tl.constexpr):
-    """Query columns NIB * i + P of every (token, head) row: [rows, units]."""
-    v = tl.load(q_ptr + q_off[:, None] + NIB * offs_i[None, :] + P, mask=r_ok[:, None],
-                other=0.0)
+def _code_value(nib, INTERPRET: tl.constexpr):
+    """e2m1 nibbles (uint8) -> their values * 2^-6 as dot operands (f16; fp32 under the
+    interpreter)."""
+    v = e4m3_to_fp32(e4m3_of_e2m1(nib))
     if INTERPRET:
-        return v.to(tl.float32)
-    else:
         return v
+    else:
+        return v.to(tl.float16)
+
+
+@triton.jit
+def _key_block(pool_ptr, base, live, blk: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+               WORDS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Scale block ``blk`` (32 elements) of the key rows at byte offsets ``base`` [BN]:
+    (codes [BN, 32] worth e2m1 * 2^-6 in element order, the block's scale * 2^6 [BN] fp32).
+    WORDS (4-byte aligned rows): 4 int32 words per row, decoded 8 nibbles at a time."""
+    if WORDS:
+        wptr = pool_ptr.to(tl.pointer_type(tl.int32)) + base[:, None] // 4
+        words = tl.load(wptr + blk * 4 + tl.arange(0, 4)[None, :], mask=live[:, None],
+                        other=0)  # [BN, 4]
+        if INTERPRET:
+            e0, e1, e2, e3, e4, e5, e6, e7 = (
+                _code_value(((words >> (4 * t)) & 15).to(tl.uint8), INTERPRET)
+                for t in tl.static_range(8))
+        else:
+            e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
+                _NIBBLES_F16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
+                dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        # nibble t of word w: element 8w + t
+        v = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)),
+                    tl.join(tl.join(e1, e5), tl.join(e3, e7)))
+    else:
+        pairs = tl.load(pool_ptr + base[:, None] + blk * 16 + tl.arange(0, 16)[None, :],
+                        mask=live[:, None], other=0)  # [BN, 16] uint8, element 2j low
+        v = tl.join(_code_value(pairs & 15, INTERPRET), _code_value(pairs >> 4, INTERPRET))
+    e = tl.load(pool_ptr + base + D // 2 + blk, mask=live, other=0).to(tl.int32)
+    scale = (e << 23).to(tl.float32, bitcast=True) * 64.0  # ue8m0 as the reference: 0 -> 0
+    return tl.reshape(v, (BN, 32)), scale
+
+
+@triton.jit
+def _q_block(q_ptr, q_off, r_ok, blk: tl.constexpr, INTERPRET: tl.constexpr):
+    """Scale block ``blk`` of the index queries as the dot's right operand: (codes [32, rows],
+    scale [rows]) with q = codes * scale exactly: the scale is the power of two at or below
+    the block's amax, so the fp4 values divide exactly into f16."""
+    kk = tl.arange(0, 32)
+    v = tl.load(q_ptr + q_off[None, :] + blk * 32 + kk[:, None], mask=r_ok[None, :],
+                other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(v), 0)
+    s = (amax.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    s = tl.where(s == 0.0, 1.0, s)
+    c = v / s[None, :]
+    if not INTERPRET:
+        c = c.to(tl.float16)
+    return c, s
 
 
 @triton.jit
@@ -111,16 +165,17 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, ou
                   I: tl.constexpr, I_PAD: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
                   BN: tl.constexpr, BLOCK_SIZE: tl.constexpr, WORDS: tl.constexpr,
                   HAS_TILES: tl.constexpr, HAS_KEEP: tl.constexpr, INTERPRET: tl.constexpr):
-    """q: [T, I, D] bf16; w: [T, I] bf16; pool: the key rows (D/2 bytes of e2m1 pairs, then
-    D/32 ue8m0 bytes) as int32 words (WORDS, D % 128 == 0: 8 nibbles a unit) or bytes (2
-    nibbles a unit); bt: [B, pages] int64; vis, row: [T] int64; keep: uint8 [T, keep_stride]
-    (HAS_KEEP); out: int16 [slots, N] bf16 bits, slot = the query's place in this call's
-    chunk. Grid (chunk tiles, cdiv(N, BN * tiles_per_prog))."""
-    NIB: tl.constexpr = 8 if WORDS else 2  # nibbles per load unit
-    UB: tl.constexpr = 4 if WORDS else 1  # bytes per load unit
-    UNITS: tl.constexpr = D // NIB  # code units per row
-    ROW_UNITS: tl.constexpr = (D // 2 + D // 32) // UB
-    R: tl.constexpr = TILE * I_PAD  # (token, head) rows of the dot
+    """q: [T, I, D] bf16; w: [T, I] bf16; pool: uint8 key rows (D/2 bytes of e2m1 pairs, then
+    D/32 ue8m0 bytes); bt: [B, pages] int64; vis, row: [T] int64; keep: uint8 [T,
+    keep_stride] (HAS_KEEP); out: int16 [slots, N] bf16 bits, slot = the query's place in
+    this call's chunk. Grid (chunk tiles, cdiv(N, BN * tiles_per_prog)).
+
+    Per 32-element scale block the dot of the codes is exact in fp32 (f16 operands, e2m1
+    products); it is scaled by the key's and the query's powers of two and summed over the
+    blocks in fp32, as the reference's matmul sums the exact bf16 products."""
+    NB: tl.constexpr = D // 32
+    ROW: tl.constexpr = D // 2 + D // 32  # bytes per key row
+    R: tl.constexpr = TILE * I_PAD  # (token, head) columns of the dot
     tile = tl.program_id(0)
     if HAS_TILES:
         tok0 = tl.load(tile_tok_ptr + tile_base + tile)
@@ -137,55 +192,50 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, ou
     r_head = offs_r % I_PAD
     r_ok = (r_tok < cnt) & (r_head < I)
     q_off = (tok0 + r_tok) * (I * D) + r_head * D
-    offs_i = tl.arange(0, UNITS)
-    blk = (NIB * offs_i) // 32  # the scale block of each unit's elements
-    if WORDS:  # the scale word of each unit and the unit's byte in it
-        s_unit = D // 8 + blk // 4
-        s_shift = 8 * (blk % 4)
-    else:
-        s_unit = D // 2 + blk
-        s_shift = blk * 0
+    qc0, qs0 = _q_block(q_ptr, q_off, r_ok, 0, INTERPRET)
+    if NB > 1:
+        qc1, qs1 = _q_block(q_ptr, q_off, r_ok, 1, INTERPRET)
+    if NB > 2:
+        qc2, qs2 = _q_block(q_ptr, q_off, r_ok, 2, INTERPRET)
+        qc3, qs3 = _q_block(q_ptr, q_off, r_ok, 3, INTERPRET)
     wv = tl.load(w_ptr + (tok0 + r_tok) * I + r_head, mask=r_ok, other=0.0).to(tl.float32)
-    slot0 = tile.to(tl.int64) * TILE
-    out_rows = out_ptr + (slot0 + offs_m.to(tl.int64))[:, None] * N  # [TILE, 1]
+    out_cols = out_ptr + (tile.to(tl.int64) * TILE + offs_m.to(tl.int64))[None, :] * N
     for it in range(tiles_per_prog):
         offs_g = (tl.program_id(1) * tiles_per_prog + it) * BN + tl.arange(0, BN)
         g_ok = offs_g < N
-        seen = offs_g[None, :] < vis[:, None]  # [TILE, BN]
+        seen = offs_g[:, None] < vis[None, :]  # [BN, TILE]
         if HAS_KEEP:
-            kept = tl.load(keep_ptr + (tok0 + offs_m)[:, None] * keep_stride
-                           + (offs_g // BLOCK_SIZE)[None, :],
-                           mask=m_ok[:, None] & seen & g_ok[None, :], other=0) != 0
+            kept = tl.load(keep_ptr + (tok0 + offs_m)[None, :] * keep_stride
+                           + (offs_g // BLOCK_SIZE)[:, None],
+                           mask=m_ok[None, :] & seen & g_ok[:, None], other=0) != 0
             seen = seen & kept
-        need = tl.max(seen.to(tl.int32), 0) != 0  # [BN]: some query of the tile scores it
+        need = tl.max(seen.to(tl.int32), 1) != 0  # [BN]: some query of the tile scores it
         page = tl.load(bt_ptr + row * bt_stride + offs_g // page_rows, mask=need & g_ok,
                        other=-1)
         live = need & (page >= 0)  # unallocated pages read as zero keys, as the reference
-        store_ok = m_ok[:, None] & g_ok[None, :]
+        store_ok = g_ok[:, None] & m_ok[None, :]
         if tl.max(need.to(tl.int32), 0) == 0:
-            tl.store(out_rows + offs_g[None, :], tl.full([TILE, BN], 0xFF80, tl.int32)
+            tl.store(out_cols + offs_g[:, None], tl.full([BN, TILE], 0xFF80, tl.int32)
                      .to(tl.int16), mask=store_ok)  # -inf
         else:
-            base = (page * page_rows + offs_g % page_rows) * ROW_UNITS  # [BN] int64
-            codes = tl.load(pool_ptr + base[None, :] + offs_i[:, None], mask=live[None, :],
-                            other=0).to(tl.int32)  # [UNITS, BN]
-            sb = tl.load(pool_ptr + base[None, :] + s_unit[:, None], mask=live[None, :],
-                         other=0).to(tl.int32)
-            e = (sb >> s_shift[:, None]) & 0xFF
-            scale = (e << 23).to(tl.float32, bitcast=True)  # ue8m0 as the reference: 0 -> 0
-            acc = tl.zeros([R, BN], dtype=tl.float32)
-            for p in tl.static_range(NIB):
-                kp = _e2m1((codes >> (4 * p)) & 15) * scale  # elements NIB * i + p: exact
-                if not INTERPRET:
-                    kp = kp.to(tl.bfloat16)
-                acc = tl.dot(_q_plane(q_ptr, q_off, r_ok, offs_i, NIB, p, INTERPRET), kp, acc)
-            s = round_bf16(acc, INTERPRET)  # the per-head bf16 dot
+            base = (page * page_rows + offs_g % page_rows) * ROW  # [BN] byte offsets
+            kc, ks = _key_block(pool_ptr, base, live, 0, D, BN, WORDS, INTERPRET)
+            acc = tl.dot(kc, qc0) * (ks[:, None] * qs0[None, :])
+            if NB > 1:
+                kc, ks = _key_block(pool_ptr, base, live, 1, D, BN, WORDS, INTERPRET)
+                acc += tl.dot(kc, qc1) * (ks[:, None] * qs1[None, :])
+            if NB > 2:
+                kc, ks = _key_block(pool_ptr, base, live, 2, D, BN, WORDS, INTERPRET)
+                acc += tl.dot(kc, qc2) * (ks[:, None] * qs2[None, :])
+                kc, ks = _key_block(pool_ptr, base, live, 3, D, BN, WORDS, INTERPRET)
+                acc += tl.dot(kc, qc3) * (ks[:, None] * qs3[None, :])
+            s = round_bf16(acc, INTERPRET)  # the per-head bf16 dot, [BN, R]
             s = tl.where(s < 0, 0.0, s)  # relu (NaN kept)
-            prod = round_bf16(s * wv[:, None], INTERPRET)
-            score = round_bf16(tl.sum(tl.reshape(prod, [TILE, I_PAD, BN]), 1), INTERPRET)
+            prod = round_bf16(s * wv[None, :], INTERPRET)
+            score = round_bf16(tl.sum(tl.reshape(prod, [BN, TILE, I_PAD]), 2), INTERPRET)
             score = tl.where(seen, score, float("-inf"))
             bits = (score.to(tl.uint32, bitcast=True) >> 16).to(tl.int32)
-            tl.store(out_rows + offs_g[None, :], bits.to(tl.int16), mask=store_ok)
+            tl.store(out_cols + offs_g[:, None], bits.to(tl.int16), mask=store_ok)
 
 
 @triton.jit
@@ -233,7 +283,7 @@ def _hist_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, tile_tok_ptr, tile_cnt_ptr, 
     byte's threshold bin, the low bytes' (LOW true). hist_*: int32 [slots, 256], zeroed.
     Grid (slots, cdiv(N, CH))."""
     slot = tl.program_id(0)
-    _, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
+    tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                          HAS_TILES)
     if ok:
         offs = tl.program_id(1) * CH + tl.arange(0, CH)
@@ -241,7 +291,7 @@ def _hist_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, tile_tok_ptr, tile_cnt_ptr, 
         key = _load_keys(src_ptr + slot.to(tl.int64) * N, offs, m, FROM_SCORES)
         bins = tl.arange(0, 256)
         if LOW:
-            b, _, _ = _threshold(hist_hi_ptr + slot * 256, N, k)
+            b, above, in_bin = _threshold(hist_hi_ptr + slot * 256, N, k)
             m = m & ((key >> 8) == b)
             byte = key & 0xFF
             dst = hist_lo_ptr
@@ -257,7 +307,7 @@ def _hist_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, tile_tok_ptr, tile_cnt_ptr, 
 def _cut(hist_hi_ptr, hist_lo_ptr, N, k):
     """The k-th largest key u and how many keys equal to u the selection takes."""
     b, above, in_bin = _threshold(hist_hi_ptr, N, k)
-    lo, above_lo, _ = _threshold(hist_lo_ptr, in_bin, k - above)
+    lo, above_lo, in_lo = _threshold(hist_lo_ptr, in_bin, k - above)
     return b * 256 + lo, k - above - above_lo
 
 
@@ -268,10 +318,10 @@ def _count_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, tile_tok_ptr, tile
     """cnt: int32 [slots, 2, nch]: per row chunk, the keys above u and equal to u."""
     slot = tl.program_id(0)
     c = tl.program_id(1)
-    _, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
+    tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                          HAS_TILES)
     if ok:
-        u, _ = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256, N, k)
+        u, need = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256, N, k)
         offs = c * CH + tl.arange(0, CH)
         m = offs < N
         key = _load_keys(src_ptr + slot.to(tl.int64) * N, offs, m, FROM_SCORES)
@@ -366,8 +416,7 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
     require(q_index.dim() == 3 and q_index.dtype == torch.bfloat16,
             f"q_index must be a bf16 [T, I, d] tensor, got {q_index.dtype} {tuple(q_index.shape)}")
     _, heads, d = q_index.shape
-    require(d % 32 == 0 and d >= 32,
-            f"index_head_dim must be a multiple of 32 for the kernel, got {d}")
+    require(d in (32, 64, 128), f"index_head_dim must be 32, 64 or 128 for the kernel, got {d}")
     require(key_pool.dtype == torch.uint8 and key_pool.dim() == 3
             and key_pool.shape[2] == index_key_bytes(d) and key_pool.is_contiguous(),
             f"key_pool must be a contiguous uint8 [P, page_rows, {index_key_bytes(d)}] tensor, "
@@ -380,8 +429,7 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
         if candidate_topk is not None else None
     if n_rows == 0 or t_all == 0:
         return selected, keep
-    words = d % 128 == 0  # rows of whole 32-bit words (68 B at d = 128): word loads
-    units = key_pool.view(torch.int32) if words else key_pool
+    words = index_key_bytes(d) % 4 == 0  # rows of whole 32-bit words (68 B at d = 128)
     q = q_index.contiguous()
     w = head_weights.contiguous()
     table = block_table.contiguous()
@@ -415,7 +463,7 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
         tile_base, slot_base = (t0, 0) if prefill else (0, t0)
         scores = torch.empty(slots, n_rows, dtype=torch.int16, device=dev)
         _score_kernel[(c, row_progs)](
-            q, w, units, table, vis, rows, cand, scores, tile_tok, tile_cnt, tile_base,
+            q, w, key_pool, table, vis, rows, cand, scores, tile_tok, tile_cnt, tile_base,
             slot_base, n_rows, table.stride(0), key_pool.shape[1],
             cand.shape[1] if cand is not None else 0, tiles_per_prog,
             I=heads, I_PAD=i_pad, D=d, TILE=tile, BN=SCORE_ROWS, BLOCK_SIZE=block_size,

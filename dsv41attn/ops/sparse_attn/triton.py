@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.triton import e4m3_to_fp32, interpreting, sm_count, to_bf16
+from ..common.triton import e4m3_of_e2m1, e4m3_to_fp32, interpreting, sm_count, to_bf16
 
 BLOCK_N = 64  # index-list block, fixed by the rounding points (docs/numerics.md §6)
 BLOCK_H = 16  # head tile: tl.dot needs every dim >= 16
@@ -288,12 +288,6 @@ def _compressed_raw(row_ptr, ok, D: tl.constexpr, WORDS: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_of_e2m1(nib):
-    """e2m1 nibbles (uint8 0..15) -> the e4m3 codes worth their value * 2^-6 (see the asm)."""
-    return ((nib & 7) << 2) | ((nib & 8) << 4)
-
-
-@triton.jit
 def _compressed_tile(pairs, sc, D: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
                      INTERPRET: tl.constexpr):
     """_compressed_raw's bytes -> [BLOCK_N, D] bf16 like _window_tile: e2m1 * scale, exact."""
@@ -302,7 +296,7 @@ def _compressed_tile(pairs, sc, D: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: t
     scf = e4m3_to_fp32(sc) * 64.0
     if not WORDS:
         if INTERPRET:  # the asm's re-encoding in plain ops (fp32 holding the bf16 values)
-            e4 = tl.reshape(tl.join(_e4m3_of_e2m1(pairs & 15), _e4m3_of_e2m1(pairs >> 4)),
+            e4 = tl.reshape(tl.join(e4m3_of_e2m1(pairs & 15), e4m3_of_e2m1(pairs >> 4)),
                             (BLOCK_N, D // 16, 16))  # element 2i: low nibble
             v = e4m3_to_fp32(e4) * scf
         else:  # 4 bytes per asm call; its outputs are bf16 values, joined in element order
@@ -312,7 +306,7 @@ def _compressed_tile(pairs, sc, D: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: t
             v = tl.join(lo, hi)
     else:
         if INTERPRET:
-            e0, e1, e2, e3, e4, e5, e6, e7 = (e4m3_to_fp32(_e4m3_of_e2m1(
+            e0, e1, e2, e3, e4, e5, e6, e7 = (e4m3_to_fp32(e4m3_of_e2m1(
                 ((pairs >> (4 * t)) & 15).to(tl.uint8))) * scf for t in tl.static_range(8))
         else:
             e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
