@@ -42,8 +42,9 @@ from ..common.triton import (check_device, e4m3_of_e2m1, e4m3_to_fp32, interpret
                              require, round_bf16)
 
 PREFILL_TILE = 4  # queries of one sequence per scoring program (they share the key loads)
-SCORE_ROWS = 64  # rows per scoring tile
-SCORE_TILES_PER_PROGRAM = 4  # row tiles per scoring program (the query is loaded once)
+SCORE_ROWS = 128  # rows per scoring tile
+SCORE_TILES_PER_PROGRAM = 8  # row tiles per scoring program (the query is loaded once)
+SCORE_WARPS = 4
 SELECT_CHUNK = 4096  # rows per selection program
 BLOCK_KEYS = 128  # candidate blocks per block-key program
 
@@ -112,33 +113,70 @@ def _code_value(nib, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _key_block(pool_ptr, base, live, blk: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-               WORDS: tl.constexpr, INTERPRET: tl.constexpr):
-    """Scale block ``blk`` (32 elements) of the key rows at byte offsets ``base`` [BN]:
-    (codes [BN, 32] worth e2m1 * 2^-6 in element order, the block's scale * 2^6 [BN] fp32).
-    WORDS (4-byte aligned rows): 4 int32 words per row, decoded 8 nibbles at a time."""
+def _key_raw(pool_ptr, base, live, blk: tl.constexpr, D: tl.constexpr, WORDS: tl.constexpr):
+    """Issue the loads of scale block ``blk`` (32 elements) of the key rows at byte offsets
+    ``base`` [BN]: (codes: 4 int32 words [BN, 4] (WORDS: 4-byte aligned rows) or 16 bytes
+    [BN, 16], element 2j in the low nibble; the ue8m0 scale byte [BN] as int32)."""
     if WORDS:
         wptr = pool_ptr.to(tl.pointer_type(tl.int32)) + base[:, None] // 4
-        words = tl.load(wptr + blk * 4 + tl.arange(0, 4)[None, :], mask=live[:, None],
-                        other=0)  # [BN, 4]
+        raw = tl.load(wptr + blk * 4 + tl.arange(0, 4)[None, :], mask=live[:, None], other=0)
+    else:
+        raw = tl.load(pool_ptr + base[:, None] + blk * 16 + tl.arange(0, 16)[None, :],
+                      mask=live[:, None], other=0)
+    e = tl.load(pool_ptr + base + D // 2 + blk, mask=live, other=0).to(tl.int32)
+    return raw, e
+
+
+@triton.jit
+def _key_block(raw, e, BN: tl.constexpr, WORDS: tl.constexpr, INTERPRET: tl.constexpr):
+    """_key_raw's loads -> (codes [BN, 32] worth e2m1 * 2^-6 in element order, the block's
+    scale * 2^6 [BN] fp32). Words are decoded 8 nibbles at a time."""
+    if WORDS:
         if INTERPRET:
             e0, e1, e2, e3, e4, e5, e6, e7 = (
-                _code_value(((words >> (4 * t)) & 15).to(tl.uint8), INTERPRET)
+                _code_value(((raw >> (4 * t)) & 15).to(tl.uint8), INTERPRET)
                 for t in tl.static_range(8))
         else:
             e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
-                _NIBBLES_F16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
+                _NIBBLES_F16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [raw],
                 dtype=(tl.float16,) * 8, is_pure=True, pack=1)
         # nibble t of word w: element 8w + t
         v = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)),
                     tl.join(tl.join(e1, e5), tl.join(e3, e7)))
     else:
-        pairs = tl.load(pool_ptr + base[:, None] + blk * 16 + tl.arange(0, 16)[None, :],
-                        mask=live[:, None], other=0)  # [BN, 16] uint8, element 2j low
-        v = tl.join(_code_value(pairs & 15, INTERPRET), _code_value(pairs >> 4, INTERPRET))
-    e = tl.load(pool_ptr + base + D // 2 + blk, mask=live, other=0).to(tl.int32)
+        v = tl.join(_code_value(raw & 15, INTERPRET), _code_value(raw >> 4, INTERPRET))
     scale = (e << 23).to(tl.float32, bitcast=True) * 64.0  # ue8m0 as the reference: 0 -> 0
     return tl.reshape(v, (BN, 32)), scale
+
+
+@triton.jit
+def _tile_fetch(pool_ptr, bt_ptr, keep_ptr, row, tok0, offs_m, m_ok, vis, g0, g_end, bt_stride,
+                page_rows, keep_stride, D: tl.constexpr, BN: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, WORDS: tl.constexpr, HAS_KEEP: tl.constexpr):
+    """The loads of one row tile (rows g0 .. g0 + BN - 1, none at or past ``g_end``): which
+    (row, query) pairs are scored, which rows are read, and the raw key blocks."""
+    NB: tl.constexpr = D // 32
+    B1: tl.constexpr = 1 if NB > 1 else 0  # blocks past the row's: reload block 0 (unused)
+    B2: tl.constexpr = 2 if NB > 2 else 0
+    B3: tl.constexpr = 3 if NB > 2 else 0
+    offs_g = g0 + tl.arange(0, BN)
+    seen = (offs_g[:, None] < vis[None, :]) & (offs_g < g_end)[:, None]  # [BN, TILE]
+    if HAS_KEEP:
+        kept = tl.load(keep_ptr + (tok0 + offs_m)[None, :] * keep_stride
+                       + (offs_g // BLOCK_SIZE)[:, None],
+                       mask=m_ok[None, :] & seen, other=0) != 0
+        seen = seen & kept
+    need = tl.max(seen.to(tl.int32), 1) != 0  # [BN]: some query of the tile scores it
+    page = tl.load(bt_ptr + row * bt_stride + offs_g // page_rows, mask=need, other=-1)
+    live = need & (page >= 0)  # unallocated pages read as zero keys, as the reference
+    # [BN] byte offsets. A row starts on a 4-byte boundary at best (68 B): say so, or the
+    # compiler, seeing runs of consecutive slots, vectorises misaligned loads
+    base = tl.multiple_of((page * page_rows + offs_g % page_rows) * (D // 2 + D // 32), 1)
+    r0, e0 = _key_raw(pool_ptr, base, live, 0, D, WORDS)
+    r1, e1 = _key_raw(pool_ptr, base, live, B1, D, WORDS)
+    r2, e2 = _key_raw(pool_ptr, base, live, B2, D, WORDS)
+    r3, e3 = _key_raw(pool_ptr, base, live, B3, D, WORDS)
+    return seen, need, r0, r1, r2, r3, e0, e1, e2, e3
 
 
 @triton.jit
@@ -174,7 +212,6 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, ou
     products); it is scaled by the key's and the query's powers of two and summed over the
     blocks in fp32, as the reference's matmul sums the exact bf16 products."""
     NB: tl.constexpr = D // 32
-    ROW: tl.constexpr = D // 2 + D // 32  # bytes per key row
     R: tl.constexpr = TILE * I_PAD  # (token, head) columns of the dot
     tile = tl.program_id(0)
     if HAS_TILES:
@@ -200,34 +237,31 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, ou
         qc3, qs3 = _q_block(q_ptr, q_off, r_ok, 3, INTERPRET)
     wv = tl.load(w_ptr + (tok0 + r_tok) * I + r_head, mask=r_ok, other=0.0).to(tl.float32)
     out_cols = out_ptr + (tile.to(tl.int64) * TILE + offs_m.to(tl.int64))[None, :] * N
+    g_first = tl.program_id(1) * tiles_per_prog * BN
+    g_end = tl.minimum(N, g_first + tiles_per_prog * BN)  # this program's rows end there
+    seen, need, r0, r1, r2, r3, e0, e1, e2, e3 = _tile_fetch(
+        pool_ptr, bt_ptr, keep_ptr, row, tok0, offs_m, m_ok, vis, g_first, g_end, bt_stride,
+        page_rows, keep_stride, D, BN, BLOCK_SIZE, WORDS, HAS_KEEP)
     for it in range(tiles_per_prog):
-        offs_g = (tl.program_id(1) * tiles_per_prog + it) * BN + tl.arange(0, BN)
-        g_ok = offs_g < N
-        seen = offs_g[:, None] < vis[None, :]  # [BN, TILE]
-        if HAS_KEEP:
-            kept = tl.load(keep_ptr + (tok0 + offs_m)[None, :] * keep_stride
-                           + (offs_g // BLOCK_SIZE)[:, None],
-                           mask=m_ok[None, :] & seen & g_ok[:, None], other=0) != 0
-            seen = seen & kept
-        need = tl.max(seen.to(tl.int32), 1) != 0  # [BN]: some query of the tile scores it
-        page = tl.load(bt_ptr + row * bt_stride + offs_g // page_rows, mask=need & g_ok,
-                       other=-1)
-        live = need & (page >= 0)  # unallocated pages read as zero keys, as the reference
-        store_ok = g_ok[:, None] & m_ok[None, :]
+        offs_g = g_first + it * BN + tl.arange(0, BN)
+        # the next tile's loads go out before this tile's arithmetic (software pipelining)
+        n_seen, n_need, n0, n1, n2, n3, f0, f1, f2, f3 = _tile_fetch(
+            pool_ptr, bt_ptr, keep_ptr, row, tok0, offs_m, m_ok, vis, g_first + (it + 1) * BN,
+            g_end, bt_stride, page_rows, keep_stride, D, BN, BLOCK_SIZE, WORDS, HAS_KEEP)
+        store_ok = (offs_g < N)[:, None] & m_ok[None, :]
         if tl.max(need.to(tl.int32), 0) == 0:
             tl.store(out_cols + offs_g[:, None], tl.full([BN, TILE], 0xFF80, tl.int32)
                      .to(tl.int16), mask=store_ok)  # -inf
         else:
-            base = (page * page_rows + offs_g % page_rows) * ROW  # [BN] byte offsets
-            kc, ks = _key_block(pool_ptr, base, live, 0, D, BN, WORDS, INTERPRET)
+            kc, ks = _key_block(r0, e0, BN, WORDS, INTERPRET)
             acc = tl.dot(kc, qc0) * (ks[:, None] * qs0[None, :])
             if NB > 1:
-                kc, ks = _key_block(pool_ptr, base, live, 1, D, BN, WORDS, INTERPRET)
+                kc, ks = _key_block(r1, e1, BN, WORDS, INTERPRET)
                 acc += tl.dot(kc, qc1) * (ks[:, None] * qs1[None, :])
             if NB > 2:
-                kc, ks = _key_block(pool_ptr, base, live, 2, D, BN, WORDS, INTERPRET)
+                kc, ks = _key_block(r2, e2, BN, WORDS, INTERPRET)
                 acc += tl.dot(kc, qc2) * (ks[:, None] * qs2[None, :])
-                kc, ks = _key_block(pool_ptr, base, live, 3, D, BN, WORDS, INTERPRET)
+                kc, ks = _key_block(r3, e3, BN, WORDS, INTERPRET)
                 acc += tl.dot(kc, qc3) * (ks[:, None] * qs3[None, :])
             s = round_bf16(acc, INTERPRET)  # the per-head bf16 dot, [BN, R]
             s = tl.where(s < 0, 0.0, s)  # relu (NaN kept)
@@ -236,6 +270,8 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, ou
             score = tl.where(seen, score, float("-inf"))
             bits = (score.to(tl.uint32, bitcast=True) >> 16).to(tl.int32)
             tl.store(out_cols + offs_g[:, None], bits.to(tl.int16), mask=store_ok)
+        seen, need, r0, r1, r2, r3, e0, e1, e2, e3 = \
+            n_seen, n_need, n0, n1, n2, n3, f0, f1, f2, f3
 
 
 @triton.jit
@@ -468,7 +504,7 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
             cand.shape[1] if cand is not None else 0, tiles_per_prog,
             I=heads, I_PAD=i_pad, D=d, TILE=tile, BN=SCORE_ROWS, BLOCK_SIZE=block_size,
             WORDS=words, HAS_TILES=prefill, HAS_KEEP=cand is not None, INTERPRET=interpret,
-            num_warps=4)
+            num_warps=SCORE_WARPS)
         if reduce is not None:
             scores = reduce(scores.view(torch.bfloat16)).contiguous().view(torch.int16)
         tiles = (tile_tok, tile_cnt, tile)
