@@ -22,6 +22,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def small_tiles(monkeypatch):
     """Tiles small enough that a short row spans several scoring and selection programs."""
     monkeypatch.setattr(tri, "SCORE_ROWS", 16)
+    monkeypatch.setattr(tri, "PREFILL_SCORE_ROWS", 16)
     monkeypatch.setattr(tri, "SCORE_TILES_PER_PROGRAM", 1)
     monkeypatch.setattr(tri, "SELECT_CHUNK", 16)
     monkeypatch.setattr(tri, "BLOCK_KEYS", 4)

@@ -42,7 +42,8 @@ from ..common.triton import (check_device, e4m3_of_e2m1, e4m3_to_fp32, interpret
                              require, round_bf16)
 
 PREFILL_TILE = 4  # queries of one sequence per scoring program (they share the key loads)
-SCORE_ROWS = 128  # rows per scoring tile
+SCORE_ROWS = 128  # rows per scoring tile (decode)
+PREFILL_SCORE_ROWS = 64  # with PREFILL_TILE queries (H200, prefill 8K: 128-row tiles ran 2x slower)
 SCORE_TILES_PER_PROGRAM = 8  # row tiles per scoring program (the query is loaded once)
 SCORE_WARPS = 4
 SELECT_CHUNK = 4096  # rows per selection program
@@ -491,7 +492,8 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
     i_pad = max(triton.next_power_of_2(heads), 16 // tile)
     interpret = interpreting()
     tiles_per_prog = SCORE_TILES_PER_PROGRAM
-    row_progs = triton.cdiv(n_rows, SCORE_ROWS * tiles_per_prog)
+    rows_per_tile = PREFILL_SCORE_ROWS if prefill else SCORE_ROWS
+    row_progs = triton.cdiv(n_rows, rows_per_tile * tiles_per_prog)
     bs_pad = triton.next_power_of_2(block_size)
     for t0 in range(0, n_tiles, chunk_tiles):
         c = min(chunk_tiles, n_tiles - t0)
@@ -502,7 +504,7 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
             q, w, key_pool, table, vis, rows, cand, scores, tile_tok, tile_cnt, tile_base,
             slot_base, n_rows, table.stride(0), key_pool.shape[1],
             cand.shape[1] if cand is not None else 0, tiles_per_prog,
-            I=heads, I_PAD=i_pad, D=d, TILE=tile, BN=SCORE_ROWS, BLOCK_SIZE=block_size,
+            I=heads, I_PAD=i_pad, D=d, TILE=tile, BN=rows_per_tile, BLOCK_SIZE=block_size,
             WORDS=words, HAS_TILES=prefill, HAS_KEEP=cand is not None, INTERPRET=interpret,
             num_warps=SCORE_WARPS)
         if reduce is not None:
