@@ -126,3 +126,29 @@ def test_bad_arguments_name_the_value():
     with pytest.raises(ValueError, match="candidates"):
         tri.index_topk(*args[:6], 8, 4, args[6], candidates=torch.ones(2, 1, dtype=torch.bool,
                                                                          device=DEV))
+
+
+def test_reduce_hook_combines_partial_heads_like_the_reference():
+    """Tensor parallelism's hook: each half of the heads scores on its own and ``reduce`` adds
+    the other half's bf16 partial scores before candidates and top-k (as the all-reduce does);
+    the kernel's combined selection equals the reference's."""
+    args = setup([3, 1], 21, 4, 32, seed=9)
+    q, w = args[0], args[1]
+    halves = [(q[:, :2], w[:, :2]), (q[:, 2:], w[:, 2:])]
+    for impl in (ref, tri):
+        stash = []
+
+        def keep_partial(s):
+            stash.append(s.clone())
+            return s
+
+        def add_partial(s, it=iter(stash)):
+            return (s.float() + next(it).float()).bfloat16()
+
+        impl.index_topk(*halves[1], *args[2:6], 21, 5, args[6], candidate_topk=2, block_size=4,
+                        reduce=keep_partial)
+        got = impl.index_topk(*halves[0], *args[2:6], 21, 5, args[6], candidate_topk=2,
+                              block_size=4, reduce=add_partial)
+        if impl is ref:
+            want = got
+    assert_same(want, got)
