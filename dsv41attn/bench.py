@@ -1,11 +1,12 @@
 """``python -m dsv41attn bench``: GPU timings against a floor of FLOPs and bytes moved.
 
-Two parts:
+Three parts:
 - ``layers``: one V4.1-Flash attention layer per role (SWA, Full r=2, Full r=1 candidate
   source, Reindex, Reuse) with random weights, decode at batch x context and prefill from
   position 0. Caches are filled with random packed context; only the role's layer is timed
   (its source layers run untimed before it in the same step, as in the model).
 - ``sparse_attn``: the sparse-attention kernel alone (decode, V4.1-Flash heads, 640 rows).
+- ``indexer``: the lightning indexer alone (decode: scoring, candidate blocks, top-k).
 
 Floor = max(FLOPs / 790 TFLOP/s, bytes / copy bandwidth measured in the same run), counted
 so: weights once as stored, activations in and out, attention rows once per query
@@ -331,12 +332,117 @@ def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128
     return rows
 
 
+INDEXER_CASES = [("candidate source", 64, 65536), ("candidate source", 256, 65536),
+                 ("candidate source", 1, 1 << 20), ("top-k", 64, 32768), ("top-k", 256, 32768),
+                 ("Reindex", 64, 65536), ("Reindex", 1, 1 << 20)]
+
+
+def indexer_floor(cfg: AttentionConfig, batch: int, scored: int, copy_bw: float
+                  ) -> tuple[float, float, float]:
+    """(FLOPs, bytes, floor s) of the indexer alone for ``batch`` decode queries that each score
+    ``scored`` rows: the fp4 keys once (68 B a row), the queries and head weights in, the top-k
+    out; 2 x heads x head_dim FLOPs per (query, scored row)."""
+    heads, d = cfg.index_n_heads, cfg.index_head_dim
+    nbytes = batch * (scored * index_key_bytes(d) + heads * d * 2 + heads * 2 + cfg.index_topk * 4)
+    flops = 2.0 * batch * heads * d * scored
+    return flops, nbytes, max(flops / BF16_FLOPS, nbytes / copy_bw)
+
+
+def bench_indexer(copy_bw: float, cases=INDEXER_CASES, page_rows: int = 256) -> list[dict]:
+    """The lightning indexer alone at decode (``ops/indexer``): random fp4 keys on shuffled
+    pages, one query per sequence seeing every row; the candidate source keeps
+    ``candidate_topk_blocks`` blocks, a Reindex consumer scores rows inside that many random
+    blocks. Per case: the CUDA-graph replay time, the GPU time of the scoring kernel and of the
+    rest (torch profiler, eager calls), and the reference op (eager) where it fits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .ops.common.quant import index_fp4_fake_quant
+    from .ops.indexer import reference, triton as kernel
+
+    cfg = preset("v41-flash")
+    heads, d, bs = cfg.index_n_heads, cfg.index_head_dim, cfg.candidate_block_size
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for kind, b, n in cases:
+        pages = b * (-(-n // page_rows)) + 3
+        pool = torch.randint(0, 256, (pages, page_rows, index_key_bytes(d)), generator=g,
+                             device="cuda", dtype=torch.int32).to(torch.uint8)
+        pool[..., d // 2:] = torch.randint(118, 128, pool[..., d // 2:].shape, generator=g,
+                                           device="cuda", dtype=torch.int32).to(torch.uint8)
+        table = torch.randperm(pages, generator=g, device="cuda")[: pages - 3].view(b, -1)
+        q = index_fp4_fake_quant(torch.randn(b, heads, d, generator=g, device="cuda").bfloat16())
+        w = (torch.randn(b, heads, generator=g, device="cuda") * cfg.index_weight_scale).bfloat16()
+        rows_of, vis = torch.arange(b, device="cuda"), torch.full((b,), n, device="cuda")
+        kw = dict(block_size=bs)
+        scored = n
+        if kind == "candidate source":
+            kw["candidate_topk"] = cfg.candidate_topk_blocks
+        elif kind == "Reindex":
+            nblk = -(-n // bs)
+            picked = torch.rand(b, nblk, generator=g, device="cuda").topk(
+                min(cfg.candidate_topk_blocks, nblk), dim=1).indices
+            kw["candidates"] = torch.zeros(b, nblk, dtype=torch.bool, device="cuda").scatter_(
+                1, picked, True)
+            scored = min(n, cfg.candidate_topk_blocks * bs)
+        args = (q, w, pool, table, rows_of, vis, n, cfg.index_topk, [(1, rows_of)])
+
+        def call(impl=kernel):
+            return impl.index_topk(*args, **kw)
+
+        want, got = call(reference), call()
+        same = torch.equal(want[0], got[0]) and (want[1] is None or torch.equal(want[1], got[1]))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()  # warm-up on the capture stream
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        us = _events_ms(graph.replay, 20) * 1e3
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                call()
+            torch.cuda.synchronize()
+        score_us = other_us = 0.0
+        for e in prof.key_averages():
+            t = getattr(e, "self_device_time_total", None)
+            t = (e.self_cuda_time_total if t is None else t) / 5
+            if "_score_kernel" in e.key:
+                score_us += t
+            elif t > 0:
+                other_us += t
+        ref_us = _events_ms(lambda: call(reference), 3) * 1e3 if b * n <= 64 * 65536 else None
+        flops, nbytes, floor = indexer_floor(cfg, b, scored, copy_bw)
+        rows.append({"kind": kind, "batch": b, "rows": n, "us": us, "score_us": score_us,
+                     "select_us": other_us, "floor_us": floor * 1e6, "ratio": us * 1e-6 / floor,
+                     "key_GB/s": b * scored * index_key_bytes(d) / (score_us * 1e-6) / 1e9,
+                     "reference_us": ref_us, "same_as_reference": same})
+        del pool, graph
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(args) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench needs a CUDA GPU")
     import triton
 
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    if args.part in ("indexer", "all"):
+        copy_bw = measure_copy_bandwidth()
+        print(f"lightning indexer alone, decode, V4.1-Flash (top-{preset('v41-flash').index_topk}); "
+              f"copy {copy_bw / 1e12:.2f} TB/s; graph = CUDA-graph replay, scoring / rest = GPU "
+              "time of the kernels (eager)")
+        print(f"{'case':<18}{'batch':>6}{'rows':>9}{'graph us':>10}{'scoring':>9}{'rest':>7}"
+              f"{'key GB/s':>9}{'floor':>8}{'ratio':>7}{'ref us':>9}  same as reference")
+        for r in bench_indexer(copy_bw):
+            ref = "-" if r["reference_us"] is None else f"{r['reference_us']:.0f}"
+            print(f"{r['kind']:<18}{r['batch']:>6}{r['rows']:>9}{r['us']:>10.1f}"
+                  f"{r['score_us']:>9.1f}{r['select_us']:>7.1f}{r['key_GB/s']:>9.0f}"
+                  f"{r['floor_us']:>8.1f}{r['ratio']:>7.1f}{ref:>9}  {r['same_as_reference']}")
+        if args.part == "indexer":
+            return 0
     if args.part in ("sparse_attn", "all"):
         copy_bw = measure_copy_bandwidth()
         print(f"sparse attention alone, decode, 640 packed rows per query; copy {copy_bw / 1e12:.2f} TB/s")

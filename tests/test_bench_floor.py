@@ -31,3 +31,16 @@ def test_prefill_floor_matches_perf_text():
     ms = {r: layer_floor(CFG, ROLES[r], 1, 0, 65536, 4.3e12)[2] * 1e3 for r in ORDER}
     for role, want in zip(ORDER, [22, 41, 52, 39, 28]):
         assert ms[role] == pytest.approx(want, abs=0.6), role
+
+
+def test_indexer_floor_is_the_key_bytes_at_long_context():
+    """PERF.md: index keys once per sequence (68 B per scored row), 2 x 32 x 128 FLOPs per
+    (query, scored row): at b=64 x 64K rows the keys' 285 MB at 4.3 TB/s (66 us) bound it, above
+    the 43.5 us of FLOPs; a Reindex consumer scores at most 2048 blocks of 8 rows."""
+    from dsv41attn.bench import indexer_floor
+
+    flops, nbytes, floor = indexer_floor(CFG, 64, 65536, 4.3e12)
+    assert flops == 2 * 64 * 32 * 128 * 65536
+    assert nbytes == 64 * (65536 * 68 + 32 * 128 * 2 + 32 * 2 + 512 * 4)
+    assert floor * 1e6 == pytest.approx(66.4, abs=0.1)
+    assert indexer_floor(CFG, 64, 2048 * 8, 4.3e12)[2] * 1e6 == pytest.approx(16.7, abs=0.1)
