@@ -168,13 +168,14 @@ def _block_terms(q, s, w, ws):
     return terms, (exact * scale.double()).sum(-1)
 
 
-SPLIT_CASES = {  # id: (M, N, K, num_splits); N off the 64-wide tile, K/32 uneven across splits
-    "m1-n70-kb13-s4": (1, 70, 416, 4),  # KSUB 1: splits of 3, 3, 3, 4 blocks
-    "m3-n100-kb24-s2": (3, 100, 768, 2),  # KSUB 8: 8 + 16 blocks
-    "m3-n37-kb5-s5": (3, 37, 160, 5),  # one block per split
+SPLIT_CASES = {  # id: (M, N, K, num_splits); N off the 64-wide tile, K/32 uneven across ranges
+    "m1-n70-kb13-s4": (1, 70, 416, 4),  # chunks of 1 block: ranges of 3, 3, 3, 4 blocks
+    "m3-n100-kb24-s2": (3, 100, 768, 2),  # chunks of 8: 8 + 16 blocks
+    "m3-n37-kb5-s5": (3, 37, 160, 5),  # one block per range
     "m17-n70-kb13-s5": (17, 70, 416, 5),  # BLOCK_M 64 tile: 2, 3, 2, 3, 3 blocks
-    "m64-n130-kb24-s3": (64, 130, 768, 3),  # KSUB 4: 8 blocks each
-    "m1-n70-kb24-auto": (1, 70, 768, None),  # the heuristic's own choice (3)
+    "m64-n130-kb24-s3": (64, 130, 768, 3),  # KSUB 4 in chunks of 8: 8 blocks each
+    "m1-n70-kb24-auto": (1, 70, 768, None),  # k_order's own choice (6 ranges of 4 blocks)
+    "m80-n70-kb24-auto": (80, 70, 768, None),  # the same order, summed inside each tile
 }
 
 
@@ -185,21 +186,24 @@ def test_split_k_vs_oracle(case):
     q, s, w, ws = _split_case(m, n, k, seed=kb * 100 + m)
     plan = T._gemm_plan(m, n, kb, DEFAULT_SM_COUNT if DEV == "cpu" else
                         sm_count(torch.device(DEV)), splits)
-    assert plan.splits > 1 and kb % plan.ksub == 0 and kb // plan.ksub >= plan.splits
+    order = plan.order
+    assert order.ranges > 1 and kb % order.granule == 0 and order.chunks >= order.ranges
+    assert order.granule % plan.ksub == 0  # no K step straddles two ranges
     runs = []
-    for _ in range(2):
+    for workspace in (True, False, True):  # split-K programs, then one program summing them
         out = torch.full((m, n), float("nan"), device=DEV)  # poisoned: every element is written
-        fp8_gemm(q, s, w.to(DEV), ws.to(DEV), out=out, num_splits=splits)
+        fp8_gemm(q, s, w.to(DEV), ws.to(DEV), out=out, num_splits=splits, workspace=workspace)
         assert not torch.isnan(out).any()
         runs.append(out.cpu())
-    assert torch.equal(runs[0].view(torch.int32), runs[1].view(torch.int32))  # deterministic
+    for other in runs[1:]:  # deterministic, and the same bits wherever the ranges run
+        assert torch.equal(runs[0].view(torch.int32), other.view(torch.int32))
     y = runs[0]
     terms, oracle = _block_terms(q, s, w, ws)
     y_ref = ref_gemm(q.cpu().float(), s.cpu(), w, ws)
     # Bound: y and y_ref are fp32 sums of the same KB fp32 terms t_b, associated differently.
     # Any such sum is sum(t) + the KB - 1 rounding errors of its additions, each <= 2^-24 |s_i|
     # (RNE; no overflow; subnormal sums are exact), and every intermediate s_i is a sum of a
-    # contiguous K range of t (the splits' running sums, the merge's prefixes; the reference's
+    # contiguous K range of t (the ranges' running sums, the merge's prefixes; the reference's
     # prefixes) up to its own earlier roundings, so |s_i| <= W (1 + 2^-16) for KB < 256, with
     # W = max - min of t's prefix sums (0 included). Through sum(t), the triangle inequality:
     #   |y - oracle| <= |y_ref - oracle| + 2 (KB - 1) 2^-24 W (1 + 2^-16),
@@ -214,47 +218,67 @@ def test_split_k_vs_oracle(case):
         bound = bound + 1e-6 * oracle.abs().max()
     assert ((y.double() - oracle).abs() <= bound).all()
     if interpreting():  # exact block terms: the documented order reproduces every bit
-        ranges = [(i * (kb // plan.ksub) // plan.splits * plan.ksub,
-                   (i + 1) * (kb // plan.ksub) // plan.splits * plan.ksub)
-                  for i in range(plan.splits)]
         parts = []
-        for lo, hi in ranges:  # each split in K order
+        for lo, hi in map(order.bounds, range(order.ranges)):  # each range in K order
             acc = terms[..., lo].clone()
             for b in range(lo + 1, hi):
                 acc += terms[..., b]
             parts.append(acc)
         want = parts[0]
-        for part in parts[1:]:  # then the splits in order
+        for part in parts[1:]:  # then the ranges in order
             want = want + part
         assert torch.equal(y, want)
         if case == "m64-n130-kb24-s3":  # the data does tell the two summation orders apart
             assert not torch.equal(y, y_ref)
 
 
+def test_rows_alone_equal_rows_in_any_batch():
+    """The default plan at M = 1 (split-K programs), 5 (one program summing the ranges), 40
+    (64-row tiles) and 130 (128-row tiles): every row has the bits it has alone (on a GPU
+    too: every tile runs the same mma instruction)."""
+    n, k = 70, 768
+    q, s, w, ws = _split_case(130, n, k, seed=5)
+    w, ws = w.to(DEV), ws.to(DEV)
+    sms = DEFAULT_SM_COUNT if DEV == "cpu" else sm_count(torch.device(DEV))
+    plans = {m: T._gemm_plan(m, n, k // 32, sms) for m in (1, 5, 40, 130)}
+    assert len({p.order for p in plans.values()}) == 1 and plans[1].order.ranges > 1
+    assert plans[1].workspace and not plans[5].workspace
+    assert plans[130].block_m > plans[40].block_m
+    full = fp8_gemm(q, s, w, ws).cpu()
+    for m in (1, 5, 40):
+        for r0 in (0, 130 - m):
+            part = fp8_gemm(q[r0:r0 + m], s[r0:r0 + m], w, ws).cpu()
+            assert torch.equal(part.view(torch.int32), full[r0:r0 + m].view(torch.int32)), (m, r0)
+
+
 V41_GEMMS = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120),
              "wo_b": (5120, 8192)}  # (N, K) of V4.1-Flash's fp8 linears
 
 
-@pytest.mark.parametrize("m", [1, 64])
-def test_split_heuristic_at_v41_shapes(m):
-    """The plan alone (these shapes are too slow for the interpreter): under-filled tile grids
-    split K at decode sizes, within the partial-traffic cap, on whole KSUB iterations."""
+def test_k_order_at_v41_shapes():
+    """The plan alone (these shapes are too slow for the interpreter): one K order per weight
+    for every M; at decode sizes the ranges run as split-K programs that fill the SMs, within the
+    partial-traffic cap, on whole KSUB iterations; prefill-sized M sums them in the tile."""
     sms = DEFAULT_SM_COUNT
     for name, (n, k) in V41_GEMMS.items():
         kb = k // 32
-        plan = T._gemm_plan(m, n, kb, sms)
-        tiles = -(-m // plan.block_m) * -(-n // plan.block_n)
-        assert kb % plan.ksub == 0 and kb // plan.ksub >= plan.splits, name
-        if plan.splits > 1:  # fp32 partials written + read: a small share of the weight bytes
-            assert plan.splits * m * n * 8 <= n * k / T.SPLIT_TRAFFIC_SHARE, name
+        plans = {m: T._gemm_plan(m, n, kb, sms) for m in (1, 8, 16, 17, 64, 65, 4096)}
+        order = plans[1].order
+        assert all(p.order == order for p in plans.values()), name  # never a function of M
+        assert kb % order.granule == 0 and order.chunks >= order.ranges, name
+        for m, plan in plans.items():
+            assert order.granule % plan.ksub == 0, (name, m)
+            if plan.workspace:  # fp32 partials written + read: a small share of the weight bytes
+                assert order.ranges * m * n * 8 * T.SPLIT_TRAFFIC_SHARE <= n * k, (name, m)
+        tiles = -(-n // plans[1].block_n)
         if tiles >= T.SPLIT_PROGRAMS_PER_SM * sms:
-            assert plan.splits == 1, name  # wq_b: 512 tiles fill the SMs already
+            assert order.ranges == 1, name  # wq_b: 512 tiles fill the SMs already
         else:
-            assert plan.splits > 1, name
-        if m == 1:
-            assert tiles * plan.splits >= sms, name
-            assert plan.ksub * 32 >= 128, name  # contiguous bytes per weight row in flight
+            assert order.ranges > 1 and plans[1].workspace, name
+            assert tiles * order.ranges >= sms, name
+        assert plans[1].ksub * 32 >= 128, name  # contiguous bytes per weight row in flight
+        assert not plans[4096].workspace, name
     assert T._gemm_plan(1, 1280, 160, sms).splits > 1  # wq_a at M = 1, named
-    assert T._gemm_plan(128, 512, 160, sms).splits == 1  # prefill-sized M never splits
+    assert T._gemm_plan(128, 512, 160, sms).splits == 1  # prefill-sized M: no partials
     assert T._gemm_plan(1, 1280, 160, sms).dot_f16  # precise_dot's default: fp16 operands
     assert not T._gemm_plan(1, 1280, 160, sms, precise_dot=False).dot_f16

@@ -1,4 +1,5 @@
-"""Triton fp8 linear (docs/numerics.md §2, §4), same numerics as reference.py and quant.py.
+"""Triton linears (docs/numerics.md §2, §4): the fp8 linear, same numerics as reference.py and
+quant.py, and the bf16 / fp32 linears with a fixed summation order.
 
 act_quant: one program per (row, 16 blocks of 32); amax in fp32 floored at 1e-4, the ue8m0
 scale built from exponent bits, x * (1/s) (exact: s is a power of two) clamped to +-448 and
@@ -9,10 +10,23 @@ row scale then the e8m0 column-block scale, accumulated in fp32 in K order (the 
 rounding points; the GPU mma's internal 32-term sum may round differently: tolerance only;
 see fp8_gemm's precise_dot). Under TRITON_INTERPRET the block sums are exact (fp64), so all is
 bit-exact.
-Split-K (decode-sized M, when the tile grid leaves SMs idle; _gemm_plan): each program sums one
-contiguous K range the same way into an fp32 [S, M, N] workspace and _split_sum_kernel adds
-the S ranges in split order: deterministic, but a different fp32 association than the
-reference's (num_splits=1 keeps its order; the tests bound the difference).
+
+One summation order per weight, whatever the number of rows M (docs/numerics.md §9): a row's
+output never depends on which other rows share its call (a batch, a chunk, a decode step).
+K is cut into ``ranges`` contiguous ranges (``k_order``: chosen from N, K and the SM count
+only, never from M), each summed in K order from -0, then added in range order. Small M runs
+the ranges as separate programs (split-K, to fill the SMs: fp32 partials [S, M, N] that
+_split_sum_kernel adds in range order); larger M has each tile's program sum its ranges one
+after another with a second accumulator, the same fp32 operations in the same order. Tile
+sizes change with M; the K walk, the mma instruction (wgmma: every tile has >= 64 rows) and
+every rounding do not. One range keeps the reference's order (num_splits=1).
+
+dense_linear: the same scheme for a bf16 weight (bf16 tl.dot, fp32 accumulator chained through
+the K steps in order, bf16 out) and for an fp32 weight (each 32-wide K step an fp32 FMA chain
+in K order, the steps summed in fp64, rounded once to fp32: within about an fp32 ulp of the
+reference's correctly rounded product), optionally block-diagonal over groups (the output
+projection's wo_a). On the triton backend it replaces torch's F.linear / einsum, whose cuBLAS
+kernels are picked by shape, so that their last bits depend on M.
 """
 from __future__ import annotations
 
@@ -23,12 +37,12 @@ import triton
 import triton.language as tl
 
 from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, check_device, e4m3_code, e8m0_to_fp32,
-                             interpreting, sm_count, ue8m0_exponent)
+                             interpreting, require, sm_count, to_bf16, ue8m0_exponent)
 
 QUANT_BLOCKS = 16  # act_quant: scale blocks per program (512 elements of a row)
-SPLIT_MAX_M = 64  # split-K for decode-sized M only: larger M fills the SMs with tiles
-SPLIT_PROGRAMS_PER_SM = 3  # ~2 resident programs per SM plus slack for the last wave
-SPLIT_TRAFFIC_SHARE = 4  # fp32 partials (written + read) <= 1/4 of the weight bytes
+SPLIT_MAX_M = 64  # decode-sized M: narrow tiles, long K steps (weight-bandwidth bound)
+SPLIT_PROGRAMS_PER_SM = 3  # K ranges: ~2 resident programs per SM at M = 1, plus slack
+SPLIT_TRAFFIC_SHARE = 4  # split-K partials (written + read) <= 1/4 of the weight bytes
 SPLIT_SUM_BLOCK = 256  # outputs per program of the split-sum kernel (2 warps, 16 B each)
 
 
@@ -49,20 +63,32 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, inv_max, QB: tl.constexpr):
 
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS, SPLITS,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KSUB: tl.constexpr,
-                     DOT_F16: tl.constexpr, INTERPRET: tl.constexpr):
+def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS, RANGES,
+                     GRANULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     KSUB: tl.constexpr, DOT_F16: tl.constexpr, ALL_RANGES: tl.constexpr,
+                     INTERPRET: tl.constexpr):
     """a: [M, K] e4m3; sa: [M, KB] fp32; b: [N, K] e4m3; sb: [cdiv(N, 32), KB] uint8 (e8m0
-    bytes); c: [SPLITS, M, N] fp32 (SPLITS = 1: the output). All contiguous.
-    Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLITS). K is CHUNKS = KB / KSUB chunks of KSUB
-    32-blocks; split s sums chunks [s * CHUNKS // SPLITS, (s + 1) * CHUNKS // SPLITS) in K order.
+    bytes); c: [S, M, N] fp32 (S = 1: the output). All contiguous.
+    K is CHUNKS = KB / GRANULE chunks of GRANULE 32-blocks cut into RANGES ranges: range r is
+    chunks [r * CHUNKS // RANGES, (r + 1) * CHUNKS // RANGES), summed in K order from -0 (KSUB
+    divides GRANULE, so no K step straddles two ranges). Grid (cdiv(M, BLOCK_M), cdiv(N,
+    BLOCK_N), S): ALL_RANGES (S = 1) sums every range in turn and adds them in range order into
+    a second accumulator; otherwise program z sums range z alone (S = RANGES partials for
+    _split_sum_kernel, which adds them in the same order; S = RANGES = 1: all of K in order).
     INTERPRET (CPU only) sums each 32-block in fp64, exactly, then rounds once, as the reference.
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
-    kb_lo = split * CHUNKS // SPLITS * KSUB
-    kb_hi = (split + 1) * CHUNKS // SPLITS * KSUB
+    if ALL_RANGES:
+        kb_lo = 0
+        kb_hi = KB
+        r = 0
+        r_end = CHUNKS // RANGES * GRANULE  # where range 0 ends
+        total = tl.full([BLOCK_M, BLOCK_N], -0.0, tl.float32)
+    else:
+        kb_lo = split * CHUNKS // RANGES * GRANULE
+        kb_hi = (split + 1) * CHUNKS // RANGES * GRANULE
     m_mask = offs_m < M
     n_mask = offs_n < N
     offs_m64 = offs_m.to(tl.int64)
@@ -91,6 +117,14 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS, S
             acc += part * sa[:, None] * sb[None, :]  # powers of two: exact, reference order
         a_ptrs += 32 * KSUB
         b_ptrs += 32 * KSUB
+        if ALL_RANGES:
+            if kb0 + KSUB == r_end:  # range r is complete: add it, start range r + 1 from -0
+                total += acc
+                acc = tl.full([BLOCK_M, BLOCK_N], -0.0, tl.float32)
+                r += 1
+                r_end = (r + 1) * CHUNKS // RANGES * GRANULE
+    if ALL_RANGES:
+        acc = total
     c_ptrs = c_ptr + split.to(tl.int64) * M * N + offs_m64[:, None] * N + offs_n64[None, :]
     tl.store(c_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
 
@@ -110,8 +144,46 @@ def _split_sum_kernel(part_ptr, c_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.const
 
 
 @dataclass(frozen=True)
+class KOrder:
+    """The K summation order of one GEMM weight shape: K is ``chunks`` chunks of ``granule``
+    K steps (32-blocks for fp8, BLOCK_K columns for the dense linears), cut into ``ranges``
+    contiguous ranges (range r: chunks [r * chunks // ranges, (r + 1) * chunks // ranges)),
+    each summed in K order from -0, then added in range order. A function of the weight's shape
+    and the SM count only: every M gets the same bits."""
+
+    granule: int
+    chunks: int
+    ranges: int
+
+    def bounds(self, r: int) -> tuple[int, int]:
+        """Range r's K steps [lo, hi)."""
+        return (r * self.chunks // self.ranges * self.granule,
+                (r + 1) * self.chunks // self.ranges * self.granule)
+
+
+def k_order(n_tiles: int, steps: int, sms: int, granules: tuple[int, ...] = (8, 4, 2, 1),
+            ranges: int | None = None) -> KOrder:
+    """The split-K order for a weight of ``steps`` K steps whose output columns make
+    ``n_tiles`` tiles of 64: enough ranges for ~SPLIT_PROGRAMS_PER_SM programs per SM at M = 1
+    (decode is weight-bandwidth bound; a large N needs none), each a whole number of chunks;
+    the chunk is the largest of ``granules`` dividing ``steps``, or the next one down when that
+    leaves fewer chunks than wanted ranges. ``ranges`` forces the count (1 <= it <= steps); the
+    chunk then shrinks, if need be, to give every range at least one."""
+    if ranges is None:
+        want = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, max(n_tiles, 1))
+        fits = [d for d in granules if steps % d == 0]
+        g = fits[0]
+        if len(fits) > 1 and steps // g < want:  # more, shorter ranges (wkv)
+            g = fits[1]
+        return KOrder(g, steps // g, max(1, min(want, steps // g)))
+    g = next(d for d in granules if steps % d == 0 and steps // d >= ranges)
+    return KOrder(g, steps // g, ranges)
+
+
+@dataclass(frozen=True)
 class _GemmPlan:
-    """Launch parameters of one fp8 GEMM shape, chosen on the host from (M, N, KB, SM count)."""
+    """Launch parameters of one fp8 GEMM shape: ``order`` from (N, KB, SM count) alone, the
+    tiles and where the ranges run from M."""
 
     block_m: int
     block_n: int
@@ -119,39 +191,56 @@ class _GemmPlan:
     num_stages: int
     ksub: int  # 32-blocks per K iteration: each weight row is read ksub * 32 bytes at a time
     dot_f16: bool  # fp8_gemm's precise_dot: e4m3 operands widened to fp16 for tl.dot
-    splits: int  # split-K ranges; 1: each tile's program writes the output directly
+    order: KOrder
+    workspace: bool  # the ranges run as separate programs into fp32 partials (split-K)
+
+    @property
+    def splits(self) -> int:
+        """Programs per output tile over K (the grid's third dimension)."""
+        return self.order.ranges if self.workspace else 1
+
+    @property
+    def granule(self) -> int:
+        return self.order.granule
+
+
+# (largest M, BLOCK_M, BLOCK_N, warps, stages, most 32-blocks per K iteration), by M. Every
+# tile has >= 64 rows per warp group, so tl.dot is the Hopper wgmma at every M: an H200's
+# mma.sync (16- or 32-row tiles) sums the fp16 products of a 32-block differently from wgmma
+# (~0.3% of outputs an fp32 ulp apart), which would make a decode row differ from its prefill.
+_FP8_TILES = ((16, 64, 64, 4, 4, 8), (SPLIT_MAX_M, 64, 64, 4, 4, 4), (None, 128, 128, 8, 3, 1))
+
+
+def _tile_row(table, m: int):
+    return next(row[1:] for row in table if row[0] is None or m <= row[0])
+
+
+def _use_workspace(order: KOrder, tiles: int, m: int, n: int, weight_bytes: int, sms: int,
+                   partial_bytes: int = 8) -> bool:
+    """Run the ranges as separate programs (fp32 partials written and read back, 8 B per
+    output and range) when the tiles alone leave SMs idle and the partials stay within
+    ``weight_bytes`` / SPLIT_TRAFFIC_SHARE (decode-sized M); otherwise every tile's program
+    sums its ranges itself. Either way the same bits."""
+    return order.ranges > 1 and tiles < sms and \
+        order.ranges * m * n * partial_bytes * SPLIT_TRAFFIC_SHARE <= weight_bytes
 
 
 def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
-               precise_dot: bool = True) -> _GemmPlan:
-    """Tiles by M, then split-K for small M. Decode (M <= 64) is weight-bandwidth bound: 64-row
-    weight tiles read 128-256 contiguous bytes per row per iteration (KSUB 32-blocks, several
-    loads in flight), and when the tile grid is small next to the SMs (wq_a, wkv: 8-20 tiles)
-    K is split so that there are ~SPLIT_PROGRAMS_PER_SM programs per SM, as long as the fp32
-    partials stay a small share of the weight bytes. num_splits (1 <= it <= KB) forces S; KSUB
-    then shrinks, if need be, so that every split has at least one K iteration. sms: the
-    device's SM count (sm_count); precise_dot: see fp8_gemm."""
-    if m <= 16:
-        bm, bn, warps, stages, ksub_max = 16, 64, 4, 4, 8
-    elif m <= SPLIT_MAX_M:
-        bm, bn, warps, stages, ksub_max = 64, 64, 4, 4, 4
-    else:
-        bm, bn, warps, stages, ksub_max = 128, 128, 8, 3, 1
-    ksub = next(d for d in (8, 4, 2, 1) if d <= ksub_max and kb % d == 0)
-    if num_splits is not None:
-        splits = num_splits
-        ksub = next(d for d in (8, 4, 2, 1) if d <= ksub and kb % d == 0 and kb // d >= splits)
-    elif m <= SPLIT_MAX_M:
+               precise_dot: bool = True, workspace: bool | None = None) -> _GemmPlan:
+    """The K order from (N, KB, SM count) (``k_order``; num_splits, 1 <= it <= KB, forces the
+    range count), then tiles by M: decode (M <= 64) is weight-bandwidth bound, 16- or 64-row
+    tiles reading 128-256 contiguous bytes per weight row per iteration (KSUB 32-blocks, several
+    loads in flight); larger M square MMA tiles. The ranges run as separate programs while that
+    fills idle SMs at a small traffic cost (``_use_workspace``; ``workspace`` forces it either
+    way). sms: the device's SM count (sm_count); precise_dot: see fp8_gemm."""
+    order = k_order(triton.cdiv(n, 64), kb, sms, ranges=num_splits)
+    bm, bn, warps, stages, ksub_max = _tile_row(_FP8_TILES, m)
+    ksub = next(d for d in (8, 4, 2, 1) if d <= ksub_max and order.granule % d == 0)
+    if workspace is None:
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        want = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, tiles)
-        if ksub == 8 and kb // 8 < want and kb % 4 == 0:  # more, shorter splits (wkv)
-            ksub = 4
-        # partials written and read, 8 B per split per output, <= weight bytes (N * KB * 32) / 4
-        cap = kb * FP8_BLOCK // (SPLIT_TRAFFIC_SHARE * 8 * m)
-        splits = max(1, min(want, cap, kb // ksub))
-    else:
-        splits = 1
-    return _GemmPlan(bm, bn, warps, stages, ksub, bool(precise_dot), splits)
+        workspace = _use_workspace(order, tiles, m, n, n * kb * FP8_BLOCK, sms)
+    return _GemmPlan(bm, bn, warps, stages, ksub, bool(precise_dot), order,
+                     bool(workspace) and order.ranges > 1)
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,17 +270,21 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
              weight_scale: torch.Tensor, out: torch.Tensor | None = None,
-             num_splits: int | None = None, *, precise_dot: bool = True) -> torch.Tensor:
+             num_splits: int | None = None, *, precise_dot: bool = True,
+             workspace: bool | None = None) -> torch.Tensor:
     """Blockwise-scaled fp8 GEMM: y[m, n] = sum_kb (x[m, kb] . w[n, kb]) sx[m, kb] sw[n//32, kb].
 
     x_codes: [M, K] float8_e4m3fn; x_scales: [M, K/32] fp32; weight: [N, K] float8_e4m3fn;
     weight_scale: [ceil(N/32), K/32] float8_e8m0fnu; out: optional contiguous [M, N] fp32
     buffer. Returns [M, N] fp32. K must be a multiple of 32.
 
-    num_splits: split-K ranges S, 1 <= S <= K/32 (None: chosen from the shape and SM count).
-    S = 1 accumulates all of K in order (the reference's rounding); S > 1 sums S contiguous K
-    ranges separately, each in K order, into an fp32 [S, M, N] workspace, then adds them in
-    split order: deterministic, but not the reference's fp32 summation order.
+    The summation order depends on (N, K, the SM count) only (``k_order``), so a row's result
+    is the same whatever M is. num_splits: the K range count S, 1 <= S <= K/32 (None: chosen
+    from N, K and the SM count). S = 1 accumulates all of K in order (the reference's
+    rounding); S > 1 sums S contiguous K ranges separately, each in K order, then adds them in
+    range order: deterministic, but not the reference's fp32 association. workspace: where
+    the ranges run (None: by shape, ``_use_workspace``; True: separate programs and an fp32
+    [S, M, N] workspace; False: one program per tile sums them in turn); the same bits.
 
     precise_dot (GPU only; the interpreter sums each 32-block exactly either way): True (the
     default) widens the e4m3 operands to fp16 (exact) before tl.dot. The fp8 wgmma (BLOCK_M >=
@@ -199,6 +292,7 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
     fp32 block sums, ~1e-7 with fp16) but is ~1.4x faster at large M; small M is ~1e-7 either
     way. With the fp8 sums the index q/k flip fp4 roundings and v41_geometry's top-k rows drift
     past the fixture tolerance (194 of 3312 rows on an H200, limit 1%), hence the default.
+    Either way every tile runs wgmma, so either is M-invariant (_FP8_TILES).
     """
     if x_codes.dim() != 2 or weight.dim() != 2 or x_scales.dim() != 2 or weight_scale.dim() != 2:
         raise ValueError("fp8_gemm wants 2-D x_codes, x_scales, weight, weight_scale")
@@ -232,14 +326,24 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
         return out
     if kb == 0:
         return out.zero_()
-    plan = _gemm_plan(m, n, kb, sm_count(out.device), num_splits, precise_dot)
+    plan = _gemm_plan(m, n, kb, sm_count(out.device), num_splits, precise_dot, workspace)
+    return _run_fp8_gemm(plan, x_codes, x_scales, weight, weight_scale, out)
+
+
+def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out):
+    """Launch ``plan`` on checked operands (fp8_gemm's), into ``out``."""
+    m, k = x_codes.shape
+    n, kb = weight.shape[0], k // FP8_BLOCK
     partials = out if plan.splits == 1 else \
         torch.empty(plan.splits, m, n, dtype=torch.float32, device=out.device)
+    order = plan.order
     grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), plan.splits)
     _fp8_gemm_kernel[grid](x_codes.contiguous(), x_scales.contiguous(), weight.contiguous(),
                            weight_scale.contiguous().view(torch.uint8), partials, m, n, k, kb,
-                           kb // plan.ksub, plan.splits, BLOCK_M=plan.block_m,
-                           BLOCK_N=plan.block_n, KSUB=plan.ksub, DOT_F16=plan.dot_f16,
+                           order.chunks, order.ranges, GRANULE=order.granule,
+                           BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, KSUB=plan.ksub,
+                           DOT_F16=plan.dot_f16,
+                           ALL_RANGES=order.ranges > 1 and not plan.workspace,
                            INTERPRET=interpreting(), num_warps=plan.num_warps,
                            num_stages=plan.num_stages)
     if plan.splits > 1:
@@ -254,7 +358,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """y = x W^T for an fp8 weight: act_quant(x) then the blockwise fp8 GEMM (docs/numerics.md §4).
 
     x: [..., K] bf16; weight [N, K] float8_e4m3fn; weight_scale [ceil(N/32), K/32]
-    float8_e8m0fnu; num_splits: fp8_gemm's split-K (None: by shape); precise_dot: fp8_gemm's
+    float8_e8m0fnu; num_splits: fp8_gemm's K ranges (None: from N, K and the SM count);
+    precise_dot: fp8_gemm's
     (default True: fp16 operands to the GPU's tl.dot). Returns [..., N] in ``out_dtype``
     (bf16, or torch.float32: the GEMM's fp32 result, as a tensor-parallel wo_b partial needs).
     """
@@ -265,3 +370,213 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     y = fp8_gemm(x_q, s, weight, weight_scale, num_splits=num_splits,
                  precise_dot=precise_dot)
     return y.to(out_dtype).reshape(*lead, weight.shape[0])
+
+
+# ---- bf16 / fp32 weights: dense_linear -------------------------------------------------------
+
+DENSE_BLOCK_K = {torch.bfloat16: 64, torch.float32: 32}  # K step per weight dtype (fixed)
+# (largest M, BLOCK_M, BLOCK_N, warps, stages) by M, per weight dtype: bf16 on wgmma at every M
+# (as _FP8_TILES); fp32 runs tl.dot's IEEE fp32 path (FMAs in K order, any tile)
+_DENSE_TILES = {torch.bfloat16: ((SPLIT_MAX_M, 64, 64, 4, 4), (None, 128, 128, 8, 3)),
+                torch.float32: ((16, 16, 64, 4, 3), (None, 64, 64, 4, 3))}
+
+
+@triton.jit
+def _dense_gemm_kernel(x_ptr, w_ptr, c_ptr, M, NG, KG, XK, CN, CHUNKS, RANGES,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       FP64: tl.constexpr, ALL_RANGES: tl.constexpr, FINAL: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+    """c[m, g*NG + n] = sum_k x[m, g*KG + k] w[g*NG + n, k]: x [M, XK] (group g reads its
+    columns g*KG ..), w [G*NG, KG], both bf16 (fp32 accumulator) or both fp32 (FP64: each K
+    step one IEEE fp32 FMA chain in K order, the steps added in an fp64 accumulator; Triton
+    3.6 has no fp64 tl.dot; under the interpreter, whose fp32 matmul rounds by shape, each
+    step is an fp64 dot). All contiguous. Grid (cdiv(M, BLOCK_M), G * cdiv(NG, BLOCK_N),
+    S). K is CHUNKS = cdiv(KG, BLOCK_K) steps in RANGES ranges (range r: steps [r * CHUNKS //
+    RANGES, (r + 1) * CHUNKS // RANGES)), each chained through one accumulator in K order from
+    0; ALL_RANGES (S = 1) adds the ranges in order into a second one, else program z makes
+    range z. FINAL: c is the output [M, CN] (bf16; fp32 rounded once from fp64 when FP64),
+    else [S, M, CN] partials in the accumulator's dtype for _dense_sum_kernel."""
+    n_tiles = tl.cdiv(NG, BLOCK_N)
+    g = tl.program_id(1) // n_tiles
+    offs_n = (tl.program_id(1) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < NG
+    cols = (g * NG + offs_n).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    rows = offs_m.to(tl.int64)
+    split = tl.program_id(2)
+    acc_ty = tl.float64 if FP64 else tl.float32
+    if ALL_RANGES:
+        lo = 0
+        hi = CHUNKS
+        r = 0
+        r_end = CHUNKS // RANGES
+        total = tl.full([BLOCK_M, BLOCK_N], -0.0, acc_ty)  # -0 + p == p: as a partial's copy
+    else:
+        lo = split * CHUNKS // RANGES
+        hi = (split + 1) * CHUNKS // RANGES
+    offs_k = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + rows[:, None] * XK + g * KG
+    w_col = w_ptr + cols[None, :] * KG
+    acc = tl.zeros([BLOCK_M, BLOCK_N], acc_ty)
+    for step in range(lo, hi):
+        k = step * BLOCK_K + offs_k
+        k_mask = k < KG
+        a = tl.load(x_row + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_col + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if FP64 and INTERPRET:  # numpy's fp32 matmul rounds by shape; fp64 products are exact
+            acc += tl.dot(a.to(tl.float64), b.to(tl.float64), out_dtype=tl.float64)
+        elif FP64:  # one fp32 FMA chain per K step (IEEE, in K order), the steps summed in fp64
+            acc += tl.dot(a, b, input_precision="ieee").to(tl.float64)
+        elif INTERPRET:  # its tl.dot misreads bf16 (common.triton.to_bf16), and its fp32 matmul
+            # rounds by shape: each step's sum of (exact) products in fp64, rounded to fp32
+            a64 = a.to(tl.float32).to(tl.float64)
+            b64 = b.to(tl.float32).to(tl.float64)
+            acc += tl.dot(a64, b64, out_dtype=tl.float64).to(tl.float32)
+        else:
+            acc = tl.dot(a, b, acc)
+        if ALL_RANGES:
+            if step + 1 == r_end:  # range r is complete: add it, start range r + 1 from 0
+                total += acc
+                acc = tl.zeros([BLOCK_M, BLOCK_N], acc_ty)
+                r += 1
+                r_end = (r + 1) * CHUNKS // RANGES
+    if ALL_RANGES:
+        acc = total
+    mask = m_mask[:, None] & n_mask[None, :]
+    if FINAL:
+        if FP64:
+            y = acc.to(tl.float32)
+        else:
+            y = to_bf16(acc, INTERPRET).to(tl.bfloat16)
+        tl.store(c_ptr + rows[:, None] * CN + cols[None, :], y, mask=mask)
+    else:
+        tl.store(c_ptr + (split * M + rows)[:, None] * CN + cols[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _dense_sum_kernel(part_ptr, out_ptr, NUMEL, S, FP64: tl.constexpr, BLOCK: tl.constexpr,
+                      INTERPRET: tl.constexpr):
+    """out[i] = round(sum_s part[s, i]), s in order: part [S, NUMEL] fp32 -> bf16 out, or fp64
+    -> fp32 out when FP64."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < NUMEL
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, S):
+        acc += tl.load(part_ptr + s * NUMEL + offs, mask=mask, other=0.0)
+    if FP64:
+        y = acc.to(tl.float32)
+    else:
+        y = to_bf16(acc, INTERPRET).to(tl.bfloat16)
+    tl.store(out_ptr + offs, y, mask=mask)
+
+
+@dataclass(frozen=True)
+class _DensePlan:
+    """Launch parameters of one dense_linear shape: ``order`` from the weight's shape and the
+    SM count alone, the tiles and where the ranges run from M."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    order: KOrder
+    workspace: bool
+
+    @property
+    def splits(self) -> int:
+        return self.order.ranges if self.workspace else 1
+
+
+def _dense_plan(m: int, n_group: int, k_group: int, groups: int, dtype: torch.dtype, sms: int,
+                num_splits: int | None = None, workspace: bool | None = None) -> _DensePlan:
+    """K steps of DENSE_BLOCK_K[dtype] in ``k_order`` ranges (from the weight's shape and the
+    SM count; num_splits forces the count, 1 <= it <= the K steps), tiles by M, ranges as
+    separate programs while that fills idle SMs at a small traffic cost (``_use_workspace``;
+    ``workspace`` forces it either way)."""
+    bk = DENSE_BLOCK_K[dtype]
+    n_tiles = groups * triton.cdiv(n_group, 64)
+    order = k_order(n_tiles, triton.cdiv(k_group, bk), sms, granules=(1,), ranges=num_splits)
+    bm, bn, warps, stages = _tile_row(_DENSE_TILES[dtype], m)
+    if workspace is None:
+        tiles = triton.cdiv(m, bm) * groups * triton.cdiv(n_group, bn)
+        elem = 2 if dtype == torch.bfloat16 else 4
+        workspace = _use_workspace(order, tiles, m, groups * n_group,
+                                   groups * n_group * k_group * elem, sms,
+                                   8 if dtype == torch.bfloat16 else 16)
+    return _DensePlan(bm, bn, bk, warps, stages, order, bool(workspace) and order.ranges > 1)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1, *,
+                 num_splits: int | None = None, workspace: bool | None = None) -> torch.Tensor:
+    """y = x W^T for a bf16 or fp32 weight, block-diagonal over ``groups``, in a summation
+    order fixed by the weight's shape (never by the row count).
+
+    x: [..., groups * Kg], cast to the weight's dtype (as reference.linear); weight:
+    [groups * Ng, Kg] bf16 or fp32, contiguous; y[..., g*Ng + n] = sum_k x[..., g*Kg + k]
+    w[g*Ng + n, k]. bf16: bf16 products (tl.dot), fp32 accumulation, bf16 out (torch's
+    F.linear up to the fp32 summation order). fp32: each 32-wide K step summed by fp32 FMAs in
+    K order, the steps in fp64, rounded once to fp32 (within about an fp32 ulp of
+    reference.linear's correctly rounded product). num_splits,
+    workspace: the K ranges and where they run, as fp8_gemm's (None: by shape; the same bits
+    either way). Returns [..., groups * Ng] in the weight's dtype.
+    """
+    require(isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and weight.dtype in DENSE_BLOCK_K,
+            f"weight must be a 2-D bf16 or fp32 tensor, got {getattr(weight, 'dtype', None)} "
+            f"{tuple(getattr(weight, 'shape', ()))}")
+    require(isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1
+            and weight.shape[0] % groups == 0,
+            f"groups must be a positive int dividing {weight.shape[0]} rows, got {groups!r}")
+    kg, ng = weight.shape[1], weight.shape[0] // groups
+    require(isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] == groups * kg
+            and x.is_floating_point(),
+            f"x {tuple(getattr(x, 'shape', ()))} does not match weight {tuple(weight.shape)} "
+            f"in {groups} groups (want [..., {groups * kg}])")
+    check_device(x, weight)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).to(weight.dtype).contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, groups * ng, dtype=weight.dtype, device=x.device)
+    if out.numel() == 0:
+        return out.reshape(*lead, groups * ng)
+    if kg == 0:
+        return out.zero_().reshape(*lead, groups * ng)
+    steps = triton.cdiv(kg, DENSE_BLOCK_K[weight.dtype])
+    require(num_splits is None or 1 <= num_splits <= steps,
+            f"num_splits = {num_splits} is not in [1, {steps}] (K steps)")
+    plan = _dense_plan(m, ng, kg, groups, weight.dtype, sm_count(x.device), num_splits,
+                       workspace)
+    return _run_dense(plan, x2, weight.contiguous(), groups, out).reshape(*lead, groups * ng)
+
+
+def _run_dense(plan: _DensePlan, x: torch.Tensor, weight: torch.Tensor, groups: int,
+               out: torch.Tensor) -> torch.Tensor:
+    """Launch ``plan`` on dense_linear's checked, contiguous operands, into ``out``."""
+    m = x.shape[0]
+    kg, ng = weight.shape[1], weight.shape[0] // groups
+    fp64 = weight.dtype == torch.float32
+    s = plan.splits
+    target = out if s == 1 else torch.empty(
+        s, m, groups * ng, dtype=torch.float64 if fp64 else torch.float32, device=out.device)
+    order, interp = plan.order, interpreting()
+    grid = (triton.cdiv(m, plan.block_m), groups * triton.cdiv(ng, plan.block_n), s)
+    _dense_gemm_kernel[grid](x, weight, target, m, ng, kg, x.shape[1], groups * ng,
+                             order.chunks, order.ranges, BLOCK_M=plan.block_m,
+                             BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, FP64=fp64,
+                             ALL_RANGES=order.ranges > 1 and s == 1, FINAL=s == 1,
+                             INTERPRET=interp, num_warps=plan.num_warps,
+                             num_stages=plan.num_stages)
+    if s > 1:
+        block = 1024
+        _dense_sum_kernel[(triton.cdiv(out.numel(), block),)](
+            target, out, out.numel(), s, FP64=fp64, BLOCK=block, INTERPRET=interp)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``reference.linear`` on the triton backend: dense_linear (one summation order for every
+    row count). x: [..., K]; weight: [N, K] bf16 or fp32. Returns [..., N] in the weight's
+    dtype."""
+    return dense_linear(x, weight)
