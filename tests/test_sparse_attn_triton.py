@@ -145,7 +145,7 @@ from dsv41attn.ops.common.packing import (
     unpack_window_rows,
 )
 from dsv41attn.ops.sparse_attn.reference import sparse_attn_paged as ref_paged
-from dsv41attn.ops.sparse_attn.triton import _pick_splits
+from dsv41attn.ops.sparse_attn.triton import SPLIT_BLOCKS, _pick_splits, _wave_splits
 from dsv41attn.ops.sparse_attn.triton import sparse_attn_paged as tri_paged
 
 RING_B, RING_S = 3, 12  # the ring: 3 sequences x 12 slots
@@ -202,7 +202,7 @@ PAGED_CASES = [
     (7, 16, 32, 0, 65, 8, 2),
     (63, 16, 32, 30, 30, 8, 1),  # T = 63 (the interpreter's cost is per program): one block
     (5, 8, 64, 64, 64, 8, 1),  # block edge exactly at the window's end
-    (5, 8, 64, 64, 64, 8, None),  # decode-sized: the heuristic splits
+    (5, 8, 64, 64, 64, 8, None),  # the default: splits of SPLIT_BLOCKS blocks
     (3, 16, 128, 70, 200, 8, 1),  # D >= 128: rows decoded from int32 words; 3 blocks
     (3, 16, 128, 70, 200, 8, 3),  # ... of compressed rows, prefetched 1-3 blocks ahead
     (3, 8, 128, 128, 130, 16, 1),  # window blocks and 3 compressed ones, no mixed block
@@ -359,13 +359,50 @@ def test_paged_rejects_bad_inputs():
 
 
 def test_split_heuristic():
-    assert _pick_splits(programs=4, n_blocks=10, sms=132) == 10  # decode: spread out
-    assert _pick_splits(programs=32, n_blocks=10, sms=132) == 4  # one wave: 128 programs
-    assert _pick_splits(programs=4 * 64, n_blocks=10, sms=132) == 1  # enough programs
-    assert _pick_splits(programs=1, n_blocks=1, sms=132) == 1
+    """Splits of a fixed number of 64-blocks, whatever the step's token count."""
+    assert _pick_splits(10, 1) == (10, 1)
+    assert _pick_splits(10, 2) == (5, 2)
+    assert _pick_splits(10, 3) == (4, 3)  # the last split shorter
+    assert _pick_splits(1) == (1, SPLIT_BLOCKS)
+    for n_blocks in range(1, 40, 3):
+        for per in range(1, 6):
+            s, got = _pick_splits(n_blocks, per)
+            assert got == per and (s - 1) * per < n_blocks <= s * per  # none without a block
+    # split_blocks=0: sized to the step (not call-invariant)
+    assert _wave_splits(programs=4, n_blocks=10, sms=132) == 10  # decode: spread out
+    assert _wave_splits(programs=32, n_blocks=10, sms=132) == 4  # one wave: 128 programs
+    assert _wave_splits(programs=4 * 64, n_blocks=10, sms=132) == 1  # enough programs
     for programs in range(1, 140, 7):
         for n_blocks in range(1, 40, 3):
-            s = _pick_splits(programs, n_blocks, 132)
+            s = _wave_splits(programs, n_blocks, 132)
             per = -(-n_blocks // s)
             assert 1 <= s <= n_blocks and -(-n_blocks // per) == s  # no split without a block
             assert s == 1 or programs * s <= 132
+
+
+@pytest.mark.parametrize("split_blocks", [1, None])
+def test_paged_token_bits_do_not_depend_on_the_call(split_blocks):
+    """A token's output is the same in a step of 3 tokens as in one of 70 (a decode-sized and a
+    prefill-sized step: T-dependent splitting would cut them differently), and with a wider
+    compressed list (a batch-mate scanning more rows: -1 pads), for lists of 4 blocks cut into
+    splits: the cut and the merge order follow the token's own list."""
+    t, h, d, ww, k = 70, 16, 32, 70, 130
+    q, sink, args = make_step(t, h, d, ww, k, 8, "mixed", seed=21)
+    n_ring = RING_B * RING_S
+    wids = args["window_ids"]
+    args["window_ids"] = torch.where(wids >= n_ring + 3, -1, wids)  # new rows of tokens < 3
+    few = {n: (v[:3] if n in ("new_rows", "window_ids", "token_row", "compressed_idx") else v)
+           for n, v in args.items()}
+    wide = dict(args, compressed_idx=torch.cat(
+        [args["compressed_idx"], torch.full((t, 64), -1, dtype=torch.int32, device=DEV)], 1))
+    kw = {"split_blocks": split_blocks}
+    all_ = tri_paged(q, sink, d ** -0.5, **args, **kw)
+    part = tri_paged(q[:3], sink, d ** -0.5, **few, **kw)
+    wider = tri_paged(q, sink, d ** -0.5, **wide, **kw)
+    assert torch.equal(part.view(torch.int16), all_[:3].view(torch.int16))
+    assert torch.equal(wider.view(torch.int16), all_.view(torch.int16))
+    ref = ref_paged(q[:3], sink, d ** -0.5, **few).float()
+    assert (part.float() - ref).norm() / ref.norm() <= 1e-2
+    if split_blocks is None:  # split_blocks=0: sized to the step, as close to the reference
+        wave = tri_paged(q[:3], sink, d ** -0.5, **few, split_blocks=0).float()
+        assert (wave - ref).norm() / ref.norm() <= 1e-2

@@ -8,7 +8,9 @@ and head block [, split] walks the index list in blocks of 64 in list order, gat
 rows (K = V, MQA) by pointer arithmetic, and runs the reference's online softmax: fp32 logits
 from bf16 tl.dot, running max from -1e30 over logits only, p cast to bf16 before P.V, fp32
 accumulator, sink added to the denominator after the last block. The paged op can split a list
-over programs (flash-decoding) and merge their fp32 partials in a second kernel.
+over programs (flash-decoding) and merge their fp32 partials in a second kernel; by default in
+splits of SPLIT_BLOCKS 64-blocks whatever the step's token count, so a token gets the same bits
+alone, batched, chunked or token by token (docs/numerics.md §9).
 
 The paged kernel at V4.1-Flash decode (64 heads x 512 per program, 8 warps, an SM each): the
 list runs as three loops (window-only blocks, pipelined by the compiler; the block where the
@@ -153,6 +155,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
 # ---- paged variant: rows decoded in registers from the packed caches --------------------------
 
 BLOCK_H_MAX = 64  # paged head tile: up to 64 (rows decoded once per tile; H200 D=512: fastest)
+SPLIT_BLOCKS = 2  # list blocks per split (flash-decoding), fixed: see _pick_splits
 
 
 def _bf16_pair(f16x2: str, dst: str) -> str:
@@ -483,10 +486,20 @@ def _combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, H, S, D: tl.constexpr,
     _finish(o_ptr, sink_ptr, bi, offs_h, h_mask, offs_d, m_max, l_i, acc, H, D, INTERPRET)
 
 
-def _pick_splits(programs: int, n_blocks: int, sms: int) -> int:
-    """Splits of the list's 64-blocks when few programs run (a decode-sized step: T x head
-    blocks under half of ``sms``): fill one wave of ``sms`` programs (at D=512 a program has an
-    SM to itself: more waves measured slower on an H200); 1 otherwise."""
+def _pick_splits(n_blocks: int, split_blocks: int = SPLIT_BLOCKS) -> tuple[int, int]:
+    """(splits, list blocks per split) of a list of ``n_blocks`` 64-blocks: splits of a fixed
+    ``split_blocks`` blocks (the last one shorter), whatever the step's token count. A token's
+    list is cut at the same entries alone, in any batch and in any chunk, and its partials are
+    merged in the same order, so its bits do not depend on the call; trailing splits of pads
+    only (a batch-mate's longer list) merge as exact identities (m = -1e30, l = 0, acc = 0)."""
+    return triton.cdiv(n_blocks, split_blocks), split_blocks
+
+
+def _wave_splits(programs: int, n_blocks: int, sms: int) -> int:
+    """split_blocks=0: the step-sized split count (the previous default, not call-invariant):
+    when few programs run (T x head blocks under half of ``sms``) fill one wave of ``sms``
+    programs (at D=512 a program has an SM to itself: more waves measured slower on an H200);
+    1 otherwise. The cut then depends on how many tokens share the step."""
     if 2 * programs > sms or n_blocks <= 1:
         return 1
     s = min(n_blocks, sms // programs)
@@ -512,7 +525,8 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
                       compressed_pool: torch.Tensor | None, block_table: torch.Tensor | None,
                       token_row: torch.Tensor, compressed_idx: torch.Tensor,
                       max_queries: int = 64, *, out: torch.Tensor | None = None,
-                      num_splits: int | None = None, block_h: int | None = None,
+                      num_splits: int | None = None, split_blocks: int | None = None,
+                      block_h: int | None = None,
                       num_warps: int | None = None) -> torch.Tensor:
     """``reference.sparse_attn_paged`` in Triton: rows decoded in registers from the packed bytes,
     one query per packed token of a step; the window ring is read in place (never copied).
@@ -528,7 +542,11 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     list is its window entries then its compressed entries, walked in blocks of 64.
     max_queries: the reference's chunking, no effect here (one signature for both).
     Keyword-only: out, an optional contiguous [T, H, D] bf16 buffer; num_splits, programs per
-    (token, head block) over the list (flash-decoding), None = heuristic; block_h, the head tile
+    (token, head block) over the list (flash-decoding), None = splits of ``split_blocks``
+    64-blocks each (None = SPLIT_BLOCKS), the same cut for every token count (_pick_splits);
+    split_blocks=0 sizes the splits to the step instead (_wave_splits: faster at some batch
+    sizes, but a token's bits then depend on the step); a forced num_splits cuts by the step's
+    longest list; block_h, the head tile
     (power of two >= 16), None = H rounded up to a power of two in [16, 64]; num_warps, None =
     4 (8 at D > 128). Returns [T, H, D] bf16; a token without entries gives 0 (no NaN).
     """
@@ -560,6 +578,8 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
         raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if split_blocks is not None and split_blocks < 0:
+        raise ValueError(f"split_blocks must be >= 0, got {split_blocks}")
     tensors = {"q": q, "sink": sink, "window_ring": window_ring, "new_rows": new_rows,
                "window_ids": window_ids, "token_row": token_row, "compressed_idx": compressed_idx}
     if k:
@@ -584,8 +604,12 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     # multiples of 4 there); views that are not take the byte path instead of being copied
     words = d >= 128 and all(x.data_ptr() % 4 == 0 for x in (ring, new_rows, pool))
     n_blocks, h_blocks = triton.cdiv(ww + k, BLOCK_N), triton.cdiv(h, block_h)
-    s = _pick_splits(t_all * h_blocks, n_blocks, sm_count(q.device)) \
-        if num_splits is None else num_splits
+    if num_splits is None and split_blocks == 0:
+        num_splits = _wave_splits(t_all * h_blocks, n_blocks, sm_count(q.device))
+    if num_splits is None:
+        s, per_split = _pick_splits(n_blocks, split_blocks or SPLIT_BLOCKS)
+    else:
+        s, per_split = num_splits, triton.cdiv(n_blocks, num_splits)
     ml = acc = sink  # partials: unused without a split
     if s > 1:  # m and l [2, T, S, H], acc [T, S, H, D]
         ml, acc = q.new_empty(2, t_all, s, h, dtype=torch.float32), q.new_empty(
@@ -593,7 +617,7 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     interp, warps = interpreting(), num_warps or (4 if d <= 128 else 8)
     _sparse_attn_paged_kernel[(t_all, h_blocks, s)](
         q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out, ml, acc, float(scale),
-        h, n_ring, t_all, ww, k, table.shape[1], pool.shape[1], triton.cdiv(n_blocks, s),
+        h, n_ring, t_all, ww, k, table.shape[1], pool.shape[1], per_split,
         widx.stride(0), cidx.stride(0), table.stride(0), D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
         SPLIT=s > 1, WORDS=words, INTERPRET=interp, num_warps=warps)
     if s > 1:
