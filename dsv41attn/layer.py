@@ -22,10 +22,8 @@ from .cache import AttentionState, StateError
 from .checkpoint import LayerWeights, check_layer_weights
 from .config import AttentionConfig
 from .ops.backends import get_ops
-from .ops.common.norm import rms_norm
 from .ops.common.quant import index_fp4_fake_quant
 from .ops.common.rope import apply_rope, rope_frequencies
-from .ops.linear.reference import linear
 from .plan import Board, RatioFacts, StepPlan, UndoLog, publishes_index_keys
 from .tp import TensorParallel, check_shard_weights
 
@@ -102,7 +100,7 @@ class AttentionLayer:
         rot = plan.rotations_of(spec)  # [T, R/2] complex64
 
         # Query path (docs/numerics.md §5, step 1).
-        qr = rms_norm(ops.fp8_linear(x, w.wq_a.weight, w.wq_a.scale), w.q_norm, cfg.norm_eps)
+        qr = ops.rms_norm(ops.fp8_linear(x, w.wq_a.weight, w.wq_a.scale), w.q_norm, cfg.norm_eps)
         q = ops.fp8_linear(qr, w.wq_b.weight, w.wq_b.scale).view(t, self.heads, cfg.head_dim)
         q = ops.rope_heads(q, rot)  # [T, H, D]
 
@@ -151,11 +149,12 @@ class AttentionLayer:
         source = state.sources[spec.layer]
         tokens = facts.close_tokens
         if spec.ratio == 1:
-            kv, score = linear(x[tokens], w.compressor_wkv).unsqueeze(1), None  # [N, 1, D] bf16
+            kv = self.ops.linear(x[tokens], w.compressor_wkv).unsqueeze(1)  # [N, 1, D] bf16
+            score = None
         else:
             xf = x.float()
-            new_kv = linear(xf, w.compressor_wkv)  # [T, D] fp32
-            new_score = linear(xf, w.compressor_wgate)
+            new_kv = self.ops.linear(xf, w.compressor_wkv)  # [T, D] fp32
+            new_score = self.ops.linear(xf, w.compressor_wgate)
             kv = state.recent_group(source.recent_kv, new_kv, facts.members)  # [N, r, D]
             score = state.recent_group(source.recent_score, new_score, facts.members)
             state.write_recent(source, facts.recent_write, new_kv, new_score, undo)
@@ -184,7 +183,7 @@ class AttentionLayer:
             q_index = self.ops.fp8_linear(qr, w.index_wq_b.weight, w.index_wq_b.scale)
             q_index = q_index.view(t, self.index_heads, cfg.index_head_dim)
             q_index = index_fp4_fake_quant(apply_rope(q_index, rot.unsqueeze(1)))
-            head_weights = linear(x, w.index_weights_proj) * cfg.index_weight_scale  # [T, I]
+            head_weights = self.ops.linear(x, w.index_weights_proj) * cfg.index_weight_scale
             keys = state.sources[state.index_key_source(spec.layer)].index_keys
             selected, keep = self.ops.index_topk(
                 q_index, head_weights, keys, state.block_table, plan.token_row, facts.visible,

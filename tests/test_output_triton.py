@@ -8,7 +8,8 @@ pytest.importorskip("triton")
 from dsv41attn import preset
 from dsv41attn.checkpoint import Fp8Weight, quantize_fp8
 from dsv41attn.ops.common.rope import apply_rope, rope_frequencies, rope_rotations
-from dsv41attn.ops.common.triton import interpreting
+from dsv41attn.ops.common.triton import rope_heads
+from dsv41attn.ops.linear.triton import dense_linear
 from dsv41attn.ops.output import reference as R
 from dsv41attn.ops.output import triton as T
 
@@ -120,9 +121,10 @@ def test_fp8_and_bf16_paths_identical(shape, splits):
 
 
 def test_fused_max_rows():
-    """fused_max_rows picks the GPU path: N above it runs rope_heads + torch's einsum (the
-    default 0: always), N at or below it the fused kernel. The interpreter always runs the fused
-    kernel. Either path stays as close to the reference as test_vs_fp64_oracle's inputs do."""
+    """fused_max_rows picks the path: N above it runs rope_heads + dense_linear's grouped GEMM
+    (the default 0: always, unless num_splits is given), N at or below it the fused kernel.
+    Either path stays as close to the reference as test_vs_fp64_oracle's inputs do; the
+    default is exactly rope_heads then dense_linear, whatever N."""
     n = 3
     o, rot, groups, rk = _inputs("rope64", n, seed=n)
     w = _weight("rope64", "fp8", seed=n + 100)
@@ -131,8 +133,9 @@ def test_fused_max_rows():
     fused = _run_triton(o, rot, w, groups, rk, fused_max_rows=n)
     for got in (default, fused):
         assert (got != ref).float().mean() <= 0.02
-    if interpreting():
-        assert torch.equal(default, fused)
+    rotated = rope_heads(o.to(DEV), rot.to(DEV), inverse=True).view(n, -1)
+    assert torch.equal(default, dense_linear(rotated, w.dequantize().to(DEV), groups).cpu())
+    assert torch.equal(_run_triton(o[1:2], rot[1:2], w, groups, rk), default[1:2])  # N-invariant
 
 
 def test_reference_is_the_layer_lines():

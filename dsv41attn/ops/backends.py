@@ -26,22 +26,26 @@ class Ops:
     pool_norm_rope_pack: Callable  # compressor epilogue: rows and index keys into the pools
     inverse_rope_wo_a: Callable  # inverse RoPE + block-diagonal wo_a
     index_topk: Callable  # the lightning indexer: scores, candidate blocks, top-k
+    linear: Callable  # bf16 / fp32 weights (reference.linear's signature)
+    rms_norm: Callable  # the query's RMSNorm (common.norm.rms_norm's signature)
     capturable: bool  # every op runs without host syncs: a decode step can be graph-captured
 
 
 def get_ops(backend: str) -> Ops:
     if backend == "reference":
+        from .common.norm import rms_norm
         from .compressor.reference import pool_norm_rope_pack
         from .indexer.reference import index_topk
-        from .linear.reference import fp8_linear
+        from .linear.reference import fp8_linear, linear
         from .output.reference import inverse_rope_wo_a
         from .sparse_attn.reference import sparse_attn_paged
         from .window_kv.reference import norm_rope_pack, rope_heads
     elif backend == "triton":
         try:
+            from .common.triton import rms_norm
             from .compressor.triton import pool_norm_rope_pack
             from .indexer.triton import index_topk
-            from .linear.triton import fp8_linear
+            from .linear.triton import fp8_linear, linear
             from .output.triton import inverse_rope_wo_a
             from .sparse_attn.triton import sparse_attn_paged
             from .window_kv.triton import norm_rope_pack, rope_heads
@@ -51,4 +55,5 @@ def get_ops(backend: str) -> Ops:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     # the reference ops write through boolean masks (host syncs): not capturable
     return Ops(backend, sparse_attn_paged, fp8_linear, norm_rope_pack, rope_heads,
-               pool_norm_rope_pack, inverse_rope_wo_a, index_topk, backend == "triton")
+               pool_norm_rope_pack, inverse_rope_wo_a, index_topk, linear, rms_norm,
+               backend == "triton")

@@ -3,7 +3,7 @@ and number formats that several kernels reproduce (docs/numerics.md §2, §4).
 
 Host: ``interpreting`` (is Triton running the CPU interpreter), ``check_device``, ``sm_count``,
 ``cos_sin`` (complex64 rotations as the fp32 (cos, sin) pairs the kernels read), ``check_rot``,
-``require`` (a ValueError unless a condition holds).
+``require`` (a ValueError unless a condition holds), ``rms_norm`` (the row RMSNorm op).
 Jit helpers, inlined into their callers (they change no rounding): bf16 rounding
 (``to_bf16``, ``round_bf16``), fp8 encode/decode (``ue8m0_exponent``, ``pow2_ceil_exponent``,
 ``e4m3_code``, ``e4m3_of_e2m1``, ``e4m3_to_fp32``, ``e8m0_to_fp32``), the RMSNorm scale
@@ -26,7 +26,7 @@ from .quant import FP8_BLOCK, FP8_MAX
 __all__ = ["DEFAULT_SM_COUNT", "FP8_BLOCK", "INV_FP8_MAX", "check_device", "check_rot",
            "cos_sin", "e4m3_code", "e4m3_of_e2m1", "e4m3_to_fp32", "e8m0_to_fp32",
            "interpreting",
-           "pow2_ceil_exponent", "require", "rms_scale", "rope_heads", "rope_rotate",
+           "pow2_ceil_exponent", "require", "rms_norm", "rms_scale", "rope_heads", "rope_rotate",
            "round_bf16", "sm_count", "to_bf16", "ue8m0_exponent"]
 
 INV_FP8_MAX = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32).item()  # fp32(1/448), as quant.py
@@ -242,4 +242,46 @@ def rope_heads(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False) -> tor
         BLOCK_NOPE=triton.next_power_of_2(max(d - 2 * r2, 1)),
         BLOCK_R2=triton.next_power_of_2(r2), INVERSE=bool(inverse), INTERPRET=interpreting(),
         num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+# ---- RMSNorm of whole rows -------------------------------------------------------------------
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N: tl.constexpr, eps, BLOCK: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    """x, out: [R, N] bf16; w: [N] bf16. Grid (R,): one row per program, its sum of squares
+    in one fixed tree (so the same bits whatever R is)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    r = rms_scale(tl.sum(x * x, 0), eps, N)  # squares of bf16 values are exact in fp32
+    y = to_bf16(w * (x * r), INTERPRET)
+    tl.store(out_ptr + row * N + offs, y.to(tl.bfloat16), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``norm.rms_norm`` (docs/numerics.md §4) as a kernel: ``bf16(w * (x * r))`` with r =
+    1 / sqrt(mean(x^2) + eps) correctly rounded step by step (``rms_scale``), over the last dim.
+
+    x: [..., N] bf16; weight: [N] bf16. Returns a new bf16 tensor shaped like x. One program per
+    row sums its squares in one fixed order: torch's reduction on a GPU picks its order (and
+    so its last bit) by the tensor's shape, i.e. by how many rows share the call."""
+    require(isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and x.dim() >= 1,
+            f"x must be a bf16 tensor, got {getattr(x, 'dtype', type(x))}")
+    n = x.shape[-1]
+    require(isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16
+            and tuple(weight.shape) == (n,),
+            f"weight must be bf16 [{n}], got {getattr(weight, 'dtype', type(weight))} "
+            f"{tuple(getattr(weight, 'shape', ()))}")
+    check_device(x, weight)
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    rows = out.numel() // max(n, 1)
+    if out.numel() == 0:
+        return out
+    _rms_norm_kernel[(rows,)](x.contiguous(), weight.contiguous(), out, N=n, eps=float(eps),
+                              BLOCK=triton.next_power_of_2(n), INTERPRET=interpreting(),
+                              num_warps=4 if n <= 2048 else 8, enable_fp_fusion=False)
     return out

@@ -1,24 +1,30 @@
-"""Triton inverse RoPE + block-diagonal wo_a (docs/numerics.md §5, step 6) in one kernel, same
-math as reference.py.
+"""Triton inverse RoPE + block-diagonal wo_a (docs/numerics.md §5, step 6), same math as
+reference.py: by default the rotation kernel then dense_linear's grouped GEMM (below), or one
+fused kernel.
 
-A program owns a [BLOCK_M rows, BLOCK_N columns of one group g] output tile and walks (its
-split of) group g's K = H*D/G dims in BLOCK_K steps. The o tile is inverse-rotated as it is
-loaded: on the last R dims of each head, (x_e, x_o) * conj(cos + i sin) with the fp32 cos/sin
-of view_as_real(rot), products and sum rounded as torch's CPU complex64 multiply (no FMA: the
-kernel is compiled with enable_fp_fusion=False), then rounded to bf16 as the reference. The
-weight tile is bf16, or e4m3 codes times their e8m0 32x32 block scale (exact in bf16, so the
-fp8 path is the bf16 path on half the bytes). bf16 tl.dot, fp32 accumulator, bf16 output. The
-sums run in another order than torch's einsum: tolerance against an fp64 oracle, not bits.
+The fused kernel: a program owns a [BLOCK_M rows, BLOCK_N columns of one group g] output tile
+and walks (its split of) group g's K = H*D/G dims in BLOCK_K steps. The o tile is
+inverse-rotated as it is loaded: on the last R dims of each head, (x_e, x_o) * conj(cos + i
+sin) with the fp32 cos/sin of view_as_real(rot), products and sum rounded as torch's CPU
+complex64 multiply (no FMA: the kernel is compiled with enable_fp_fusion=False), then rounded
+to bf16 as the reference. The weight tile is bf16, or e4m3 codes times their e8m0 32x32 block
+scale (exact in bf16, so the fp8 path is the bf16 path on half the bytes). bf16 tl.dot, fp32
+accumulator, bf16 output. The sums run in another order than torch's einsum: tolerance
+against an fp64 oracle, not bits.
 
-Decode (N <= 256) reads all of wo_a to make few rows: weight-bandwidth bound. Tiles of 16
-(N <= 16) or 64 rows x 64 columns x 128 K: for V4.1-Flash's 8x1024 columns that is 128 programs
-at N <= 64, under one wave of 132 SMs, so split-K gives each SM 2-3 programs to hide load
-latency (fp8, N <= 17: 3 splits of 11 K blocks); the fp32 partials [S, N, G*Rk] are summed in
-split order by a second kernel (deterministic), and S is capped so that partial traffic stays
-under 1/8 of the weight bytes (fp8: no split from N = 64 on). On an H200 this kernel lost to
-cuBLAS at every size measured (``fused_max_rows``), so on a GPU the op runs the rotation kernel
-(common.triton.rope_heads) and torch's bf16 einsum, the reference's math, unless ``num_splits``
-is given (which forces the fused kernel, for tuning it).
+The op's default path, on a GPU and under the interpreter alike, is the rotation kernel
+(common.triton.rope_heads, the reference's bits) then the grouped GEMM of
+linear.triton.dense_linear, whose summation order is fixed by wo_a's shape: a row's output
+never depends on how many rows share the call (torch's einsum runs cuBLAS kernels picked by
+shape, whose last bits depend on N). The fused kernel runs when ``num_splits`` is given or
+N <= ``fused_max_rows`` (for tuning it; its split-K count follows N, so it is not
+N-invariant). Fused, a decode (N <= 256) reads all of wo_a to make few rows: weight-bandwidth
+bound. Tiles of 16 (N <= 16) or 64 rows x 64 columns x 128 K: for V4.1-Flash's 8x1024 columns
+that is 128 programs at N <= 64, under one wave of 132 SMs, so split-K gives each SM 2-3
+programs to hide load latency (fp8, N <= 17: 3 splits of 11 K blocks); the fp32 partials
+[S, N, G*Rk] are summed in split order by a second kernel (deterministic), and S is capped so
+that partial traffic stays under 1/8 of the weight bytes (fp8: no split from N = 64 on). On
+an H200 the fused kernel lost to cuBLAS at every size measured.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import triton.language as tl
 from ...checkpoint import Fp8Weight
 from ..common.triton import (FP8_BLOCK, check_device, cos_sin, e4m3_to_fp32, e8m0_to_fp32,
                              interpreting, rope_heads, sm_count, to_bf16)
+from ..linear.triton import dense_linear
 from .reference import check_inputs, check_out
 
 
@@ -169,11 +176,11 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | F
     splits (>= 1; None = heuristic; given, the fused kernel runs at any N). Returns
     [N, groups*Rk] bf16: u[n, g*Rk + r].
 
-    fused_max_rows: on a GPU, N above it runs rope_heads + torch's bf16 einsum (cuBLAS) instead
-    of the fused kernel (the interpreter always runs the fused kernel). Default 0: the fused
-    kernel is off on a GPU until it is tuned. Measured on an H200 (V4.1-Flash, fp8 weights) it
-    took 171 us at N = 1 and 880 us at N = 64 against ~20-30 us for rope_heads + cuBLAS, and
-    tens of ms at 8K rows; it stays the tested fused form.
+    fused_max_rows: N above it runs rope_heads + dense_linear's grouped GEMM (N-invariant
+    bits), N at or below it the fused kernel. Default 0: the fused kernel only when num_splits
+    is given. Measured on an H200 (V4.1-Flash, fp8 weights) it took 171 us at N = 1 and 880 us
+    at N = 64 against ~20-30 us for rope_heads + cuBLAS, and tens of ms at 8K rows; it stays
+    the tested fused form.
     """
     kg, rk = check_inputs(o, rot, wo_a, groups)
     n, h, d = o.shape
@@ -192,11 +199,11 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | F
         check_out(out, o, gr)
     if out.numel() == 0:
         return out
-    if n > fused_max_rows and num_splits is None and not interpreting():
-        # cuBLAS's bf16 GEMM beats the fused kernel at every N measured; the rotation stays a kernel
+    if n > fused_max_rows and num_splits is None:
+        # the rotation kernel, then the grouped GEMM in its fixed summation order
         w16 = wo_a.dequantize() if fp8 else weight
-        o = rope_heads(o, rot, inverse=True).view(n, groups, kg)
-        return out.copy_(torch.einsum("ngd,grd->ngr", o, w16.view(groups, rk, kg)).flatten(1))
+        rotated = rope_heads(o, rot, inverse=True).view(n, h * d)
+        return out.copy_(dense_linear(rotated, w16, groups))
     o = o.contiguous()
     cs = cos_sin(rot)  # [N, R/2, 2] fp32 cos, sin
     weight = weight.contiguous()

@@ -1,0 +1,119 @@
+"""Triton bf16 / fp32 linears (ops/linear/triton.dense_linear) and the row RMSNorm kernel
+(ops/common/triton.rms_norm) against the reference ops and an fp64 oracle; a row's bits never
+depend on how many rows share the call. Runs under TRITON_INTERPRET=1 on the CPU, and on a GPU
+when there is one."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import dsv41attn.ops.linear.triton as T
+from dsv41attn.ops.common.norm import rms_norm as ref_rms_norm
+from dsv41attn.ops.common.triton import DEFAULT_SM_COUNT, rms_norm
+from dsv41attn.ops.linear.reference import linear as ref_linear
+from dsv41attn.ops.linear.triton import dense_linear, linear
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+def _operands(m, n, k, groups, dtype, seed):
+    """x [m, groups*k] and w [groups*n, k] with column scales spread over 2^+-8 (so fp32 sums
+    round unevenly), in ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.exp2(torch.randint(-8, 8, (1, k), generator=g).float())
+    x = torch.randn(m, groups, k, generator=g) / spread
+    w = torch.randn(groups * n, k, generator=g) * spread / k ** 0.5
+    return x.reshape(m, groups * k).to(dtype), w.to(dtype)
+
+
+def _oracle(x, w, groups):
+    m, n, k = x.shape[0], w.shape[0] // groups, w.shape[1]
+    return torch.einsum("mgk,gnk->mgn", x.double().view(m, groups, k),
+                        w.double().view(groups, n, k)).reshape(m, groups * n)
+
+
+def _same(a, b):
+    return torch.equal(a.view(BITS[a.dtype]), b.view(BITS[b.dtype]))
+
+
+# (M, N per group, K per group, groups): K off the 64 step, N off the 64 tile, M across tiles
+CASES = [(1, 37, 200, 1), (5, 16, 128, 2), (70, 40, 96, 1), (17, 8, 320, 3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("m,n,k,groups", CASES)
+def test_vs_oracle_and_reference(m, n, k, groups, dtype):
+    x, w = _operands(m, n, k, groups, dtype, seed=m + n + k)
+    got = dense_linear(x.to(DEV), w.to(DEV), groups).cpu()
+    assert got.dtype == dtype and got.shape == (m, groups * n)
+    oracle = _oracle(x, w, groups)
+    scale = (x.double().abs().view(m, groups, k).unsqueeze(2)
+             * w.double().abs().view(groups, n, k)).sum(-1).reshape(m, groups * n)
+    if dtype == torch.bfloat16:  # one bf16 rounding of an fp32 sum of bf16 products
+        assert ((got.double() - oracle).abs() <= 2 ** -8 * oracle.abs() + 1e-5 * scale).all()
+    else:  # fp32 FMA chains of 32 products, fp64 across them, one rounding to fp32
+        assert ((got.double() - oracle).abs() <= 2 ** -24 * oracle.abs() + 2e-6 * scale).all()
+    if groups == 1:  # and reference.linear, up to its summation order
+        ref = ref_linear(x, w)
+        assert ref.dtype == dtype
+        tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+        assert ((got.double() - ref.double()).abs() <= tol * ref.double().abs()
+                + 1e-5 * scale).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_rows_alone_equal_rows_in_any_batch(dtype):
+    """One summation order whatever M: split-K programs (M = 1), one program summing its K
+    ranges (M = 5), 64- and 128-row tiles (M = 40, 130); forced ranges either way."""
+    n, k = 40, 640
+    x, w = _operands(130, n, k, 1, dtype, seed=3)
+    x, w = x.to(DEV), w.to(DEV)
+    plans = {m: T._dense_plan(m, n, k, 1, dtype, DEFAULT_SM_COUNT) for m in (1, 5, 40, 130)}
+    assert len({p.order for p in plans.values()}) == 1 and plans[1].order.ranges > 1
+    assert plans[1].workspace and not plans[130].workspace
+    full = dense_linear(x, w)
+    for m in (1, 5, 40):
+        for r0 in (0, 130 - m):
+            assert _same(dense_linear(x[r0:r0 + m], w), full[r0:r0 + m]), (m, r0)
+    for splits in (1, 3):
+        a = dense_linear(x[:7], w, num_splits=splits, workspace=True)
+        b = dense_linear(x[:7], w, num_splits=splits, workspace=False)
+        assert _same(a, b)
+    assert _same(linear(x[:3], w), full[:3])
+
+
+def test_leading_dims_and_bad_inputs():
+    x, w = _operands(6, 24, 64, 1, torch.bfloat16, seed=4)
+    x, w = x.to(DEV), w.to(DEV)
+    assert _same(dense_linear(x.view(2, 3, 64), w).reshape(6, 24), dense_linear(x, w))
+    assert dense_linear(x[:0], w).shape == (0, 24)
+    with pytest.raises(ValueError, match="weight"):
+        dense_linear(x, w.to(torch.float16))
+    with pytest.raises(ValueError, match="groups"):
+        dense_linear(x, w, 5)
+    with pytest.raises(ValueError, match="does not match"):
+        dense_linear(x[:, :32], w)
+    with pytest.raises(ValueError, match="num_splits"):
+        dense_linear(x, w, num_splits=2)  # K = 64: one step
+
+
+def test_rms_norm_vs_reference():
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(9, 320, generator=g) * torch.logspace(-3, 3, 9)[:, None]).bfloat16()
+    w = torch.randn(320, generator=g).bfloat16()
+    ref = ref_rms_norm(x, w, 1e-6)
+    got = rms_norm(x.to(DEV), w.to(DEV), 1e-6).cpu()
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    # the same products; only the sum of squares' order and 1/sqrt vs rsqrt may differ (an
+    # fp32 ulp or so before the bf16 rounding)
+    assert ((got.float() - ref.float()).abs() <= 2 ** -8 * ref.float().abs()).all()
+    assert (got != ref).float().mean() <= 0.05
+    for i in (0, 8):
+        assert torch.equal(rms_norm(x[i:i + 1].to(DEV), w.to(DEV), 1e-6).cpu(), got[i:i + 1])
+    assert torch.equal(rms_norm(x.view(3, 3, 320).to(DEV), w.to(DEV), 1e-6).cpu().view(9, 320),
+                       got)
+    with pytest.raises(ValueError):
+        rms_norm(x.float().to(DEV), w.to(DEV), 1e-6)
+    with pytest.raises(ValueError):
+        rms_norm(x.to(DEV), w[:10].to(DEV), 1e-6)
