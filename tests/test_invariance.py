@@ -1,0 +1,70 @@
+"""A sequence gets the same bits in any call (docs/numerics.md §9): on the triton backend its
+outputs, every layer and role, are bit-identical alone, inside a ragged batch of 8, in two
+chunks and token by token, and every index source selects the same rows for it.
+
+Tiny shapes under the interpreter, with dim widened to 128 so that the fp8 linears' K is cut
+into ranges of several blocks (summed by split-K programs at decode sizes, inside each tile
+for a prefill) and the batch's prefill crosses the GEMM tile sizes (M > 64). The kernels' own
+tests cover the orders themselves (tests/test_fp8_linear_triton.py, test_dense_linear_triton.py,
+test_sparse_attn_triton.py); the layer test shows that no op between them depends on the call.
+"""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dsv41attn import AttentionStack, preset, random_layer_weights
+
+CFG = preset("tiny").replace(dim=128)
+LAYERS = list(range(6))  # SWA 0; r=2 source 1 and its reuser 2; r=1 candidate source 3,
+# its reuser 4 and the re-indexing layer 5
+P, D, TARGET = 10, 2, 3
+OTHERS = [10, 9, 10, None, 8, 10, 9, 10]  # the batch's other prompts (76 tokens in all)
+
+
+@pytest.fixture(scope="module")
+def run():
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    weights = {L: random_layer_weights(CFG, L, seed=11).to(dev) for L in LAYERS}
+    stack = AttentionStack(CFG, weights, "triton")
+    g = torch.Generator().manual_seed(12)
+    xs = {L: torch.randn(8, P + D, CFG.dim, generator=g).bfloat16().to(dev) for L in LAYERS}
+    sources = [L for L in LAYERS if CFG.layer(L).is_index_source]
+
+    def go(schedules):
+        """schedules: per state row, its chunk sizes (step k runs every row's k-th chunk).
+        Returns the TARGET row's outputs per layer and its selected rows per index source."""
+        state = stack.new_state(len(schedules), capacity=P + D + 4)
+        pos = [0] * len(schedules)
+        out, top = {L: [] for L in LAYERS}, {L: [] for L in sources}
+        for k in range(max(map(len, schedules))):
+            counts = [s[k] if k < len(s) else 0 for s in schedules]
+            step = stack.step(state, counts)
+            data = {L: torch.cat([xs[L][r if len(schedules) > 1 else TARGET, p:p + c]
+                                  for r, (p, c) in enumerate(zip(pos, counts))]) for L in LAYERS}
+            ys = stack.run(step, data)
+            b = TARGET if len(schedules) > 1 else 0
+            a, c = step.cu_seqlens[b], counts[b]
+            for L in LAYERS:
+                out[L].append(ys[L][a:a + c])
+            for L in sources:
+                top[L] += [sorted(r[r >= 0].tolist()) for r in step.topk(L)[a:a + c]]
+            pos = [p + c for p, c in zip(pos, counts)]
+        return {L: torch.cat(v).cpu() for L, v in out.items()}, top
+
+    return go
+
+
+@pytest.mark.slow  # ~5 minutes of interpreter on 2 cores
+def test_alone_batched_chunked_and_token_by_token_give_the_same_bits(run):
+    tail = [1] * D
+    alone, top = run([[P] + tail])
+    batch = [[P] + tail if r == TARGET else [n] + tail for r, n in enumerate(OTHERS)]
+    modes = {"batch of 8": batch, "two chunks": [[4, P - 4] + tail],
+             "token by token": [[1] * (P + D)]}
+    for name, schedule in modes.items():
+        out, sel = run(schedule)
+        for L in LAYERS:
+            assert torch.equal(out[L].view(torch.int16), alone[L].view(torch.int16)), (name, L)
+        assert sel == top, name
+    assert all(any(r) for L in top for r in top[L][CFG.index_topk * 2:])  # rows were selected
