@@ -45,7 +45,7 @@ PREFILL_TILE = 4  # queries of one sequence per scoring program (they share the 
 SCORE_ROWS = 128  # rows per scoring tile (decode)
 PREFILL_SCORE_ROWS = 64  # with PREFILL_TILE queries (H200, prefill 8K: 128-row tiles ran 2x slower)
 SCORE_TILES_PER_PROGRAM = 8  # row tiles per scoring program (the query is loaded once)
-SCORE_WARPS = 4
+SCORE_WARPS = 4  # warps per scoring program (H200: 8 measured slower)
 SELECT_CHUNK = 4096  # rows per selection program
 BLOCK_KEYS = 128  # candidate blocks per block-key program
 
@@ -71,6 +71,15 @@ def _load_keys(src_ptr, offs, mask, FROM_SCORES: tl.constexpr):
         return _order_key(bits)
     else:
         return tl.load(src_ptr + offs, mask=mask, other=0)
+
+
+@triton.jit
+def _chunk_keys(src_ptr, slot, c, N, CH: tl.constexpr, FROM_SCORES: tl.constexpr):
+    """Row chunk ``c`` of query slot ``slot`` of a selection source [slots, N]: (row numbers
+    [CH], in range, keys)."""
+    offs = c * CH + tl.arange(0, CH)
+    m = offs < N
+    return offs, m, _load_keys(src_ptr + slot.to(tl.int64) * N, offs, m, FROM_SCORES)
 
 
 @triton.jit
@@ -276,7 +285,7 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, ou
 
 
 @triton.jit
-def _block_key_kernel(src_ptr, key_ptr, vis_ptr, row_ptr, tile_tok_ptr, tile_cnt_ptr,
+def _block_key_kernel(src_ptr, key_ptr, vis_ptr, tile_tok_ptr, tile_cnt_ptr,
                       tile_base, slot_base, N, nblk,
                       BLOCK_SIZE: tl.constexpr, BS_PAD: tl.constexpr, BB: tl.constexpr,
                       TILE: tl.constexpr, HAS_TILES: tl.constexpr):
@@ -323,9 +332,7 @@ def _hist_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, tile_tok_ptr, tile_cnt_ptr, 
     tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                          HAS_TILES)
     if ok:
-        offs = tl.program_id(1) * CH + tl.arange(0, CH)
-        m = offs < N
-        key = _load_keys(src_ptr + slot.to(tl.int64) * N, offs, m, FROM_SCORES)
+        offs, m, key = _chunk_keys(src_ptr, slot, tl.program_id(1), N, CH, FROM_SCORES)
         bins = tl.arange(0, 256)
         if LOW:
             b, above, in_bin = _threshold(hist_hi_ptr + slot * 256, N, k)
@@ -359,9 +366,7 @@ def _count_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, tile_tok_ptr, tile
                          HAS_TILES)
     if ok:
         u, need = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256, N, k)
-        offs = c * CH + tl.arange(0, CH)
-        m = offs < N
-        key = _load_keys(src_ptr + slot.to(tl.int64) * N, offs, m, FROM_SCORES)
+        offs, m, key = _chunk_keys(src_ptr, slot, c, N, CH, FROM_SCORES)
         gt = tl.sum((m & (key > u)).to(tl.int32), 0)
         eq = tl.sum((m & (key == u)).to(tl.int32), 0)
         tl.store(cnt_ptr + slot * 2 * nch + c, gt)
@@ -387,9 +392,7 @@ def _select_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, out_ptr, vis_ptr,
         gt_before = tl.sum(tl.load(cnt_ptr + slot * 2 * nch + prev, mask=before, other=0), 0)
         eq_before = tl.sum(tl.load(cnt_ptr + slot * 2 * nch + nch + prev, mask=before,
                                    other=0), 0)
-        offs = c * CH + tl.arange(0, CH)
-        m = offs < N
-        key = _load_keys(src_ptr + slot.to(tl.int64) * N, offs, m, FROM_SCORES)
+        offs, m, key = _chunk_keys(src_ptr, slot, c, N, CH, FROM_SCORES)
         gt = (m & (key > u)).to(tl.int32)
         eq = (m & (key == u)).to(tl.int32)
         eq_rank = eq_before + tl.cumsum(eq, 0) - eq
@@ -513,7 +516,7 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
         if keep is not None:
             bkeys = torch.empty(slots, nblk, dtype=torch.int32, device=dev)
             _block_key_kernel[(slots, triton.cdiv(nblk, BLOCK_KEYS))](
-                scores, bkeys, vis, rows, tile_tok, tile_cnt, tile_base, slot_base, n_rows, nblk,
+                scores, bkeys, vis, tile_tok, tile_cnt, tile_base, slot_base, n_rows, nblk,
                 BLOCK_SIZE=block_size, BS_PAD=bs_pad, BB=BLOCK_KEYS, TILE=tile,
                 HAS_TILES=prefill, num_warps=4)
             _select(bkeys, min(candidate_topk, nblk), keep.view(torch.uint8), vis, tiles,
