@@ -137,10 +137,10 @@ class RoleBench:
     """One role's layer and the sources it reads, on the GPU, for one backend."""
 
     def __init__(self, cfg: AttentionConfig, role: str, backend: str, weights: dict,
-                 tp_group=None):
+                 tp_group=None, batch_invariant: bool = False):
         self.cfg, self.target, self.layers = cfg, ROLES[role], role_layers(cfg, role)
         self.stack = AttentionStack(cfg, {L: weights[L] for L in self.layers}, backend,
-                                    tp_group=tp_group)
+                                    tp_group=tp_group, batch_invariant=batch_invariant)
 
     def _decode_state(self, batch: int, ctx: int, steps: int):
         """Sequences at position ``ctx`` (at most max_seq_len - steps: room for the steps)."""
@@ -231,10 +231,12 @@ def _weights(cfg: AttentionConfig, layers, tp=None) -> dict:
 
 
 def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
-                 reference_cases=((1, 4096), (64, 4096)), compile_cases=(), log=print, tp=None):
+                 reference_cases=((1, 4096), (64, 4096)), compile_cases=(), log=print, tp=None,
+                 invariant: bool = False):
     """Rows of the per-role table: triton under CUDA-graph replay (the serving path), and for
     ``reference_cases`` the reference path eager and the triton path eager (host launches
-    included); ``compile_cases``: the reference path under torch.compile as well. ``tp``:
+    included); ``compile_cases``: the reference path under torch.compile as well;
+    ``invariant``: every case also in the batch-invariant mode (``invariant_us``). ``tp``:
     the ranks of ``--tp`` (every rank runs the same cases on its shard; the floor stays one
     GPU's whole layer)."""
     cfg = preset("v41-flash")
@@ -246,6 +248,8 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
     for role in roles:
         tri = RoleBench(cfg, role, "triton", weights, group)
         ref = RoleBench(cfg, role, "reference", weights, group)
+        inv = RoleBench(cfg, role, "triton", weights, group, batch_invariant=True) \
+            if invariant else None
         cases = [("decode", b, c) for b, c in decode] + [("prefill", 1, t) for t in prefill]
         for kind, batch, n in cases:
             start, tokens = (n, 1) if kind == "decode" else (0, n)
@@ -254,6 +258,9 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
                    "floor_us": floor * 1e6, "flops": flops, "bytes": nbytes}
             runs = [("triton_us", (tri.decode_graph_us, (batch, n, 20)) if kind == "decode"
                      else (tri.prefill_us, (n, 2)))]
+            if inv is not None:
+                runs += [("invariant_us", (inv.decode_graph_us, (batch, n, 20)) if kind == "decode"
+                          else (inv.prefill_us, (n, 2)))]
             if kind == "decode" and (batch, n) in reference_cases:
                 runs += [("triton_eager_us", (tri.decode_eager_us, (batch, n, 5))),
                          ("reference_us", (ref.decode_eager_us, (batch, n, 3)))]
@@ -278,6 +285,8 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
             for key in ("reference_us", "compiled_us"):
                 if key in row:
                     row["speedup_" + key[:-3]] = row[key] / us
+            if "invariant_us" in row:
+                row["invariant_cost%"] = 100 * (row["invariant_us"] / us - 1)
             rows.append(row)
     return rows, copy_bw
 
@@ -286,8 +295,11 @@ def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128
                       topk: int = 512, context: int = 8192) -> list[dict]:
     """The sparse-attention op alone at decode: V4.1-Flash heads, 128 window rows (fp8, 528 B)
     + 512 compressed rows (fp4, 288 B) per query, read from the packed ring and paged pool."""
+    from .ops.backends import get_ops
     from .ops.sparse_attn.reference import sparse_attn_paged as reference
-    from .ops.sparse_attn.triton import sparse_attn_paged as kernel
+
+    kernel = get_ops("triton").sparse_attn_paged  # the default mode: splits sized to the step
+    invariant = get_ops("triton", batch_invariant=True).sparse_attn_paged
 
     cfg = preset("v41-flash")
     h, d = cfg.n_heads, cfg.head_dim
@@ -322,13 +334,20 @@ def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128
 
         call()
         ms = _events_ms(call, 50)
+
+        def call_invariant():
+            invariant(*sets[k[0] % 3])
+            k[0] += 1
+
+        call_invariant()
+        ms_inv = _events_ms(call_invariant, 50)
         nbytes = b * (window * window_row_bytes(cfg.head_dim) + topk * compressed_row_bytes(cfg.head_dim)
                       + 2 * h * d * 2 + (window + topk) * 4)
         flops = 4.0 * b * h * d * (window + topk)
         floor = max(flops / BF16_FLOPS, nbytes / copy_bw)
         rows.append({"batch": b, "us": ms * 1e3, "floor_us": floor * 1e6, "ratio": ms * 1e-3 / floor,
                      "GB/s": nbytes / (ms * 1e-3) / 1e9, "copy%": 100 * nbytes / (ms * 1e-3) / copy_bw,
-                     "rel_err": err})
+                     "rel_err": err, "invariant_us": ms_inv * 1e3})
     return rows
 
 
@@ -446,10 +465,12 @@ def main(args) -> int:
     if args.part in ("sparse_attn", "all"):
         copy_bw = measure_copy_bandwidth()
         print(f"sparse attention alone, decode, 640 packed rows per query; copy {copy_bw / 1e12:.2f} TB/s")
-        print(f"{'batch':>6}{'us':>9}{'floor':>9}{'ratio':>7}{'GB/s':>7}{'copy%':>7}{'rel err':>9}")
+        print(f"{'batch':>6}{'us':>9}{'floor':>9}{'ratio':>7}{'GB/s':>7}{'copy%':>7}{'rel err':>9}"
+              f"{'invariant us':>14}")
         for r in bench_sparse_attn(copy_bw):
             print(f"{r['batch']:>6}{r['us']:>9.1f}{r['floor_us']:>9.1f}{r['ratio']:>7.2f}"
-                  f"{r['GB/s']:>7.0f}{r['copy%']:>6.0f}%{r['rel_err']:>9.1e}")
+                  f"{r['GB/s']:>7.0f}{r['copy%']:>6.0f}%{r['rel_err']:>9.1e}"
+                  f"{r['invariant_us']:>14.1f}")
         if args.part == "sparse_attn":
             return 0
     roles = tuple(args.roles.split(",")) if args.roles else tuple(ROLES)
@@ -462,9 +483,10 @@ def main(args) -> int:
     compile_cases = ((64, 4096),) if args.compile else ()
     tp = getattr(args, "tp_run", None)
     rows, copy_bw = bench_layers(decode=decode, prefill=prefill, roles=roles,
-                                 compile_cases=compile_cases, tp=tp)
-    fields = ["role", "kind", "batch", "context", "triton_us", "triton_eager_us", "reference_us",
-              "compiled_us", "floor_us", "ratio", "TFLOP/s", "GB/s", "speedup_reference",
+                                 compile_cases=compile_cases, tp=tp,
+                                 invariant=args.batch_invariant)
+    fields = ["role", "kind", "batch", "context", "triton_us", "invariant_us", "invariant_cost%",
+              "triton_eager_us", "reference_us", "compiled_us", "floor_us", "ratio", "TFLOP/s", "GB/s", "speedup_reference",
               "speedup_compiled", "flops", "bytes"]
     if args.csv:
         with open(args.csv, "w", newline="") as f:
@@ -474,7 +496,8 @@ def main(args) -> int:
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s; times in us (median); triton = CUDA-graph "
           "replay, eager = host launches included")
     print(f"{'role':<14}{'kind':<8}{'batch':>6}{'context':>9}{'triton':>9}{'floor':>8}{'ratio':>7}"
-          f"{'TFLOP/s':>8}{'GB/s':>7}{'eager':>8}{'ref':>8}{'compile':>8}{'speedup':>8}")
+          f"{'TFLOP/s':>8}{'GB/s':>7}{'eager':>8}{'ref':>8}{'compile':>8}{'speedup':>8}"
+          f"{'invariant':>10}{'cost':>7}")
 
     def fmt(r, key, spec=".0f"):
         v = r.get(key)
@@ -485,7 +508,8 @@ def main(args) -> int:
               f"{fmt(r, 'triton_us'):>9}{r['floor_us']:>8.1f}{fmt(r, 'ratio', '.1f'):>7}"
               f"{fmt(r, 'TFLOP/s', '.1f'):>8}{fmt(r, 'GB/s'):>7}{fmt(r, 'triton_eager_us'):>8}"
               f"{fmt(r, 'reference_us'):>8}{fmt(r, 'compiled_us'):>8}"
-              f"{fmt(r, 'speedup_reference', '.0f'):>7}x")
+              f"{fmt(r, 'speedup_reference', '.0f'):>7}x"
+              f"{fmt(r, 'invariant_us'):>10}{fmt(r, 'invariant_cost%', '+.0f'):>6}%")
     if args.profile:
         cfg = preset("v41-flash")
         weights = _weights(cfg, sorted({L for r in roles for L in role_layers(cfg, r)}), tp)

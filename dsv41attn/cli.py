@@ -119,8 +119,11 @@ def _one_line(e: BaseException) -> str:
     return f"{lines[0]} {lines[1]}{more}"
 
 
-def _check_backend(backend: str, device: torch.device) -> None:
+def _check_backend(backend: str, device: torch.device, batch_invariant: bool = False) -> None:
     if backend != "triton":
+        if batch_invariant:
+            raise CliError(f"--batch-invariant needs --backend triton, got --backend {backend} "
+                           "(the reference backend runs torch's kernels)")
         return
     if importlib.util.find_spec("triton") is None:
         raise CliError("--backend triton needs the triton package "
@@ -263,7 +266,7 @@ def _check_checkpoint(path: str) -> None:
 def demo(args: argparse.Namespace) -> int:
     """Prefill then decode through every layer role, one table row per layer."""
     device = args.device
-    _check_backend(args.backend, device)
+    _check_backend(args.backend, device, args.batch_invariant)
     if args.checkpoint is not None:
         _check_checkpoint(args.checkpoint)
     cfg, cfg_name = _demo_config(args)
@@ -314,7 +317,8 @@ def demo(args: argparse.Namespace) -> int:
             distributed.all_gather_object(per_rank, nbytes, group=tp.group)
             print("read from the checkpoint per rank: " + ", ".join(
                 f"rank {r} {b / 2**20:.2f} MiB" for r, b in enumerate(per_rank)))
-    stack = AttentionStack(cfg, weights, backend=args.backend, tp_group=tp.group)
+    stack = AttentionStack(cfg, weights, backend=args.backend, tp_group=tp.group,
+                           batch_invariant=args.batch_invariant)
     state = stack.new_state(args.batch, capacity=total, device=device)
     gen = torch.Generator().manual_seed(args.seed)
 
@@ -408,7 +412,7 @@ def _schedule(text: str, fixture: Fixture, semantics: str) -> list[list[int]]:
 
 def replay_cmd(args: argparse.Namespace) -> int:
     """Run a fixture through the library and write its outputs (a stable contract)."""
-    _check_backend(args.backend, args.device)
+    _check_backend(args.backend, args.device, args.batch_invariant)
     world = _tp_world(args, args.device)
     _check_out(args.out)  # on every rank: each decides alike whether to go on
     fixture = _load_fixture(args.fixture)
@@ -416,7 +420,8 @@ def replay_cmd(args: argparse.Namespace) -> int:
     check_world_size(fixture.config, world)
     tp, device = _tp_start(args, world, args.device)
     result = replay(fixture, [args.semantics], device=device, schedule=schedule,
-                    stack=fixture.stack(device, args.backend, tp.group))[args.semantics]
+                    stack=fixture.stack(device, args.backend, tp.group,
+                                        args.batch_invariant))[args.semantics]
     if tp.rank != 0:  # every rank holds the same outputs (all-reduced); rank 0 writes them
         return 0
     try:
@@ -457,7 +462,7 @@ def inspect_cmd(args: argparse.Namespace) -> int:
     attention did: a per-layer summary, one token in detail, and (--out) a figure."""
     from .trace import Trace, plot_trace, trace_fixture, trace_random
 
-    _check_backend(args.backend, args.device)
+    _check_backend(args.backend, args.device, args.batch_invariant)
     if args.out is not None:
         if importlib.util.find_spec("matplotlib") is None:
             raise CliError("inspect --out draws with matplotlib, which is not installed "
@@ -492,7 +497,8 @@ def inspect_cmd(args: argparse.Namespace) -> int:
         raise CliError(f"--head {args.head}: the config has heads 0..{cfg.n_heads - 1}")
     trace = Trace(probs=[layer])
     if args.fixture is not None:
-        outs = trace_fixture(fixture, trace, args.semantics, args.device, args.backend)
+        outs = trace_fixture(fixture, trace, args.semantics, args.device, args.backend,
+                             args.batch_invariant)
         schedule = ",".join(str(t) for _, t in fixture.schedule)
         print(f"{source}: {fixture.batch} sequence(s), schedule {schedule} per sequence, "
               f"{args.semantics} semantics, backend {args.backend}")
@@ -504,7 +510,7 @@ def inspect_cmd(args: argparse.Namespace) -> int:
     else:
         batch = 1 if args.batch is None else args.batch
         trace_random(cfg, trace, tokens, steps, batch, args.seed, args.semantics, args.device,
-                     args.backend)
+                     args.backend, args.batch_invariant)
         print(f"{source}: {batch} sequence(s), prefill {tokens} then {steps} decode step(s), "
               f"seed {args.seed}, {args.semantics} semantics, backend {args.backend}")
     summary = trace.summary()
@@ -713,6 +719,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="reference: plain PyTorch with DeepSeek's rounding; triton: the "
                             "Triton kernels (CUDA, or the CPU with TRITON_INTERPRET=1) "
                             "(default: reference)")
+        q.add_argument("--batch-invariant", action="store_true",
+                       help="triton: every reduction in a fixed order, so a sequence gets the "
+                            "same bits alone, in any batch, chunked or token by token "
+                            "(slower at large batches and prefill; docs/benchmarks.md)")
         q.add_argument("--semantics", choices=SEMANTICS, default="fixed",
                        help="index-key semantics: fixed (each KV source publishes its own index "
                             "keys before scoring) or reference (DeepSeek's code as it is) "
@@ -838,6 +848,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also time the reference path under torch.compile (decode b=64 4K)")
     bn.add_argument("--profile", action="store_true",
                     help="per-kernel breakdown of each role's decode (b=64, 4K)")
+    bn.add_argument("--batch-invariant", action="store_true",
+                    help="also time every layer case in the batch-invariant mode (columns "
+                         "invariant and cost: its time and its extra time over the default)")
     tp_opt(bn, "NCCL, one GPU per rank; times are rank 0's")
     bn.set_defaults(func=bench_cmd, parser=bn)
 

@@ -50,15 +50,16 @@ class Fixture:
         return list(range(self.config.n_layers))
 
     def stack(self, device: str | torch.device = "cpu", backend: str = "reference",
-              tp_group=None) -> AttentionStack:
+              tp_group=None, batch_invariant: bool = False) -> AttentionStack:
         """The fixture's layers; ``tp_group``: a process group to split the heads over, each
-        rank holding its shard (``tp.py``)."""
+        rank holding its shard (``tp.py``); ``batch_invariant``: AttentionStack's."""
         world = 1 if tp_group is None else dist.get_world_size(tp_group)
         rank = 0 if tp_group is None else dist.get_rank(tp_group)
         weights = {L: shard_layer_weights(
             self.config, layer_weights_from_tensors(self.config, L, self.tensors), rank,
             world).to(device) for L in self.layers}
-        return AttentionStack(self.config, weights, backend, tp_group=tp_group)
+        return AttentionStack(self.config, weights, backend, tp_group=tp_group,
+                              batch_invariant=batch_invariant)
 
     def inputs(self, step: int, device="cpu") -> dict[int, torch.Tensor]:
         return {L: self.tensors[f"x.s{step}.l{L}"].to(device) for L in self.layers}

@@ -37,12 +37,14 @@ class AttentionLayer:
     ``tp_group``: None, or a torch.distributed process group over which the heads are split
     (``tp.py``, docs/numerics.md §10): ``weights`` is then this rank's shard
     (``shard_layer_weights``), ``cfg`` stays the global config, and every rank runs the same
-    calls on its own replicated state. A group of one rank is the unsharded layer."""
+    calls on its own replicated state. A group of one rank is the unsharded layer.
+    ``batch_invariant`` (triton only): every reduction in a fixed order, so that a sequence's
+    outputs never depend on the call (``ops.backends``; its cost in docs/benchmarks.md)."""
 
     def __init__(self, cfg: AttentionConfig, weights: LayerWeights, backend: str = "reference",
-                 tp_group=None):
+                 tp_group=None, batch_invariant: bool = False):
         self.cfg = cfg
-        self.ops = get_ops(backend)
+        self.ops = get_ops(backend, batch_invariant)
         self.spec = cfg.layer(weights.layer)
         self.weights = weights
         self.tp = TensorParallel.of(cfg, tp_group, weights.attn_sink.device)  # None: unsharded

@@ -171,9 +171,11 @@ class AttentionStack:
     """The attention layers of one model (any subset of its layers), run in layer order."""
 
     def __init__(self, cfg: AttentionConfig, weights: Mapping[int, LayerWeights],
-                 backend: str = "reference", tp_group=None):
+                 backend: str = "reference", tp_group=None, batch_invariant: bool = False):
         """``tp_group``: None, or the process group the layers' heads are split over
-        (``AttentionLayer``); ``weights`` then hold this rank's shards."""
+        (``AttentionLayer``); ``weights`` then hold this rank's shards. ``batch_invariant``
+        (backend "triton"): a sequence gets the same bits alone, in any batch, in any chunking
+        and token by token, at a cost measured in docs/benchmarks.md (``ops.backends``)."""
         if not isinstance(cfg, AttentionConfig):
             raise TypeError(f"cfg must be an AttentionConfig, got {type(cfg).__name__}")
         for key, w in weights.items():
@@ -187,7 +189,9 @@ class AttentionStack:
         self.cfg = cfg
         self.backend = backend
         self.tp_group = tp_group
-        self.layers = {layer: AttentionLayer(cfg, weights[layer], backend, tp_group)
+        self.batch_invariant = batch_invariant
+        self.layers = {layer: AttentionLayer(cfg, weights[layer], backend, tp_group,
+                                             batch_invariant)
                        for layer in sorted(weights)}
         devices = {layer.device for layer in self.layers.values()}
         if len(devices) != 1:

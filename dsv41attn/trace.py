@@ -249,11 +249,12 @@ def selected_index_scores(q_index: torch.Tensor, head_weights: torch.Tensor,
 # ---- running a traced forward ------------------------------------------------------------------
 
 def trace_fixture(fixture, trace: Trace, semantics: str = "fixed", device="cpu",
-                  backend: str = "reference") -> dict[int, torch.Tensor]:
+                  backend: str = "reference",
+                  batch_invariant: bool = False) -> dict[int, torch.Tensor]:
     """Replay ``fixture``'s own schedule (as ``fixtures.replay`` does: every sequence's chunk k
     in batch step k) through traced steps. Returns layer -> outputs [batch, tokens, hidden]."""
     cfg = fixture.config
-    stack = fixture.stack(device, backend)
+    stack = fixture.stack(device, backend, batch_invariant=batch_invariant)
     state = stack.new_state(fixture.batch, capacity=cfg.max_seq_len, device=device)
     total = sum(t for _, t in fixture.schedule)
     outs = {L: torch.zeros(fixture.batch, total, cfg.dim, dtype=torch.bfloat16)
@@ -268,7 +269,7 @@ def trace_fixture(fixture, trace: Trace, semantics: str = "fixed", device="cpu",
 
 def trace_random(cfg, trace: Trace, tokens: int = 40, decode_steps: int = 4, batch: int = 1,
                  seed: int = 0, semantics: str = "fixed", device="cpu",
-                 backend: str = "reference") -> None:
+                 backend: str = "reference", batch_invariant: bool = False) -> None:
     """Random weights and unit-RMS random inputs (as ``demo``): a prefill of ``tokens`` tokens,
     then ``decode_steps`` one-token steps, through every backbone layer, traced."""
     from .checkpoint import random_layer_weights
@@ -276,7 +277,7 @@ def trace_random(cfg, trace: Trace, tokens: int = 40, decode_steps: int = 4, bat
 
     weights = {L: random_layer_weights(cfg, L, seed=seed, device=device)
                for L in range(cfg.n_layers)}
-    stack = AttentionStack(cfg, weights, backend=backend)
+    stack = AttentionStack(cfg, weights, backend=backend, batch_invariant=batch_invariant)
     state = stack.new_state(batch, capacity=tokens + decode_steps, device=device)
     gen = torch.Generator().manual_seed(seed)
     for m in [tokens] + [1] * decode_steps:

@@ -1,6 +1,7 @@
-"""A sequence gets the same bits in any call (docs/numerics.md §9): on the triton backend its
-outputs, every layer and role, are bit-identical alone, inside a ragged batch of 8, in two
-chunks and token by token, and every index source selects the same rows for it.
+"""A sequence gets the same bits in any call (docs/numerics.md §9): on the triton backend with
+batch_invariant=True its outputs, every layer and role, are bit-identical alone, inside a
+ragged batch of 8, in two chunks and token by token, and every index source selects the same
+rows for it.
 
 Tiny shapes under the interpreter, with dim widened to 128 so that the fp8 linears' K is cut
 into ranges of several blocks (summed by split-K programs at decode sizes, inside each tile
@@ -26,7 +27,7 @@ OTHERS = [10, 9, 10, None, 8, 10, 9, 10]  # the batch's other prompts (76 tokens
 def run():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     weights = {L: random_layer_weights(CFG, L, seed=11).to(dev) for L in LAYERS}
-    stack = AttentionStack(CFG, weights, "triton")
+    stack = AttentionStack(CFG, weights, "triton", batch_invariant=True)
     g = torch.Generator().manual_seed(12)
     xs = {L: torch.randn(8, P + D, CFG.dim, generator=g).bfloat16().to(dev) for L in LAYERS}
     sources = [L for L in LAYERS if CFG.layer(L).is_index_source]
@@ -68,3 +69,24 @@ def test_alone_batched_chunked_and_token_by_token_give_the_same_bits(run):
             assert torch.equal(out[L].view(torch.int16), alone[L].view(torch.int16)), (name, L)
         assert sel == top, name
     assert all(any(r) for L in top for r in top[L][CFG.index_topk * 2:])  # rows were selected
+
+
+def test_the_mode_is_chosen_per_stack_and_checked():
+    from dsv41attn.ops.backends import get_ops
+    from dsv41attn.ops.linear import reference as torch_linears
+    from dsv41attn.ops.linear import triton as fixed_linears
+
+    fast, fixed = get_ops("triton"), get_ops("triton", batch_invariant=True)
+    assert not fast.batch_invariant and fixed.batch_invariant
+    assert fast.linear is torch_linears.linear and fixed.linear is fixed_linears.linear
+    assert fast.sparse_attn_paged.keywords == {"split_blocks": 0}  # splits sized to the step
+    assert fixed.fp8_linear is fast.fp8_linear  # fixed order in both modes
+    with pytest.raises(ValueError, match="batch_invariant=True needs backend 'triton'"):
+        get_ops("reference", batch_invariant=True)
+    with pytest.raises(TypeError, match="batch_invariant must be a bool, got 1"):
+        get_ops("triton", batch_invariant=1)
+    w = {0: random_layer_weights(CFG, 0, seed=1)}
+    stack = AttentionStack(CFG, w, "triton", batch_invariant=True)
+    assert stack.batch_invariant and stack.layers[0].ops.batch_invariant
+    with pytest.raises(ValueError, match="needs backend 'triton'"):
+        AttentionStack(CFG, w, "reference", batch_invariant=True)

@@ -5,10 +5,20 @@ a Triton kernel through it (sparse attention with sink over the packed caches, t
 linears, the window K/V epilogue and query RoPE, the compressor epilogue, the lightning
 indexer, inverse RoPE with the grouped wo_a) and the rest through the reference ops, on whatever device the tensors live.
 Each op's reference (``ops/<op>/reference.py``) has the same signature as its kernel.
+
+``batch_invariant`` (triton only; docs/numerics.md §9): True runs every reduction in an order
+fixed by the weights' and lists' shapes, so a sequence gets the same bits alone, in any batch,
+in any chunking and token by token; False (the default) lets the sparse attention size its
+split to the step and runs the bf16 / fp32 linears and wo_a on torch (cuBLAS picks kernels by
+row count), which is faster where invariance costs (a batch of 256 and prefill, measured in
+docs/benchmarks.md) and equally exact against the reference's tolerances. The fp8 GEMMs and
+the query RMSNorm keep their fixed order in both modes: it costs them nothing. The reference
+backend has one mode (torch's kernels, whose blocking may follow the row count on a GPU).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 BACKENDS = ("reference", "triton")
@@ -29,9 +39,12 @@ class Ops:
     linear: Callable  # bf16 / fp32 weights (reference.linear's signature)
     rms_norm: Callable  # the query's RMSNorm (common.norm.rms_norm's signature)
     capturable: bool  # every op runs without host syncs: a decode step can be graph-captured
+    batch_invariant: bool  # a sequence's bits never depend on the call (see the module doc)
 
 
-def get_ops(backend: str) -> Ops:
+def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
     if backend == "reference":
         from .common.norm import rms_norm
         from .compressor.reference import pool_norm_rope_pack
@@ -40,20 +53,30 @@ def get_ops(backend: str) -> Ops:
         from .output.reference import inverse_rope_wo_a
         from .sparse_attn.reference import sparse_attn_paged
         from .window_kv.reference import norm_rope_pack, rope_heads
+        if batch_invariant:
+            raise ValueError("batch_invariant=True needs backend 'triton' (the reference "
+                             "backend runs torch's kernels, which promise no call-invariant order)")
     elif backend == "triton":
         try:
             from .common.triton import rms_norm
             from .compressor.triton import pool_norm_rope_pack
             from .indexer.triton import index_topk
-            from .linear.triton import fp8_linear, linear
-            from .output.triton import inverse_rope_wo_a
+            from .linear import reference as torch_linears
+            from .linear import triton as fixed_linears
+            from .linear.triton import fp8_linear
+            from .output import triton as output
             from .sparse_attn.triton import sparse_attn_paged
             from .window_kv.triton import norm_rope_pack, rope_heads
         except ImportError as e:  # triton missing
             raise ValueError(f"backend 'triton' needs the triton package: {e}") from e
+        if batch_invariant:
+            linear, inverse_rope_wo_a = fixed_linears.linear, output.inverse_rope_wo_a
+        else:  # the step-sized forms where the fixed order costs
+            linear, inverse_rope_wo_a = torch_linears.linear, output.inverse_rope_wo_a_torch
+            sparse_attn_paged = partial(sparse_attn_paged, split_blocks=0)
     else:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     # the reference ops write through boolean masks (host syncs): not capturable
     return Ops(backend, sparse_attn_paged, fp8_linear, norm_rope_pack, rope_heads,
                pool_norm_rope_pack, inverse_rope_wo_a, index_topk, linear, rms_norm,
-               backend == "triton")
+               backend == "triton", batch_invariant)

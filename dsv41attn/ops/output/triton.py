@@ -231,3 +231,23 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | F
         _sum_splits_kernel[(triton.cdiv(n * gr, block),)](part, out, n * gr, s, BLOCK=block,
                                                           INTERPRET=interp)
     return out
+
+
+def inverse_rope_wo_a_torch(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | Fp8Weight,
+                            groups: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``inverse_rope_wo_a`` for the backend's default mode (``batch_invariant=False``): the
+    rotation kernel, then torch's bf16 grouped einsum (cuBLAS; its blocking, and so a row's
+    last bits, may follow N). Same arguments and result as inverse_rope_wo_a."""
+    kg, rk = check_inputs(o, rot, wo_a, groups)
+    n, h, d = o.shape
+    fp8 = isinstance(wo_a, Fp8Weight)
+    check_device(o, rot, wo_a.weight if fp8 else wo_a, *((wo_a.scale,) if fp8 else ()))
+    if out is None:
+        out = torch.empty(n, groups * rk, dtype=torch.bfloat16, device=o.device)
+    else:
+        check_out(out, o, groups * rk)
+    if out.numel() == 0:
+        return out
+    w16 = wo_a.dequantize() if fp8 else wo_a
+    rotated = rope_heads(o, rot, inverse=True).view(n, groups, kg)
+    return out.copy_(torch.einsum("ngd,grd->ngr", rotated, w16.view(groups, rk, kg)).flatten(1))
