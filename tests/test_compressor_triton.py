@@ -131,6 +131,7 @@ def _check_pools(args: dict, ref: dict, got: dict) -> None:
 
 CASES = [("tiny", 1, 1, 0), ("tiny", 1, 2, 1 << 20), ("tiny", 5, 1, 1 << 20), ("tiny", 5, 2, 0),
          ("tiny", 33, 1, 0), ("tiny", 33, 2, 1 << 20), ("tiny", 33, 4, 7),
+         ("tiny", 6, 4, 3), ("v41-flash", 1, 2, 7),
          ("v41-flash", 5, 1, 0), ("v41-flash", 5, 2, 1 << 20),
          ("v41-flash", 33, 1, (1 << 20) - 66), ("v41-flash", 33, 2, 0)]
 
@@ -148,9 +149,51 @@ def test_all_skipped_and_empty():
     args["page"][:] = -1
     _, got = _run_both(args)
     assert (got["rows_pool"] == POISON_BYTE).all() and (got["keys_pool"] == POISON_BYTE).all()
-    empty = _inputs(0, 2, "tiny", 0, seed=1)
-    _, got = _run_both(empty)
-    assert (got["rows_pool"] == POISON_BYTE).all() and (got["keys_pool"] == POISON_BYTE).all()
+    for r in (1, 2):
+        empty = _inputs(0, r, "tiny", 0, seed=1)
+        _, got = _run_both(empty)
+        assert (got["rows_pool"] == POISON_BYTE).all() and (got["keys_pool"] == POISON_BYTE).all()
+
+
+@triton.jit
+def _pooled_probe_kernel(kv_ptr, score_ptr, out_ptr, RATIO: tl.constexpr, D: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+    """out[g] = T._pooled of group g over all D channels in one tile (the former one-kernel
+    epilogue pooled each chunk in place this way). Grid (N,)."""
+    g64 = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    ch = tl.arange(0, D)
+    x = T._pooled(kv_ptr, score_ptr, g64, g64 >= 0, ch, RATIO, D, INTERPRET)
+    tl.store(out_ptr + g64[:, None] * D + ch[None, :], x)
+
+
+POOL_CASES = [("tiny", 1, 2), ("tiny", 6, 4), ("v41-flash", 6, 2)]
+
+
+@pytest.mark.parametrize("dims,n,r", POOL_CASES, ids=[f"{d}-N{n}-r{r}" for d, n, r in POOL_CASES])
+def test_pool_stage_exact(dims, n, r):
+    """Stage 1's scratch holds exactly T._pooled's values (what stage 2 used to pool twice), over
+    group tiles and channel tiles (6 groups: two tiles of POOL_BLOCK_G; V4.1-Flash's D: four of
+    POOL_BLOCK_C); skipped groups are neither read nor written."""
+    args = _inputs(n, r, dims, 0, seed=n + r)
+    d_lat = args["kv"].shape[-1]
+    kv, score = args["kv"].to(DEV), args["score"].to(DEV)
+    page, slot = args["page"].to(DEV), args["slot"].to(DEV)
+    want = torch.empty(n, d_lat, device=DEV)
+    _pooled_probe_kernel[(n,)](kv, score, want, RATIO=r, D=d_lat, INTERPRET=T.interpreting(),
+                               enable_fp_fusion=False)
+    got = torch.full((n, d_lat), float("nan"), device=DEV)
+    block_c = min(T.POOL_BLOCK_C, d_lat)
+    pool_rows, page_rows = args["rows_pool"].shape[:2]
+    T._pool_kernel[(triton.cdiv(n, T.POOL_BLOCK_G), d_lat // block_c)](
+        kv, score, got, page, slot, n, pool_rows, page_rows, RATIO=r, D=d_lat,
+        BLOCK_G=T.POOL_BLOCK_G, BLOCK_C=block_c, INTERPRET=T.interpreting(),
+        enable_fp_fusion=False)
+    keep = args["page"] >= 0
+    assert keep.any() and not keep.all() or n == 1
+    got, want = got.cpu(), want.cpu()
+    assert torch.equal(got[keep].view(torch.int32), want[keep].view(torch.int32))
+    assert got[~keep].isnan().all()
+    assert torch.equal(want.bfloat16().float(), want)  # bf16 values, as stage 2 needs
 
 
 @triton.jit

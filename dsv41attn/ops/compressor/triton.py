@@ -1,11 +1,23 @@
 """Triton compressor epilogue (docs/numerics.md §5, step 3): the same numerics as
-``reference.pool_norm_rope_pack``, fused from the wkv/wgate outputs to the packed paged rows.
+``reference.pool_norm_rope_pack``, from the wkv/wgate outputs to the packed paged rows.
 
-One program per BLOCK_G groups. Channels are held as (even, odd) pairs, the RoPE pairs and the
-fp4 byte pairs alike, and walked in chunks of BK: pass 1 pools each chunk (per-channel softmax
-over the r tokens, fp32, the reference's order) and sums the squares of bf16(pooled) for the
-RMS; pass 2 pools again, normalises (the latent), accumulates latent . index_wk^T in fp32 (bf16
-tl.dot), rotates and packs the latent chunk. The index key then gets its norm, RoPE and pack.
+Two launches at r > 1 (a fixed count, no host sync: CUDA-graph capturable), one at r = 1.
+Stage 1 (``_pool_kernel``, r > 1 only) pools in parallel over (4 groups, 128 channels) tiles:
+per-channel softmax over the r tokens, fp32, the reference's order, rounded to bf16 and kept as
+fp32 in a [N, D] scratch buffer. Stage 2 (``_norm_rope_pack_kernel``) runs one program per
+BLOCK_G groups. Channels are held as (even, odd) pairs, the RoPE pairs and the fp4 byte pairs
+alike, and walked in chunks of BK: pass 1 sums the squares of bf16(pooled) for the RMS, pass 2
+normalises (the latent), accumulates latent . index_wk^T in fp32 (bf16 tl.dot), rotates and
+packs the latent chunk; both read stage 1's values (r = 1: the bf16 kv row). The index key
+then gets its norm, RoPE and pack.
+
+Stage 2 is the former one-kernel epilogue with its two pooling passes replaced by loads of the
+same values, laid out as those loads were: the same chunks, tiles, warps and layouts (the RMS
+sums reduce in the same blocked layout, the key norm in the same mma layout), so every output
+byte is the same as the one-kernel version's (checked on an H200 for 1 to 2048 groups at r = 1
+and 2). Before, each program pooled its groups' r tokens twice, chunk after chunk: 66 us a call
+at r = 2 for one group as for 2048 (one latency-bound program per 16 groups); now 39-44 us.
+What is left is stage 2's chunk chain (~36 us for one program, as at r = 1).
 
 Rounding points follow the reference: correctly rounded division and sqrt (div_rn, sqrt_rn),
 no fused multiply-add on the GPU (enable_fp_fusion=False: torch's CPU rounds every product
@@ -26,6 +38,7 @@ from ..common.triton import (check_device, cos_sin, e4m3_code, e4m3_to_fp32, int
 
 BLOCK_G = 16  # groups per program: tl.dot needs M >= 16
 MAX_BK = 64  # channels per chunk (32 pairs); bounds the registers at D = 512
+POOL_BLOCK_G, POOL_BLOCK_C = 4, 128  # stage 1's tile: groups x channels per program
 _INV_FP4_MAX = torch.tensor(1.0 / 6.0, dtype=torch.float32).item()  # fp32(1/6), as quant.py
 
 
@@ -124,16 +137,98 @@ def _pooled(kv_ptr, score_ptr, g64, ok, ch, RATIO: tl.constexpr, D: tl.constexpr
 
 
 @triton.jit
-def _pool_norm_rope_pack_kernel(
-        kv_ptr, score_ptr, norm_w_ptr, wk_ptr, k_norm_w_ptr, rot_ptr, rows_ptr, keys_ptr,
-        page_ptr, slot_ptr, N, P, PAGE_ROWS, eps, inv_fp4_max,
+def _pool_kernel(kv_ptr, score_ptr, pooled_ptr, page_ptr, slot_ptr, N, P, PAGE_ROWS,
+                 RATIO: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+                 BLOCK_C: tl.constexpr, INTERPRET: tl.constexpr):
+    """Stage 1 (RATIO > 1): pooled[g, ch] = bf16(pooled) as fp32 (_pooled: elementwise per
+    channel, so the same bits whatever the tile). kv, score: [N, RATIO, D] fp32; pooled: [N, D]
+    fp32, written for the groups the epilogue writes (others: untouched). Grid (cdiv(N,
+    BLOCK_G), D / BLOCK_C)."""
+    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+    g64 = g.to(tl.int64)
+    ok = _in_pools(page_ptr, slot_ptr, g64, g < N, P, PAGE_ROWS)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    x = _pooled(kv_ptr, score_ptr, g64, ok, ch, RATIO, D, INTERPRET)
+    tl.store(pooled_ptr + g64[:, None] * D + ch[None, :], x, mask=ok[:, None])
+
+
+@triton.jit
+def _in_pools(page_ptr, slot_ptr, g64, live, P, PAGE_ROWS):
+    """Whether groups g64 (where live) have a (page, slot) inside the pools."""
+    page = tl.load(page_ptr + g64, mask=live, other=-1)
+    slot = tl.load(slot_ptr + g64, mask=live, other=0)
+    return live & (page >= 0) & (page < P) & (slot >= 0) & (slot < PAGE_ROWS)
+
+
+@triton.jit
+def _chunk_in(kv_ptr, score_ptr, pooled_ptr, g64, ok, ch, RATIO: tl.constexpr, D: tl.constexpr,
+              INTERPRET: tl.constexpr):
+    """bf16(pooled) of channels ch [C] of groups g64, fp32 [G, C], rows ~ok 0: RATIO 1 the kv
+    row (_pooled), else stage 1's values (the same bits, loaded the way _pooled loads)."""
+    if RATIO == 1:
+        x = _pooled(kv_ptr, score_ptr, g64, ok, ch, RATIO, D, INTERPRET)
+    else:
+        x = tl.load(pooled_ptr + g64[:, None] * D + ch[None, :], mask=ok[:, None], other=0.0)
+    return x
+
+
+@triton.jit
+def _sum_sq_chunk(sum_sq, kv_ptr, score_ptr, pooled_ptr, g64, ok, k0, half,
+                  RATIO: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr):
+    """sum_sq + the squares of chunk k0's (even, odd) channels, [G] fp32."""
+    pe = _chunk_in(kv_ptr, score_ptr, pooled_ptr, g64, ok, k0 + 2 * half, RATIO, D, INTERPRET)
+    po = _chunk_in(kv_ptr, score_ptr, pooled_ptr, g64, ok, k0 + 2 * half + 1, RATIO, D,
+                   INTERPRET)
+    return sum_sq + (tl.sum(pe * pe, 1) + tl.sum(po * po, 1))
+
+
+@triton.jit
+def _latent_chunk(key_e, key_o, kv_ptr, score_ptr, pooled_ptr, norm_w_ptr, wk_ptr, rot_ptr,
+                  row_ptr, g64, ok, rs, k0, half, out, RATIO: tl.constexpr, D: tl.constexpr,
+                  ROPE: tl.constexpr, BLOCK_G: tl.constexpr, BK: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """Chunk k0 of the latent: normalised, accumulated into latent . wk^T (key_e, key_o),
+    rotated, packed and stored. Returns the updated (key_e, key_o)."""
+    ch = k0 + 2 * half
+    pe = _chunk_in(kv_ptr, score_ptr, pooled_ptr, g64, ok, ch, RATIO, D, INTERPRET)
+    po = _chunk_in(kv_ptr, score_ptr, pooled_ptr, g64, ok, ch + 1, RATIO, D, INTERPRET)
+    we = tl.load(norm_w_ptr + ch).to(tl.float32)[None, :]
+    wo = tl.load(norm_w_ptr + ch + 1).to(tl.float32)[None, :]
+    le = to_bf16(we * (pe * rs), INTERPRET)  # the pre-RoPE latent, bf16 (fp32 when INTERPRET)
+    lo = to_bf16(wo * (po * rs), INTERPRET)
+    w_ptr = wk_ptr + (2 * out[None, :]) * D + ch[:, None]  # [BK/2, DI/2]: wk[2i, ch]^T
+    w_ee = tl.load(w_ptr)
+    w_eo = tl.load(w_ptr + 1)
+    w_oe = tl.load(w_ptr + D)
+    w_oo = tl.load(w_ptr + D + 1)
+    if INTERPRET:  # its tl.dot misreads bf16 (see to_bf16); fp32 holds them exactly
+        w_ee, w_eo = w_ee.to(tl.float32), w_eo.to(tl.float32)
+        w_oe, w_oo = w_oe.to(tl.float32), w_oo.to(tl.float32)
+    key_e = tl.dot(lo, w_eo, tl.dot(le, w_ee, key_e))
+    key_o = tl.dot(lo, w_oo, tl.dot(le, w_oe, key_o))
+    xe, xo = _rope(le.to(tl.float32), lo.to(tl.float32), rot_ptr, g64, ok, k0 // 2, BK // 2,
+                   D // 2, ROPE, INTERPRET)
+    packed, scales = _latent_fp4(xe, xo, BLOCK_G, BK // 16)
+    tl.store(row_ptr + k0 // 2 + half[None, :], packed.to(tl.uint8), mask=ok[:, None])
+    tl.store(row_ptr + D // 2 + k0 // 16 + tl.arange(0, BK // 16)[None, :],
+             scales.to(tl.uint8), mask=ok[:, None])
+    return key_e, key_o
+
+
+@triton.jit
+def _norm_rope_pack_kernel(
+        kv_ptr, score_ptr, pooled_ptr, norm_w_ptr, wk_ptr, k_norm_w_ptr, rot_ptr, rows_ptr,
+        keys_ptr, page_ptr, slot_ptr, N, P, PAGE_ROWS, eps, inv_fp4_max,
         RATIO: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, ROPE: tl.constexpr,
-        BLOCK_G: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
-    """kv: [N, RATIO, D] fp32/bf16; score: [N, RATIO, D] fp32 (unused at RATIO 1); norm_w:
-    [D] bf16; wk: [DI, D] bf16; k_norm_w: [DI] bf16; rot: [N, ROPE/2, 2] fp32; rows: [P,
-    PAGE_ROWS, D/2 + D/16] uint8; keys: [P, PAGE_ROWS, DI/2 + DI/32] uint8; page, slot: [N]
-    int64. All contiguous. Grid (cdiv(N, BLOCK_G),). Groups whose (page, slot) is outside the
-    pools are neither loaded nor stored.
+        BLOCK_G: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr,
+        INTERPRET: tl.constexpr):
+    """Stage 2. kv: [N, RATIO, D] fp32/bf16 (read at RATIO 1 only); score: unused; pooled:
+    [N, D] fp32 from stage 1 (RATIO > 1; read for the groups written); norm_w: [D] bf16; wk:
+    [DI, D] bf16; k_norm_w: [DI] bf16; rot: [N, ROPE/2, 2] fp32; rows: [P, PAGE_ROWS, D/2 +
+    D/16] uint8; keys: [P, PAGE_ROWS, DI/2 + DI/32] uint8; page, slot: [N] int64. All
+    contiguous. Grid (cdiv(N, BLOCK_G),). Groups whose (page, slot) is outside the pools are
+    neither loaded nor stored. UNROLL: the chunk loops unrolled (the same operations in the
+    same order, scheduled across chunks).
     """
     g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
     g64 = g.to(tl.int64)
@@ -144,40 +239,30 @@ def _pool_norm_rope_pack_kernel(
     half = tl.arange(0, BK // 2)  # pair numbers within a chunk
 
     sum_sq = tl.zeros([BLOCK_G], tl.float32)
-    for k0 in range(0, D, BK):
-        pe = _pooled(kv_ptr, score_ptr, g64, ok, k0 + 2 * half, RATIO, D, INTERPRET)
-        po = _pooled(kv_ptr, score_ptr, g64, ok, k0 + 2 * half + 1, RATIO, D, INTERPRET)
-        sum_sq += tl.sum(pe * pe, 1) + tl.sum(po * po, 1)
+    if UNROLL:
+        for k0 in tl.static_range(0, D, BK):
+            sum_sq = _sum_sq_chunk(sum_sq, kv_ptr, score_ptr, pooled_ptr, g64, ok, k0, half,
+                                   RATIO, D, INTERPRET)
+    else:
+        for k0 in range(0, D, BK):
+            sum_sq = _sum_sq_chunk(sum_sq, kv_ptr, score_ptr, pooled_ptr, g64, ok, k0, half,
+                                   RATIO, D, INTERPRET)
     rs = rms_scale(sum_sq, eps, D)[:, None]
 
     out = tl.arange(0, DI // 2)  # index-key pairs
     key_e = tl.zeros([BLOCK_G, DI // 2], tl.float32)  # latent . wk^T, channels 2i and 2i+1
     key_o = tl.zeros([BLOCK_G, DI // 2], tl.float32)
     row_ptr = rows_ptr + dest[:, None] * (D // 2 + D // 16)
-    for k0 in range(0, D, BK):
-        ch = k0 + 2 * half
-        pe = _pooled(kv_ptr, score_ptr, g64, ok, ch, RATIO, D, INTERPRET)
-        po = _pooled(kv_ptr, score_ptr, g64, ok, ch + 1, RATIO, D, INTERPRET)
-        we = tl.load(norm_w_ptr + ch).to(tl.float32)[None, :]
-        wo = tl.load(norm_w_ptr + ch + 1).to(tl.float32)[None, :]
-        le = to_bf16(we * (pe * rs), INTERPRET)  # the pre-RoPE latent, bf16 (fp32 when INTERPRET)
-        lo = to_bf16(wo * (po * rs), INTERPRET)
-        w_ptr = wk_ptr + (2 * out[None, :]) * D + ch[:, None]  # [BK/2, DI/2]: wk[2i, ch]^T
-        w_ee = tl.load(w_ptr)
-        w_eo = tl.load(w_ptr + 1)
-        w_oe = tl.load(w_ptr + D)
-        w_oo = tl.load(w_ptr + D + 1)
-        if INTERPRET:  # its tl.dot misreads bf16 (see to_bf16); fp32 holds them exactly
-            w_ee, w_eo = w_ee.to(tl.float32), w_eo.to(tl.float32)
-            w_oe, w_oo = w_oe.to(tl.float32), w_oo.to(tl.float32)
-        key_e = tl.dot(lo, w_eo, tl.dot(le, w_ee, key_e))
-        key_o = tl.dot(lo, w_oo, tl.dot(le, w_oe, key_o))
-        xe, xo = _rope(le.to(tl.float32), lo.to(tl.float32), rot_ptr, g64, ok, k0 // 2, BK // 2,
-                       D // 2, ROPE, INTERPRET)
-        packed, scales = _latent_fp4(xe, xo, BLOCK_G, BK // 16)
-        tl.store(row_ptr + k0 // 2 + half[None, :], packed.to(tl.uint8), mask=ok[:, None])
-        tl.store(row_ptr + D // 2 + k0 // 16 + tl.arange(0, BK // 16)[None, :],
-                 scales.to(tl.uint8), mask=ok[:, None])
+    if UNROLL:
+        for k0 in tl.static_range(0, D, BK):
+            key_e, key_o = _latent_chunk(key_e, key_o, kv_ptr, score_ptr, pooled_ptr,
+                                         norm_w_ptr, wk_ptr, rot_ptr, row_ptr, g64, ok, rs, k0,
+                                         half, out, RATIO, D, ROPE, BLOCK_G, BK, INTERPRET)
+    else:
+        for k0 in range(0, D, BK):
+            key_e, key_o = _latent_chunk(key_e, key_o, kv_ptr, score_ptr, pooled_ptr,
+                                         norm_w_ptr, wk_ptr, rot_ptr, row_ptr, g64, ok, rs, k0,
+                                         half, out, RATIO, D, ROPE, BLOCK_G, BK, INTERPRET)
 
     ke = round_bf16(key_e, INTERPRET)  # linear's bf16 output
     ko = round_bf16(key_o, INTERPRET)
@@ -255,7 +340,8 @@ def pool_norm_rope_pack(kv: torch.Tensor, score: torch.Tensor | None, norm_weigh
                         index_wk: torch.Tensor, index_k_norm: torch.Tensor, eps: float,
                         rot: torch.Tensor, rows_pool: torch.Tensor, keys_pool: torch.Tensor,
                         page: torch.Tensor, slot: torch.Tensor) -> None:
-    """The compressor's epilogue for N completed groups, fused; see reference.pool_norm_rope_pack.
+    """The compressor's epilogue for N completed groups; see reference.pool_norm_rope_pack.
+    r > 1: stage 1 pools into an [N, D] fp32 scratch, stage 2 does the rest; r = 1: stage 2.
 
     kv: [N, r, D] fp32 or bf16 (r = 1: the bf16 wkv row as [N, 1, D]); score: [N, r, D] fp32,
     None iff r == 1; norm_weight: [D] bf16; index_wk: [d, D] bf16; index_k_norm: [d] bf16;
@@ -273,12 +359,23 @@ def pool_norm_rope_pack(kv: torch.Tensor, score: torch.Tensor | None, norm_weigh
     if n == 0 or rows_pool.shape[0] * rows_pool.shape[1] == 0:
         return
     rot_cs = cos_sin(rot)  # [N, R/2, 2] fp32 (cos, sin)
-    grid = (triton.cdiv(n, BLOCK_G),)
-    _pool_norm_rope_pack_kernel[grid](
-        kv.contiguous(), kv if score is None else score.contiguous(), norm_weight.contiguous(),
-        index_wk.contiguous(), index_k_norm.contiguous(), rot_cs, rows_pool, keys_pool,
-        page.contiguous(), slot.contiguous(), n, rows_pool.shape[0], rows_pool.shape[1],
-        float(eps), _INV_FP4_MAX,
+    kv, page, slot = kv.contiguous(), page.contiguous(), slot.contiguous()
+    pooled = kv  # unused at r = 1
+    # Unrolled stage-2 loops: the same bits, 38.8 vs 41.8 us at r = 2 (H200, one group); at r = 1
+    # (kv read directly) the loop is faster, 36.3 vs 37.8 us.
+    interp = interpreting()
+    if r > 1:
+        score = score.contiguous()
+        pooled = torch.empty((n, d_lat), dtype=torch.float32, device=kv.device)
+        block_c = min(POOL_BLOCK_C, d_lat)
+        _pool_kernel[(triton.cdiv(n, POOL_BLOCK_G), d_lat // block_c)](
+            kv, score, pooled, page, slot, n, rows_pool.shape[0], rows_pool.shape[1],
+            RATIO=r, D=d_lat, BLOCK_G=POOL_BLOCK_G, BLOCK_C=block_c, INTERPRET=interp,
+            num_warps=4, enable_fp_fusion=False)  # as stage 2: no fused multiply-add
+    _norm_rope_pack_kernel[(triton.cdiv(n, BLOCK_G),)](
+        kv, kv, pooled, norm_weight.contiguous(), index_wk.contiguous(),
+        index_k_norm.contiguous(), rot_cs, rows_pool, keys_pool, page, slot, n,
+        rows_pool.shape[0], rows_pool.shape[1], float(eps), _INV_FP4_MAX,
         RATIO=r, D=d_lat, DI=index_wk.shape[0], ROPE=2 * rot.shape[1], BLOCK_G=BLOCK_G,
-        BK=min(MAX_BK, d_lat), INTERPRET=interpreting(), num_warps=4,
+        BK=min(MAX_BK, d_lat), UNROLL=r > 1, INTERPRET=interp, num_warps=4,
         enable_fp_fusion=False)  # the reference rounds every product before its sum
