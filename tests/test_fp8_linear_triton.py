@@ -1,4 +1,6 @@
 """Triton fp8 linear against the reference (SPEC §2.1-2.2); runs under TRITON_INTERPRET=1 on CPU."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -233,17 +235,19 @@ def test_split_k_vs_oracle(case):
 
 
 def test_rows_alone_equal_rows_in_any_batch():
-    """The default plan at M = 1 (split-K programs), 5 (one program summing the ranges), 40
-    (64-row tiles) and 130 (128-row tiles): every row has the bits it has alone (on a GPU
-    too: every tile runs the same mma instruction)."""
+    """The default plan at M = 1, 5 (the decode kernel, split-K programs, 16-row tiles), 40
+    (64-row tiles) and 130 (_fp8_gemm_kernel's 128-row tiles, each program summing the
+    ranges): every row has the bits it has alone (on a GPU too: every tile runs the same mma
+    instruction)."""
     n, k = 70, 768
     q, s, w, ws = _split_case(130, n, k, seed=5)
     w, ws = w.to(DEV), ws.to(DEV)
     sms = DEFAULT_SM_COUNT if DEV == "cpu" else sm_count(torch.device(DEV))
     plans = {m: T._gemm_plan(m, n, k // 32, sms) for m in (1, 5, 40, 130)}
     assert len({p.order for p in plans.values()}) == 1 and plans[1].order.ranges > 1
-    assert plans[1].workspace and not plans[5].workspace
-    assert plans[130].block_m > plans[40].block_m
+    assert all(plans[m].swap and plans[m].workspace for m in (1, 5, 40))
+    assert not plans[130].swap and not plans[130].workspace
+    assert plans[130].block_m > plans[40].block_m > plans[5].block_m
     full = fp8_gemm(q, s, w, ws).cpu()
     for m in (1, 5, 40):
         for r0 in (0, 130 - m):
@@ -252,13 +256,14 @@ def test_rows_alone_equal_rows_in_any_batch():
 
 
 V41_GEMMS = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120),
-             "wo_b": (5120, 8192)}  # (N, K) of V4.1-Flash's fp8 linears
+             "wo_b": (5120, 8192), "index_wq_b": (4096, 1280)}  # (N, K): V4.1-Flash's fp8
 
 
 def test_k_order_at_v41_shapes():
     """The plan alone (these shapes are too slow for the interpreter): one K order per weight
-    for every M; at decode sizes the ranges run as split-K programs that fill the SMs, within the
-    partial-traffic cap, on whole KSUB iterations; prefill-sized M sums them in the tile."""
+    for every M; at decode sizes the decode kernel runs the ranges as split-K programs that
+    fill the SMs, on whole KSUB iterations; larger M keeps the partial-traffic cap and
+    prefill-sized M sums the ranges in the tile."""
     sms = DEFAULT_SM_COUNT
     for name, (n, k) in V41_GEMMS.items():
         kb = k // 32
@@ -268,17 +273,69 @@ def test_k_order_at_v41_shapes():
         assert kb % order.granule == 0 and order.chunks >= order.ranges, name
         for m, plan in plans.items():
             assert order.granule % plan.ksub == 0, (name, m)
-            if plan.workspace:  # fp32 partials written + read: a small share of the weight bytes
+            assert plan.swap == (m <= T.SPLIT_MAX_M), (name, m)
+            if plan.swap:  # decode: split whenever there is more than one range
+                assert plan.workspace == (order.ranges > 1), (name, m)
+            elif plan.workspace:  # fp32 partials written + read: a small share of the weights
                 assert order.ranges * m * n * 8 * T.SPLIT_TRAFFIC_SHARE <= n * k, (name, m)
-        tiles = -(-n // plans[1].block_n)
-        if tiles >= T.SPLIT_PROGRAMS_PER_SM * sms:
+        if -(-n // 64) >= T.SPLIT_PROGRAMS_PER_SM * sms:  # k_order's 64-wide tiles
             assert order.ranges == 1, name  # wq_b: 512 tiles fill the SMs already
         else:
             assert order.ranges > 1 and plans[1].workspace, name
-            assert tiles * order.ranges >= sms, name
+            for m in (1, 8, 64):  # the decode tiles times the ranges fill the SMs
+                assert -(-n // plans[m].block_n) * order.ranges >= sms, (name, m)
         assert plans[1].ksub * 32 >= 128, name  # contiguous bytes per weight row in flight
         assert not plans[4096].workspace, name
     assert T._gemm_plan(1, 1280, 160, sms).splits > 1  # wq_a at M = 1, named
     assert T._gemm_plan(128, 512, 160, sms).splits == 1  # prefill-sized M: no partials
     assert T._gemm_plan(1, 1280, 160, sms).dot_f16  # precise_dot's default: fp16 operands
     assert not T._gemm_plan(1, 1280, 160, sms, precise_dot=False).dot_f16
+
+
+DECODE_CASES = {  # id: (M, N, K, num_splits); N off BLOCK_N, M at the tile-row boundaries
+    "m1-n37-kb5-auto": (1, 37, 160, None),  # granule 1: KSUB 1, one range per block
+    "m16-n130-kb13-s3": (16, 130, 416, 3),  # the largest 16-row tile; ragged ranges
+    "m17-n200-kb8-s2": (17, 200, 256, 2),  # the first 64-row tile; N over one 128-row tile
+    "m64-n70-kb12-auto": (64, 70, 384, None),  # the largest decode M
+    "m5-n129-kb3-s1": (5, 129, 96, 1),  # one range: the reference's K order
+}
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES), ids=list(DECODE_CASES))
+def test_decode_kernel_equals_tile_kernel(case):
+    """_fp8_decode_kernel (swapped operands) against _fp8_gemm_kernel on the same K order,
+    split-K programs or one program summing the ranges: the same bits, every element written
+    (NaN-poisoned outputs). On an H200 both run wgmma; under the interpreter both are exact."""
+    m, n, k, splits = DECODE_CASES[case]
+    q, s, w, ws = _split_case(m, n, k, seed=m * 7 + n)
+    w, ws = w.to(DEV), ws.to(DEV)
+    sms = DEFAULT_SM_COUNT if DEV == "cpu" else sm_count(torch.device(DEV))
+    outs = []
+    for workspace in (None, True, False):
+        plan = T._gemm_plan(m, n, k // 32, sms, splits, workspace=workspace)
+        assert plan.swap and plan.block_m == (16 if m <= 16 else 64)
+        tile = dataclasses.replace(plan, swap=False, block_m=64, block_n=64, num_warps=4,
+                                   num_stages=3)
+        for p in (plan, tile):
+            out = torch.full((m, n), float("nan"), device=DEV)
+            T._run_fp8_gemm(p, q, s, w, ws, out)
+            assert not torch.isnan(out).any(), (workspace, p.swap)
+            outs.append(out.cpu().view(torch.int32))
+    for other in outs[1:]:
+        assert torch.equal(outs[0], other)
+    if splits == 1 and interpreting():
+        assert torch.equal(outs[0].view(torch.float32), ref_gemm(q.cpu().float(), s.cpu(),
+                                                                  w.cpu(), ws.cpu()))
+
+
+def test_decode_boundary_rows_alone():
+    """M = 16 / 17 (16- to 64-row decode tiles) and 64 / 65 (decode kernel to
+    _fp8_gemm_kernel): each row has the bits it has in the larger call."""
+    n, k = 96, 256
+    q, s, w, ws = _split_case(65, n, k, seed=11)
+    w, ws = w.to(DEV), ws.to(DEV)
+    full = fp8_gemm(q, s, w, ws).cpu().view(torch.int32)
+    for m in (16, 17, 64):
+        for r0 in (0, 65 - m):
+            part = fp8_gemm(q[r0:r0 + m], s[r0:r0 + m], w, ws).cpu().view(torch.int32)
+            assert torch.equal(part, full[r0:r0 + m]), (m, r0)

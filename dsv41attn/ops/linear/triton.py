@@ -17,9 +17,14 @@ K is cut into ``ranges`` contiguous ranges (``k_order``: chosen from N, K and th
 only, never from M), each summed in K order from -0, then added in range order. Small M runs
 the ranges as separate programs (split-K, to fill the SMs: fp32 partials [S, M, N] that
 _split_sum_kernel adds in range order); larger M has each tile's program sum its ranges one
-after another with a second accumulator, the same fp32 operations in the same order. Tile
-sizes change with M; the K walk, the mma instruction (wgmma: every tile has >= 64 rows) and
-every rounding do not. One range keeps the reference's order (num_splits=1).
+after another with a second accumulator, the same fp32 operations in the same order. Decode
+sizes (M <= SPLIT_MAX_M) run _fp8_decode_kernel, the same K walk with the operands swapped
+(weight rows on the wgmma's 64-row side, 16 or 64 token rows on its narrow side, so 1-16 rows
+no longer pay for a 64-row tile), and split whenever the tiles leave SMs idle; larger M runs
+_fp8_gemm_kernel's square tiles. Tile sizes and operand roles change with M; the K walk, the
+mma instruction (wgmma: every tile has >= 64 rows on its weight or token side) and every
+rounding do not (bit-identical on an H200 at every M tried). One range keeps the reference's
+order (num_splits=1).
 
 dense_linear: the same scheme for a bf16 weight (bf16 tl.dot, fp32 accumulator chained through
 the K steps in order, bf16 out) and for an fp32 weight (each 32-wide K step an fp32 FMA chain
@@ -130,6 +135,77 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS, R
 
 
 @triton.jit
+def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS, RANGES,
+                       GRANULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       KSUB: tl.constexpr, DOT_F16: tl.constexpr, ALL_RANGES: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+    """_fp8_gemm_kernel for decode-sized M with the operands swapped: each 32-block's tl.dot is
+    w [BLOCK_N, 32] . x^T [32, BLOCK_M] (weight rows on the MMA's 64-row side, the few token
+    rows its narrow side), so a BLOCK_N x BLOCK_M tile of y^T per program; every output element
+    gets the same fp32 operations in the same order as in _fp8_gemm_kernel (the block dot, times
+    the row scale, times the column-block scale, added into the range's accumulator from -0 in
+    K order, the ranges added in order). Operands as _fp8_gemm_kernel's. Grid (cdiv(N,
+    BLOCK_N), S, cdiv(M, BLOCK_M)): program (n, z, m) sums range z (S = RANGES), or every range
+    in turn (ALL_RANGES, S = 1); c is [S, M, N] (S > 1: partials for _split_sum_kernel).
+    Bit-identical to _fp8_gemm_kernel at every M, on an H200 too (the same wgmma instruction,
+    f16 or e4m3 operands; only its 64-row side now holds the weight)."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if ALL_RANGES:
+        kb_lo = 0
+        kb_hi = KB
+        r = 0
+        r_end = CHUNKS // RANGES * GRANULE  # where range 0 ends
+        total = tl.full([BLOCK_N, BLOCK_M], -0.0, tl.float32)
+    else:
+        kb_lo = split * CHUNKS // RANGES * GRANULE
+        kb_hi = (split + 1) * CHUNKS // RANGES * GRANULE
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    offs_m64 = offs_m.to(tl.int64)
+    offs_n64 = offs_n.to(tl.int64)
+    offs_k = kb_lo * 32 + tl.arange(0, 32)
+    a_ptrs = a_ptr + offs_m64[:, None] * K + offs_k[None, :]  # [BLOCK_M, 32]
+    b_ptrs = b_ptr + offs_n64[:, None] * K + offs_k[None, :]  # [BLOCK_N, 32]: 32 bytes a row
+    sa_ptrs = sa_ptr + offs_m64 * KB
+    sb_ptrs = sb_ptr + (offs_n // 32) * KB
+    acc = tl.full([BLOCK_N, BLOCK_M], -0.0, tl.float32)
+    for kb0 in range(kb_lo, kb_hi, KSUB):  # consecutive 32-blocks, in K order
+        for j in tl.static_range(KSUB):
+            b = tl.load(b_ptrs + j * 32, mask=n_mask[:, None], other=0.0)
+            a = tl.load(a_ptrs + j * 32, mask=m_mask[:, None], other=0.0)
+            if INTERPRET:
+                a64 = a.to(tl.float32).to(tl.float64)
+                b64 = b.to(tl.float32).to(tl.float64)
+                part = tl.dot(b64, tl.trans(a64), out_dtype=tl.float64).to(tl.float32)
+            elif DOT_F16:
+                part = tl.dot(b.to(tl.float16), tl.trans(a.to(tl.float16)),
+                              out_dtype=tl.float32)
+            else:
+                part = tl.dot(b, tl.trans(a), out_dtype=tl.float32)
+            sa = tl.load(sa_ptrs + kb0 + j, mask=m_mask, other=1.0)
+            e = tl.load(sb_ptrs + kb0 + j, mask=n_mask, other=127).to(tl.int32)
+            sb = e8m0_to_fp32(e)
+            acc += part * sa[None, :] * sb[:, None]  # (part * sa) * sb, as _fp8_gemm_kernel
+        a_ptrs += 32 * KSUB
+        b_ptrs += 32 * KSUB
+        if ALL_RANGES:
+            if kb0 + KSUB == r_end:
+                total += acc
+                acc = tl.full([BLOCK_N, BLOCK_M], -0.0, tl.float32)
+                r += 1
+                r_end = (r + 1) * CHUNKS // RANGES * GRANULE
+    if ALL_RANGES:
+        acc = total
+    mn = offs_m64[None, :] * N + offs_n64[:, None]  # [BLOCK_N, BLOCK_M], N contiguous
+    tl.store(c_ptr + split.to(tl.int64) * M * N + mn, acc,
+             mask=n_mask[:, None] & m_mask[None, :])
+
+
+@triton.jit
 def _split_sum_kernel(part_ptr, c_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     """part: [SPLITS, M, N] fp32 split-K partials; c: [M, N] fp32, MN = M * N. Grid
     (cdiv(MN, BLOCK),). c = (part[0] + part[1]) + ... in split order, fp32: deterministic."""
@@ -183,16 +259,17 @@ def k_order(n_tiles: int, steps: int, sms: int, granules: tuple[int, ...] = (8, 
 @dataclass(frozen=True)
 class _GemmPlan:
     """Launch parameters of one fp8 GEMM shape: ``order`` from (N, KB, SM count) alone, the
-    tiles and where the ranges run from M."""
+    kernel, tiles and where the ranges run from M."""
 
-    block_m: int
-    block_n: int
+    block_m: int  # token rows per tile
+    block_n: int  # weight rows (output columns) per tile
     num_warps: int
     num_stages: int
     ksub: int  # 32-blocks per K iteration: each weight row is read ksub * 32 bytes at a time
     dot_f16: bool  # fp8_gemm's precise_dot: e4m3 operands widened to fp16 for tl.dot
     order: KOrder
     workspace: bool  # the ranges run as separate programs into fp32 partials (split-K)
+    swap: bool = False  # _fp8_decode_kernel (weight rows on the MMA's 64-row side)
 
     @property
     def splits(self) -> int:
@@ -204,12 +281,19 @@ class _GemmPlan:
         return self.order.granule
 
 
-# (largest M, BLOCK_M, BLOCK_N, warps, stages, most 32-blocks per K iteration), by M. Every
-# tile has >= 64 rows per warp group, so tl.dot is the Hopper wgmma at every M: an H200's
-# mma.sync (16- or 32-row tiles) sums the fp16 products of a 32-block differently from wgmma
-# (~0.3% of outputs an fp32 ulp apart), which would make a decode row differ from its prefill.
-_FP8_TILES = ((16, 64, 64, 4, 4, 8), (SPLIT_MAX_M, 64, 64, 4, 4, 4), (None, 128, 128, 8, 3, 1))
-
+# (largest M, BLOCK_M, BLOCK_N, warps, stages, most 32-blocks per K iteration), by M, for
+# _fp8_gemm_kernel (M > SPLIT_MAX_M). Every tile has >= 64 rows per warp group, so tl.dot is
+# the Hopper wgmma at every M: an H200's mma.sync (16- or 32-row tiles) sums the fp16 products
+# of a 32-block differently from wgmma (0.3% to 40% of outputs, by the data, an fp32 ulp or so
+# apart), which would make a decode row differ from its prefill.
+_FP8_TILES = ((None, 128, 128, 8, 3, 1),)
+# Decode (M <= SPLIT_MAX_M): _fp8_decode_kernel, whose 64-row MMA side is BLOCK_N weight rows
+# and whose narrow side is BLOCK_M (>= 16) token rows: the same wgmma, the same bits (checked on
+# an H200 against _fp8_gemm_kernel at M = 1, 2, 7, 8, 64 on the V4.1 shapes, f16 and e4m3
+# operands). (largest M, BLOCK_M, BLOCK_N, warps, stages, most 32-blocks per K iteration): the
+# fastest of the tables timed there (CUDA-graph replay; more stages, KSUB 2 or BLOCK_N 64 were
+# slower at M <= 16, 2 stages ~10% faster at M = 64).
+_FP8_DECODE_TILES = ((16, 16, 128, 4, 3, 4), (SPLIT_MAX_M, 64, 128, 4, 2, 4))
 
 def _tile_row(table, m: int):
     return next(row[1:] for row in table if row[0] is None or m <= row[0])
@@ -228,19 +312,25 @@ def _use_workspace(order: KOrder, tiles: int, m: int, n: int, weight_bytes: int,
 def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
                precise_dot: bool = True, workspace: bool | None = None) -> _GemmPlan:
     """The K order from (N, KB, SM count) (``k_order``; num_splits, 1 <= it <= KB, forces the
-    range count), then tiles by M: decode (M <= 64) is weight-bandwidth bound, 16- or 64-row
-    tiles reading 128-256 contiguous bytes per weight row per iteration (KSUB 32-blocks, several
-    loads in flight); larger M square MMA tiles. The ranges run as separate programs while that
-    fills idle SMs at a small traffic cost (``_use_workspace``; ``workspace`` forces it either
-    way). sms: the device's SM count (sm_count); precise_dot: see fp8_gemm."""
+    range count), then the kernel and tiles by M: decode (M <= SPLIT_MAX_M) is
+    weight-bandwidth bound: _fp8_decode_kernel, BLOCK_N weight rows by 16-64 token rows,
+    reading 128 contiguous bytes per weight row per iteration (KSUB 32-blocks, several loads in
+    flight); larger M square MMA tiles (_fp8_gemm_kernel). The ranges run as separate programs
+    (_split_sum_kernel adds their partials): at decode sizes whenever the tiles leave SMs idle,
+    otherwise while that costs little traffic (``_use_workspace``); ``workspace`` forces it
+    either way. sms: the device's SM count (sm_count); precise_dot: see fp8_gemm."""
     order = k_order(triton.cdiv(n, 64), kb, sms, ranges=num_splits)
-    bm, bn, warps, stages, ksub_max = _tile_row(_FP8_TILES, m)
+    swap = m <= SPLIT_MAX_M
+    bm, bn, warps, stages, ksub_max = _tile_row(_FP8_DECODE_TILES if swap else _FP8_TILES, m)
     ksub = next(d for d in (8, 4, 2, 1) if d <= ksub_max and order.granule % d == 0)
     if workspace is None:
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        workspace = _use_workspace(order, tiles, m, n, n * kb * FP8_BLOCK, sms)
-    return _GemmPlan(bm, bn, warps, stages, ksub, bool(precise_dot), order,
-                     bool(workspace) and order.ranges > 1)
+        # decode: split whenever the tiles leave SMs idle (the partials, <= 64 rows, stay in
+        # L2; one program per tile summing 20-40 ranges would stream at a tenth of the rate)
+        workspace = order.ranges > 1 and tiles < sms if swap else \
+            _use_workspace(order, tiles, m, n, n * kb * FP8_BLOCK, sms)
+    workspace = bool(workspace) and order.ranges > 1
+    return _GemmPlan(bm, bn, warps, stages, ksub, bool(precise_dot), order, workspace, swap)
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,7 +382,7 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
     fp32 block sums, ~1e-7 with fp16) but is ~1.4x faster at large M; small M is ~1e-7 either
     way. With the fp8 sums the index q/k flip fp4 roundings and v41_geometry's top-k rows drift
     past the fixture tolerance (194 of 3312 rows on an H200, limit 1%), hence the default.
-    Either way every tile runs wgmma, so either is M-invariant (_FP8_TILES).
+    Either way every tile runs wgmma, so either is M-invariant (_FP8_TILES, _FP8_DECODE_TILES).
     """
     if x_codes.dim() != 2 or weight.dim() != 2 or x_scales.dim() != 2 or weight_scale.dim() != 2:
         raise ValueError("fp8_gemm wants 2-D x_codes, x_scales, weight, weight_scale")
@@ -334,21 +424,30 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out)
     """Launch ``plan`` on checked operands (fp8_gemm's), into ``out``."""
     m, k = x_codes.shape
     n, kb = weight.shape[0], k // FP8_BLOCK
-    partials = out if plan.splits == 1 else \
-        torch.empty(plan.splits, m, n, dtype=torch.float32, device=out.device)
+    s = plan.splits
     order = plan.order
-    grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), plan.splits)
-    _fp8_gemm_kernel[grid](x_codes.contiguous(), x_scales.contiguous(), weight.contiguous(),
-                           weight_scale.contiguous().view(torch.uint8), partials, m, n, k, kb,
-                           order.chunks, order.ranges, GRANULE=order.granule,
-                           BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, KSUB=plan.ksub,
-                           DOT_F16=plan.dot_f16,
-                           ALL_RANGES=order.ranges > 1 and not plan.workspace,
-                           INTERPRET=interpreting(), num_warps=plan.num_warps,
-                           num_stages=plan.num_stages)
-    if plan.splits > 1:
+    args = (x_codes.contiguous(), x_scales.contiguous(), weight.contiguous(),
+            weight_scale.contiguous().view(torch.uint8))
+    partials = out if s == 1 else torch.empty(s, m, n, dtype=torch.float32, device=out.device)
+    if plan.swap:
+        grid = (triton.cdiv(n, plan.block_n), s, triton.cdiv(m, plan.block_m))
+        _fp8_decode_kernel[grid](*args, partials, m, n, k, kb, order.chunks, order.ranges,
+                                 GRANULE=order.granule, BLOCK_M=plan.block_m,
+                                 BLOCK_N=plan.block_n, KSUB=plan.ksub, DOT_F16=plan.dot_f16,
+                                 ALL_RANGES=order.ranges > 1 and not plan.workspace,
+                                 INTERPRET=interpreting(), num_warps=plan.num_warps,
+                                 num_stages=plan.num_stages)
+    else:
+        grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), s)
+        _fp8_gemm_kernel[grid](*args, partials, m, n, k, kb, order.chunks, order.ranges,
+                               GRANULE=order.granule, BLOCK_M=plan.block_m,
+                               BLOCK_N=plan.block_n, KSUB=plan.ksub, DOT_F16=plan.dot_f16,
+                               ALL_RANGES=order.ranges > 1 and not plan.workspace,
+                               INTERPRET=interpreting(), num_warps=plan.num_warps,
+                               num_stages=plan.num_stages)
+    if s > 1:
         _split_sum_kernel[(triton.cdiv(m * n, SPLIT_SUM_BLOCK),)](
-            partials, out, m * n, SPLITS=plan.splits, BLOCK=SPLIT_SUM_BLOCK, num_warps=2)
+            partials, out, m * n, SPLITS=s, BLOCK=SPLIT_SUM_BLOCK, num_warps=2)
     return out
 
 
