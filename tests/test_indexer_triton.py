@@ -1,7 +1,9 @@
 """Triton indexer (ops/indexer/triton.py) against the reference selection, exact index sets:
 paged fp4 keys through shuffled block tables, decode and prefill query tiles, tie-heavy rows,
 rows with fewer visible rows than k and none at all, unallocated pages, candidate pinning and
-partial blocks, consumers reading a source's kept blocks, rows split over several selection
+partial blocks, consumers reading a source's kept blocks (scored and selected over compact
+lists of them: -inf rows deciding, partial last blocks, visible limits inside kept blocks, no
+kept block, prefill tiles sharing a list), rows split over several scoring and selection
 programs, and query chunks. Runs under TRITON_INTERPRET=1 on the CPU (conftest)."""
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(tri, "SCORE_TILES_PER_PROGRAM", 1)
     monkeypatch.setattr(tri, "SELECT_CHUNK", 16)
     monkeypatch.setattr(tri, "BLOCK_KEYS", 4)
+    monkeypatch.setattr(tri, "LIST_CHUNK", 4)
+    monkeypatch.setattr(tri, "COMPACT_SELECT_CHUNK", 16)
+    monkeypatch.setattr(tri, "COMPACT_MIN_ROWS", 0)  # consumers score over their lists
 
 
 def setup(seqs, n_rows, heads, d, seed, page_rows=4, ties=False):
@@ -106,9 +111,54 @@ def test_consumer_reads_kept_blocks_and_wider_candidates(small_tiles):
     args = setup([2, 1, 4], 26, 4, 32, seed=5)
     src = setup([2, 1, 4], 33, 4, 32, seed=6)
     _, keep = ref.index_topk(*src[:6], 33, 4, src[6], candidate_topk=2, block_size=4)
-    for topk in (4, 12):
-        want, got = both(args, 26, topk, candidates=keep, block_size=4)
-        assert_same(want, got)
+    want, got = both(args, 26, 12, candidates=keep, block_size=4)
+    assert_same(want, got)
+
+
+def kept_blocks(t, nblk, seed, density=0.3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(t, nblk, generator=g) < density
+
+
+@pytest.mark.parametrize("tiles,programs", [(2, 6), (1, 12)], ids=["runs2", "strided"])
+def test_consumer_lists_decode(tiles, programs, small_tiles, monkeypatch):
+    """A consumer scores and selects over its list (kept blocks and the blocks of rows below
+    k, ascending): no kept block, only the partial last block, a visible limit inside the one
+    kept block, fewer kept rows than k (-inf ties to the lower rows decide), every block kept,
+    nothing visible; tie-heavy scores; a block size that is no power of two; lists over
+    several compaction, scoring and selection programs (scoring: a list's runs of two row
+    tiles in one program, or runs of one tile over two programs, each taking every other)."""
+    monkeypatch.setattr(tri, "SCORE_TILES_PER_PROGRAM", tiles)
+    monkeypatch.setattr(tri, "COMPACT_OWNERS_PER_TILE", 1)
+    monkeypatch.setattr(tri, "COMPACT_PROGRAMS", programs)  # per list: programs / 6
+    n, bs = 35, 3
+    nblk = -(-n // bs)
+    args = setup([1] * 6, n, 4, 32, seed=11, ties=True)
+    args[5][:] = torch.tensor([n, n, 5 * bs + 2, 28, n, 0])
+    cand = kept_blocks(6, nblk + 1, seed=12)  # one block wider than the rows, as a source's
+    cand[0] = False  # nothing kept: rows 0 .. k-1 (-inf), -1 past visible
+    cand[1] = False
+    cand[1, nblk - 1] = True  # the partial last block only
+    cand[2] = False
+    cand[2, 5] = True  # visible ends inside it
+    cand[4] = True
+    cand[5, [0, nblk - 1]] = True  # nothing visible
+    want, got = both(args, n, 12, candidates=cand.to(DEV), block_size=bs)
+    assert_same(want, got)
+
+
+def test_consumer_lists_prefill_tiles_and_chunks(small_tiles):
+    """Prefill query tiles of a consumer share one list (the union of their queries' kept
+    blocks; a query's rows outside its own kept blocks stay -inf): mixed sequence lengths
+    (partial tiles, a one-token sequence), tie-heavy scores, query chunks of two tiles."""
+    n, bs = 29, 4
+    args = setup([5, 1, 3], n, 4, 32, seed=13, ties=True)
+    cand = kept_blocks(9, -(-n // bs), seed=14, density=0.25)
+    cand[5] = False  # the one-token sequence keeps nothing
+    cand[6, -1] = True
+    want, got = both(args, n, 9, candidates=cand.to(DEV), block_size=bs,
+                     score_budget=2 * (4 * 32 * 2 + 8 * 4))  # two query tiles per chunk
+    assert_same(want, got)
 
 
 def test_unallocated_pages_read_zero_keys():
@@ -128,12 +178,18 @@ def test_bad_arguments_name_the_value():
                                                                          device=DEV))
 
 
-def test_reduce_hook_combines_partial_heads_like_the_reference():
+@pytest.mark.parametrize("role", ["source", "consumer", "consumer-lists"])
+def test_reduce_hook_combines_partial_heads_like_the_reference(role, monkeypatch):
     """Tensor parallelism's hook: each half of the heads scores on its own and ``reduce`` adds
     the other half's bf16 partial scores before candidates and top-k (as the all-reduce does);
-    the kernel's combined selection equals the reference's."""
+    the kernel's combined selection equals the reference's (a consumer's scores over every
+    row, or over its list: both halves list the same rows)."""
+    if role == "consumer-lists":
+        monkeypatch.setattr(tri, "COMPACT_MIN_ROWS", 0)
     args = setup([3, 1], 21, 4, 32, seed=9)
     q, w = args[0], args[1]
+    kw = dict(candidate_topk=2) if role == "source" else dict(
+        candidates=kept_blocks(4, 6, seed=10, density=0.5).to(DEV))
     halves = [(q[:, :2], w[:, :2]), (q[:, 2:], w[:, 2:])]
     for impl in (ref, tri):
         stash = []
@@ -145,10 +201,10 @@ def test_reduce_hook_combines_partial_heads_like_the_reference():
         def add_partial(s, it=iter(stash)):
             return (s.float() + next(it).float()).bfloat16()
 
-        impl.index_topk(*halves[1], *args[2:6], 21, 5, args[6], candidate_topk=2, block_size=4,
-                        reduce=keep_partial)
-        got = impl.index_topk(*halves[0], *args[2:6], 21, 5, args[6], candidate_topk=2,
-                              block_size=4, reduce=add_partial)
+        impl.index_topk(*halves[1], *args[2:6], 21, 5, args[6], block_size=4,
+                        reduce=keep_partial, **kw)
+        got = impl.index_topk(*halves[0], *args[2:6], 21, 5, args[6], block_size=4,
+                              reduce=add_partial, **kw)
         if impl is ref:
             want = got
     assert_same(want, got)

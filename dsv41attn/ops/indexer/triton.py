@@ -2,6 +2,19 @@
 
 Flow of one call (every launch on the device, no host sync, so a decode step can be captured):
 
+0. Candidate consumer only (``candidates`` given, ``candidate_topk`` not; past
+   COMPACT_MIN_ROWS rows, below which it walks every row as the others): each query tile's
+   list of blocks, ascending (``_list_count_kernel`` counts per chunk of LIST_CHUNK blocks,
+   ``_list_write_kernel`` writes at the prefix sums): the blocks one of the tile's queries
+   keeps, and the blocks holding rows below k. That list holds every row the reference can
+   select: the kept rows with finite scores, and the lowest-numbered -inf rows that fill a
+   top-k with fewer than k of those (all below k). Scoring and selection run over the list's
+   positions (a compact [queries, nblk * block_size] buffer of which each tile's first
+   ``nvalid`` positions count: about COMPACT_PROGRAMS scoring programs per chunk, at least
+   one per list, take the lists' row tiles in turn, selection programs past a list's end
+   exit at once), and ascending order keeps ties to the lower row. Buffers and grids are
+   sized from shapes (nblk blocks: no bound on the kept blocks is known here) and the counts
+   stay on the device.
 1. ``_score_kernel``: one program per (query tile, run of row tiles). A query tile is one
    token (decode) or up to ``PREFILL_TILE`` consecutive tokens of one sequence (they share the
    sequence's keys). Index keys are read straight from the paged pool through the block table
@@ -14,7 +27,8 @@ Flow of one call (every launch on the device, no host sync, so a decode step can
    weight and rounded to bf16, then the heads are summed in fp32 and rounded to bf16: the
    reference's rounding points. Rows a query cannot see, and for a candidate consumer rows
    outside its kept blocks, are -inf and their key bytes are never loaded; a tile with
-   nothing to score loads nothing. Scores go to a bf16 buffer [queries, rows].
+   nothing to score loads nothing. Scores go to a bf16 buffer [queries, rows] (a consumer's:
+   [queries, list positions], row = list[p // block_size] * block_size + p % block_size).
 2. Candidate source only: ``_block_key_kernel`` takes each block's maximum (the newest
    visible block pinned to +inf) as an ordered 16-bit key per block.
 3. Exact top-k by radix select on the ordered 16-bit keys of the bf16 scores (``_order_key``:
@@ -24,10 +38,14 @@ Flow of one call (every launch on the device, no host sync, so a decode step can
    rows equal to u are needed; ``_count_kernel`` counts rows above and equal to u per row
    chunk; ``_select_kernel`` writes the selection in ascending row order: every row above u and
    the lowest-numbered rows equal to u, i.e. higher score first, ties to the lower row (SPEC
-   §0.2). For top-k rows past a query's ``visible`` become -1; for candidate blocks the kept
-   mask is written (a block whose maximum is -inf is never kept).
+   §0.2). For top-k rows past a query's ``visible`` become -1 (a consumer's list positions
+   mapped back to rows first); for candidate blocks the kept mask is written (a block whose
+   maximum is -inf is never kept).
 
 The score buffer is bounded by ``score_budget`` bytes: longer prefills run in query chunks.
+``reduce`` (tensor parallelism) gets each chunk's score buffer, a consumer's compact one too:
+every rank lists the same rows (the kept flags are the same on every rank), and positions
+past a tile's count hold no score. A call that is both source and consumer scores every row.
 Under TRITON_INTERPRET the dot runs in fp32 on the same exact values (the interpreter has no
 inline asm and misreads 16-bit dot operands) and gives the same bits.
 """
@@ -48,6 +66,14 @@ SCORE_TILES_PER_PROGRAM = 8  # row tiles per scoring program (the query is loade
 SCORE_WARPS = 4  # warps per scoring program (H200: 8 measured slower)
 SELECT_CHUNK = 4096  # rows per selection program
 BLOCK_KEYS = 128  # candidate blocks per block-key program
+LIST_CHUNK = 4096  # candidate blocks per list-compaction program
+# A candidate consumer scores over compact lists only past this many rows (below it, at
+# V4.1-Flash's 2048 blocks x 8 rows, a consumer can keep every block: H200, 4K rows, walking
+# every row took 53 us at b=64, the lists 56-65 us)
+COMPACT_MIN_ROWS = 16384
+COMPACT_OWNERS_PER_TILE = 8  # candidate lists per row tile of a scoring program
+COMPACT_PROGRAMS = 2048  # scoring programs over the lists of a chunk (at least one per list)
+COMPACT_SELECT_CHUNK = 1024  # list positions per selection program
 
 KEY_NINF = tl.constexpr(0x007F)  # _order_key of bf16 -inf: below every other key
 KEY_PINF = tl.constexpr(0xFF80)  # _order_key of bf16 +inf
@@ -74,12 +100,22 @@ def _load_keys(src_ptr, offs, mask, FROM_SCORES: tl.constexpr):
 
 
 @triton.jit
-def _chunk_keys(src_ptr, slot, c, N, CH: tl.constexpr, FROM_SCORES: tl.constexpr):
-    """Row chunk ``c`` of query slot ``slot`` of a selection source [slots, N]: (row numbers
-    [CH], in range, keys)."""
+def _chunk_keys(src_ptr, slot, c, n, stride, CH: tl.constexpr, FROM_SCORES: tl.constexpr):
+    """Row chunk ``c`` of query slot ``slot`` of a selection source [slots, stride] whose
+    first ``n`` entries count: (positions [CH], in range, keys)."""
     offs = c * CH + tl.arange(0, CH)
-    m = offs < N
-    return offs, m, _load_keys(src_ptr + slot.to(tl.int64) * N, offs, m, FROM_SCORES)
+    m = offs < n
+    return offs, m, _load_keys(src_ptr + slot.to(tl.int64) * stride, offs, m, FROM_SCORES)
+
+
+@triton.jit
+def _slot_width(nvalid_ptr, slot, N, TILE: tl.constexpr, COMPACT: tl.constexpr):
+    """Entries of a query slot's selection source: N, or for a compact source its list
+    owner's (slot // TILE) candidate row count."""
+    if COMPACT:
+        return tl.load(nvalid_ptr + slot // TILE)
+    else:
+        return N
 
 
 @triton.jit
@@ -95,6 +131,20 @@ def _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base,
         tok = (slot_base + slot).to(tl.int64)
         ok = slot >= 0
     return tok, ok
+
+
+@triton.jit
+def _owner_tokens(o, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, HAS_TILES: tl.constexpr):
+    """(first token, token count) of query tile ``o`` of the chunk (tiles: relative to
+    tile_base; without, one token each from slot_base): a scoring program's, or a candidate
+    list's owner."""
+    if HAS_TILES:
+        tok0 = tl.load(tile_tok_ptr + tile_base + o)
+        cnt = tl.load(tile_cnt_ptr + tile_base + o)
+    else:
+        tok0 = (slot_base + o).to(tl.int64)
+        cnt = 1
+    return tok0, cnt
 
 
 # A word of 8 e2m1 nibbles ($8, element t in bits 4t..4t+3) -> 8 f16 ($0..$7) worth the e2m1
@@ -160,21 +210,35 @@ def _key_block(raw, e, BN: tl.constexpr, WORDS: tl.constexpr, INTERPRET: tl.cons
 
 
 @triton.jit
-def _tile_fetch(pool_ptr, bt_ptr, keep_ptr, row, tok0, offs_m, m_ok, vis, g0, g_end, bt_stride,
-                page_rows, keep_stride, D: tl.constexpr, BN: tl.constexpr,
-                BLOCK_SIZE: tl.constexpr, WORDS: tl.constexpr, HAS_KEEP: tl.constexpr):
-    """The loads of one row tile (rows g0 .. g0 + BN - 1, none at or past ``g_end``): which
-    (row, query) pairs are scored, which rows are read, and the raw key blocks."""
+def _tile_fetch(pool_ptr, bt_ptr, keep_ptr, list_ptr, row, tok0, offs_m, m_ok, vis, g0, g_end,
+                bt_stride, page_rows, keep_stride, D: tl.constexpr, BN: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, WORDS: tl.constexpr, HAS_KEEP: tl.constexpr,
+                COMPACT: tl.constexpr):
+    """The loads of one tile of positions g0 .. g0 + BN - 1 (none at or past ``g_end``): the
+    rows themselves, or for a compact tile the rows its positions stand for in the tile's
+    block list (list_ptr); which (position, query) pairs are scored, which rows are read, the
+    raw key blocks."""
     NB: tl.constexpr = D // 32
     B1: tl.constexpr = 1 if NB > 1 else 0  # blocks past the row's: reload block 0 (unused)
     B2: tl.constexpr = 2 if NB > 2 else 0
     B3: tl.constexpr = 3 if NB > 2 else 0
-    offs_g = g0 + tl.arange(0, BN)
-    seen = (offs_g[:, None] < vis[None, :]) & (offs_g < g_end)[:, None]  # [BN, TILE]
+    if COMPACT:
+        offs_p = g0 + tl.arange(0, BN)
+        in_p = offs_p < g_end
+        blk = tl.load(list_ptr + offs_p // BLOCK_SIZE, mask=in_p, other=0)
+        offs_g = blk * BLOCK_SIZE + offs_p % BLOCK_SIZE
+        seen = (offs_g[:, None] < vis[None, :]) & in_p[:, None]  # [BN, TILE]
+    else:
+        offs_g = g0 + tl.arange(0, BN)
+        seen = (offs_g[:, None] < vis[None, :]) & (offs_g < g_end)[:, None]  # [BN, TILE]
     if HAS_KEEP:
-        kept = tl.load(keep_ptr + (tok0 + offs_m)[None, :] * keep_stride
-                       + (offs_g // BLOCK_SIZE)[:, None],
-                       mask=m_ok[None, :] & seen, other=0) != 0
+        if COMPACT:
+            kept = tl.load(keep_ptr + (tok0 + offs_m)[None, :] * keep_stride + blk[:, None],
+                           mask=m_ok[None, :] & seen, other=0) != 0
+        else:
+            kept = tl.load(keep_ptr + (tok0 + offs_m)[None, :] * keep_stride
+                           + (offs_g // BLOCK_SIZE)[:, None],
+                           mask=m_ok[None, :] & seen, other=0) != 0
         seen = seen & kept
     need = tl.max(seen.to(tl.int32), 1) != 0  # [BN]: some query of the tile scores it
     page = tl.load(bt_ptr + row * bt_stride + offs_g // page_rows, mask=need, other=-1)
@@ -207,16 +271,34 @@ def _q_block(q_ptr, q_off, r_ok, blk: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, out_ptr,
-                  tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, N, bt_stride, page_rows,
-                  keep_stride, tiles_per_prog,
+def _tile_start(it, g_first, tiles_per_prog, BN: tl.constexpr, COMPACT: tl.constexpr):
+    """First position of a scoring program's tile ``it``: its run of tiles_per_prog tiles
+    from g_first, or over candidate lists (COMPACT) the runs j, j + programs, ... in turn
+    (program j)."""
+    if COMPACT:
+        run = tl.program_id(1) + (it // tiles_per_prog) * tl.num_programs(1)
+        return (run * tiles_per_prog + it % tiles_per_prog) * BN
+    else:
+        return g_first + it * BN
+
+
+@triton.jit
+def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, list_ptr,
+                  nvalid_ptr, out_ptr, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, N,
+                  bt_stride, page_rows, keep_stride, list_stride, tiles_per_prog,
                   I: tl.constexpr, I_PAD: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
                   BN: tl.constexpr, BLOCK_SIZE: tl.constexpr, WORDS: tl.constexpr,
-                  HAS_TILES: tl.constexpr, HAS_KEEP: tl.constexpr, INTERPRET: tl.constexpr):
+                  HAS_TILES: tl.constexpr, HAS_KEEP: tl.constexpr, COMPACT: tl.constexpr,
+                  INTERPRET: tl.constexpr):
     """q: [T, I, D] bf16; w: [T, I] bf16; pool: uint8 key rows (D/2 bytes of e2m1 pairs, then
     D/32 ue8m0 bytes); bt: [B, pages] int64; vis, row: [T] int64; keep: uint8 [T,
     keep_stride] (HAS_KEEP); out: int16 [slots, N] bf16 bits, slot = the query's place in
-    this call's chunk. Grid (chunk tiles, cdiv(N, BN * tiles_per_prog)).
+    this call's chunk. COMPACT: out's position p of query tile t stands for row
+    list[t, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE, for p below nvalid[t] (list:
+    int32 [tiles, list_stride]; positions past nvalid[t] are not written), and program j of
+    a tile scores its list's runs of tiles_per_prog row tiles j, j + programs, ... (one past
+    them loads nothing). Grid (chunk tiles, cdiv(N, BN * tiles_per_prog), over lists at most
+    COMPACT_PROGRAMS / tiles of them).
 
     Per 32-element scale block the dot of the codes is exact in fp32 (f16 operands, e2m1
     products); it is scaled by the key's and the query's powers of two and summed over the
@@ -224,20 +306,28 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, ou
     NB: tl.constexpr = D // 32
     R: tl.constexpr = TILE * I_PAD  # (token, head) columns of the dot
     tile = tl.program_id(0)
-    if HAS_TILES:
-        tok0 = tl.load(tile_tok_ptr + tile_base + tile)
-        cnt = tl.load(tile_cnt_ptr + tile_base + tile)
+    tok0, cnt = _owner_tokens(tile, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, HAS_TILES)
+    if COMPACT:
+        pid = tl.program_id(1)
+        n_prog = tl.num_programs(1)
+        n = tl.load(nvalid_ptr + tile)  # this tile's candidate positions
+        lst = list_ptr + tile.to(tl.int64) * list_stride
+        runs = (n + tiles_per_prog * BN - 1) // (tiles_per_prog * BN)  # runs of row tiles
+        n_it = (tl.maximum(runs - pid, 0) + n_prog - 1) // n_prog * tiles_per_prog
+        live = tl.where(pid < runs, cnt, 0)  # a program past them loads nothing
     else:
-        tok0 = (slot_base + tile).to(tl.int64)
-        cnt = 1
+        n = N
+        lst = list_ptr
+        n_it = tiles_per_prog
+        live = cnt
     row = tl.load(row_ptr + tok0)
     offs_m = tl.arange(0, TILE)
-    m_ok = offs_m < cnt
+    m_ok = offs_m < live
     vis = tl.load(vis_ptr + tok0 + offs_m, mask=m_ok, other=0)  # [TILE]
     offs_r = tl.arange(0, R)
     r_tok = offs_r // I_PAD
     r_head = offs_r % I_PAD
-    r_ok = (r_tok < cnt) & (r_head < I)
+    r_ok = (r_tok < live) & (r_head < I)
     q_off = (tok0 + r_tok) * (I * D) + r_head * D
     qc0, qs0 = _q_block(q_ptr, q_off, r_ok, 0, INTERPRET)
     if NB > 1:
@@ -248,17 +338,22 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, ou
     wv = tl.load(w_ptr + (tok0 + r_tok) * I + r_head, mask=r_ok, other=0.0).to(tl.float32)
     out_cols = out_ptr + (tile.to(tl.int64) * TILE + offs_m.to(tl.int64))[None, :] * N
     g_first = tl.program_id(1) * tiles_per_prog * BN
-    g_end = tl.minimum(N, g_first + tiles_per_prog * BN)  # this program's rows end there
+    if COMPACT:
+        g_end = n
+    else:
+        g_end = tl.minimum(N, g_first + tiles_per_prog * BN)  # this program's rows end there
     seen, need, r0, r1, r2, r3, e0, e1, e2, e3 = _tile_fetch(
-        pool_ptr, bt_ptr, keep_ptr, row, tok0, offs_m, m_ok, vis, g_first, g_end, bt_stride,
-        page_rows, keep_stride, D, BN, BLOCK_SIZE, WORDS, HAS_KEEP)
-    for it in range(tiles_per_prog):
-        offs_g = g_first + it * BN + tl.arange(0, BN)
+        pool_ptr, bt_ptr, keep_ptr, lst, row, tok0, offs_m, m_ok, vis, g_first, g_end,
+        bt_stride, page_rows, keep_stride, D, BN, BLOCK_SIZE, WORDS, HAS_KEEP, COMPACT)
+    for it in range(n_it):
+        # positions (rows unless COMPACT)
+        offs_g = _tile_start(it, g_first, tiles_per_prog, BN, COMPACT) + tl.arange(0, BN)
         # the next tile's loads go out before this tile's arithmetic (software pipelining)
         n_seen, n_need, n0, n1, n2, n3, f0, f1, f2, f3 = _tile_fetch(
-            pool_ptr, bt_ptr, keep_ptr, row, tok0, offs_m, m_ok, vis, g_first + (it + 1) * BN,
-            g_end, bt_stride, page_rows, keep_stride, D, BN, BLOCK_SIZE, WORDS, HAS_KEEP)
-        store_ok = (offs_g < N)[:, None] & m_ok[None, :]
+            pool_ptr, bt_ptr, keep_ptr, lst, row, tok0, offs_m, m_ok, vis,
+            _tile_start(it + 1, g_first, tiles_per_prog, BN, COMPACT), g_end,
+            bt_stride, page_rows, keep_stride, D, BN, BLOCK_SIZE, WORDS, HAS_KEEP, COMPACT)
+        store_ok = (offs_g < n)[:, None] & m_ok[None, :]
         if tl.max(need.to(tl.int32), 0) == 0:
             tl.store(out_cols + offs_g[:, None], tl.full([BN, TILE], 0xFF80, tl.int32)
                      .to(tl.int16), mask=store_ok)  # -inf
@@ -309,6 +404,57 @@ def _block_key_kernel(src_ptr, key_ptr, vis_ptr, tile_tok_ptr, tile_cnt_ptr,
 
 
 @triton.jit
+def _listed(cand_ptr, tok0, cnt, offs_b, nblk, first, cand_stride, TILE: tl.constexpr):
+    """Which blocks offs_b [LCH] a list owner (tokens tok0 .. tok0 + cnt - 1) lists: those
+    one of its tokens keeps, and the ``first`` blocks (rows below k)."""
+    f = offs_b < first
+    for i in tl.static_range(TILE):
+        lim = nblk
+        if i > 0:
+            lim = tl.where(cnt > i, nblk, 0)  # the owner's token i, if it has one
+        f = f | (tl.load(cand_ptr + (tok0 + i) * cand_stride + offs_b, mask=offs_b < lim,
+                         other=0) != 0)
+    return f & (offs_b < nblk)
+
+
+@triton.jit
+def _list_count_kernel(cand_ptr, lcnt_ptr, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base,
+                       nblk, first, cand_stride, nlch, LCH: tl.constexpr, TILE: tl.constexpr,
+                       HAS_TILES: tl.constexpr):
+    """lcnt: int32 [owners, nlch]: the blocks each chunk of LCH blocks lists (_listed).
+    Grid (owners, nlch)."""
+    o = tl.program_id(0)
+    c = tl.program_id(1)
+    tok0, cnt = _owner_tokens(o, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, HAS_TILES)
+    offs_b = c * LCH + tl.arange(0, LCH)
+    f = _listed(cand_ptr, tok0, cnt, offs_b, nblk, first, cand_stride, TILE)
+    tl.store(lcnt_ptr + o * nlch + c, tl.sum(f.to(tl.int32), 0))
+
+
+@triton.jit
+def _list_write_kernel(cand_ptr, lcnt_ptr, list_ptr, nvalid_ptr, tile_tok_ptr, tile_cnt_ptr,
+                       tile_base, slot_base, nblk, first, cand_stride, nlch, n_rows,
+                       list_stride, LCH: tl.constexpr, NLCH_PAD: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HAS_TILES: tl.constexpr):
+    """list: int32 [owners, list_stride]: each owner's listed blocks ascending; nvalid: int32
+    [owners]: the rows they hold (the partial last block's real rows only). Grid (owners,
+    nlch)."""
+    o = tl.program_id(0)
+    c = tl.program_id(1)
+    tok0, cnt = _owner_tokens(o, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, HAS_TILES)
+    prev = tl.arange(0, NLCH_PAD)
+    before = tl.sum(tl.load(lcnt_ptr + o * nlch + prev, mask=prev < c, other=0), 0)
+    offs_b = c * LCH + tl.arange(0, LCH)
+    f = _listed(cand_ptr, tok0, cnt, offs_b, nblk, first, cand_stride, TILE).to(tl.int32)
+    pos = before + tl.cumsum(f, 0) - f
+    tl.store(list_ptr + o.to(tl.int64) * list_stride + pos, offs_b, mask=f != 0)
+    if c == nlch - 1:
+        total = before + tl.sum(f, 0)
+        last = tl.sum(tl.where(offs_b == nblk - 1, f, 0), 0)  # the last block, maybe partial
+        tl.store(nvalid_ptr + o, total * BLOCK_SIZE - last * (nblk * BLOCK_SIZE - n_rows))
+
+
+@triton.jit
 def _threshold(hist_ptr, n, k):
     """From a 256-bin histogram of n keys' bytes: the bin b holding the k-th largest, and how
     many keys lie in bins above it."""
@@ -322,20 +468,25 @@ def _threshold(hist_ptr, n, k):
 
 
 @triton.jit
-def _hist_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, tile_tok_ptr, tile_cnt_ptr, tile_base,
-                 slot_base, N, k, LOW: tl.constexpr, CH: tl.constexpr, TILE: tl.constexpr,
-                 HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr):
+def _hist_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, nvalid_ptr, tile_tok_ptr, tile_cnt_ptr,
+                 tile_base, slot_base, N, k, LOW: tl.constexpr, CH: tl.constexpr,
+                 TILE: tl.constexpr, HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr,
+                 COMPACT: tl.constexpr):
     """Radix select, one level: the high bytes' histogram (LOW false) or, inside the high
     byte's threshold bin, the low bytes' (LOW true). hist_*: int32 [slots, 256], zeroed.
-    Grid (slots, cdiv(N, CH))."""
+    src: [slots, N], of which a compact source's slot counts its first nvalid[slot // TILE]
+    entries only (a chunk past them does nothing). Grid (slots, cdiv(N, CH))."""
     slot = tl.program_id(0)
     tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                          HAS_TILES)
+    n = _slot_width(nvalid_ptr, slot, N, TILE, COMPACT)
+    if COMPACT:
+        ok = ok & (tl.program_id(1) * CH < n)
     if ok:
-        offs, m, key = _chunk_keys(src_ptr, slot, tl.program_id(1), N, CH, FROM_SCORES)
+        offs, m, key = _chunk_keys(src_ptr, slot, tl.program_id(1), n, N, CH, FROM_SCORES)
         bins = tl.arange(0, 256)
         if LOW:
-            b, above, in_bin = _threshold(hist_hi_ptr + slot * 256, N, k)
+            b, above, in_bin = _threshold(hist_hi_ptr + slot * 256, n, k)
             m = m & ((key >> 8) == b)
             byte = key & 0xFF
             dst = hist_lo_ptr
@@ -356,17 +507,22 @@ def _cut(hist_hi_ptr, hist_lo_ptr, N, k):
 
 
 @triton.jit
-def _count_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, tile_tok_ptr, tile_cnt_ptr,
-                  tile_base, slot_base, N, k, nch, CH: tl.constexpr, TILE: tl.constexpr,
-                  HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr):
-    """cnt: int32 [slots, 2, nch]: per row chunk, the keys above u and equal to u."""
+def _count_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, nvalid_ptr, tile_tok_ptr,
+                  tile_cnt_ptr, tile_base, slot_base, N, k, nch, CH: tl.constexpr,
+                  TILE: tl.constexpr, HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr,
+                  COMPACT: tl.constexpr):
+    """cnt: int32 [slots, 2, nch]: per row chunk, the keys above u and equal to u (a compact
+    source's chunks past its entries are left unwritten: no live chunk reads them)."""
     slot = tl.program_id(0)
     c = tl.program_id(1)
     tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                          HAS_TILES)
+    n = _slot_width(nvalid_ptr, slot, N, TILE, COMPACT)
+    if COMPACT:
+        ok = ok & (c * CH < n)
     if ok:
-        u, need = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256, N, k)
-        offs, m, key = _chunk_keys(src_ptr, slot, c, N, CH, FROM_SCORES)
+        u, need = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256, n, k)
+        offs, m, key = _chunk_keys(src_ptr, slot, c, n, N, CH, FROM_SCORES)
         gt = tl.sum((m & (key > u)).to(tl.int32), 0)
         eq = tl.sum((m & (key == u)).to(tl.int32), 0)
         tl.store(cnt_ptr + slot * 2 * nch + c, gt)
@@ -374,25 +530,30 @@ def _count_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, tile_tok_ptr, tile
 
 
 @triton.jit
-def _select_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, out_ptr, vis_ptr,
-                   tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, N, k, nch, out_stride,
-                   CH: tl.constexpr, NCH_PAD: tl.constexpr, TILE: tl.constexpr,
-                   HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr, MASK_OUT: tl.constexpr):
+def _select_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, out_ptr, vis_ptr, nvalid_ptr,
+                   list_ptr, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, N, k, nch,
+                   out_stride, list_stride, CH: tl.constexpr, NCH_PAD: tl.constexpr,
+                   TILE: tl.constexpr, HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr,
+                   MASK_OUT: tl.constexpr, COMPACT: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Write the selection of one row chunk, rows ascending. MASK_OUT false: out int32 [T, k]
     row numbers (-1 past the query's visible); true: out uint8 [T, N] kept flags (key above
-    -inf). Grid (slots, nch)."""
+    -inf). A compact source's position p is row list[p // BLOCK_SIZE] * BLOCK_SIZE +
+    p % BLOCK_SIZE (list: int32 [owners, list_stride] ascending blocks). Grid (slots, nch)."""
     slot = tl.program_id(0)
     c = tl.program_id(1)
     tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                            HAS_TILES)
+    n = _slot_width(nvalid_ptr, slot, N, TILE, COMPACT)
+    if COMPACT:
+        ok = ok & (c * CH < n)
     if ok:
-        u, need = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256, N, k)
+        u, need = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256, n, k)
         prev = tl.arange(0, NCH_PAD)
         before = prev < c
         gt_before = tl.sum(tl.load(cnt_ptr + slot * 2 * nch + prev, mask=before, other=0), 0)
         eq_before = tl.sum(tl.load(cnt_ptr + slot * 2 * nch + nch + prev, mask=before,
                                    other=0), 0)
-        offs, m, key = _chunk_keys(src_ptr, slot, c, N, CH, FROM_SCORES)
+        offs, m, key = _chunk_keys(src_ptr, slot, c, n, N, CH, FROM_SCORES)
         gt = (m & (key > u)).to(tl.int32)
         eq = (m & (key == u)).to(tl.int32)
         eq_rank = eq_before + tl.cumsum(eq, 0) - eq
@@ -404,28 +565,40 @@ def _select_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, out_ptr, vis_ptr,
             t32 = take.to(tl.int32)
             pos = gt_before + tl.minimum(eq_before, need) + tl.cumsum(t32, 0) - t32
             vis = tl.load(vis_ptr + tok)
-            val = tl.where(offs < vis, offs, -1)
+            if COMPACT:
+                blk = tl.load(list_ptr + (slot // TILE).to(tl.int64) * list_stride
+                              + offs // BLOCK_SIZE, mask=take, other=0)
+                row = blk * BLOCK_SIZE + offs % BLOCK_SIZE
+            else:
+                row = offs
+            val = tl.where(row < vis, row, -1)
             tl.store(out_ptr + tok * out_stride + pos, val, mask=take)
 
 
 def _select(src, k: int, out, visible, tiles, tile_base: int, slot_base: int, slots: int,
-            n: int, from_scores: bool, mask_out: bool) -> None:
-    """Radix top-k of ``slots`` rows of ``src`` [slots, n] into ``out`` (see _select_kernel)."""
+            n: int, from_scores: bool, mask_out: bool, compact=None, ch: int | None = None
+            ) -> None:
+    """Radix top-k of ``slots`` rows of ``src`` [slots, n] into ``out`` (see _select_kernel).
+    compact: None, or (row counts [owners] int32, block lists [owners, W] int32, block
+    size): src holds each slot's candidate rows compactly (see _compact_candidates)."""
     dev = src.device
+    ch = SELECT_CHUNK if ch is None else ch  # rows per program
     hist = torch.zeros(2, slots, 256, dtype=torch.int32, device=dev)
-    nch = triton.cdiv(n, SELECT_CHUNK)
+    nch = triton.cdiv(n, ch)
     cnt = torch.empty(slots, 2, nch, dtype=torch.int32, device=dev)
     tile_tok, tile_cnt, tile = tiles
+    nvalid, blocks, bs = compact if compact is not None else (None, None, 1)
     common = (tile_tok, tile_cnt, tile_base, slot_base, n, k)
-    meta = dict(CH=SELECT_CHUNK, TILE=tile, HAS_TILES=tile_tok is not None,
-                FROM_SCORES=from_scores)
+    meta = dict(CH=ch, TILE=tile, HAS_TILES=tile_tok is not None,
+                FROM_SCORES=from_scores, COMPACT=compact is not None)
     grid = (slots, nch)
-    _hist_kernel[grid](src, hist[0], hist[1], *common, LOW=False, **meta, num_warps=4)
-    _hist_kernel[grid](src, hist[0], hist[1], *common, LOW=True, **meta, num_warps=4)
-    _count_kernel[grid](src, hist[0], hist[1], cnt, *common, nch, **meta, num_warps=4)
-    _select_kernel[grid](src, hist[0], hist[1], cnt, out, visible, *common, nch, out.stride(0),
-                         NCH_PAD=triton.next_power_of_2(nch), MASK_OUT=mask_out, **meta,
-                         num_warps=4)
+    _hist_kernel[grid](src, hist[0], hist[1], nvalid, *common, LOW=False, **meta, num_warps=4)
+    _hist_kernel[grid](src, hist[0], hist[1], nvalid, *common, LOW=True, **meta, num_warps=4)
+    _count_kernel[grid](src, hist[0], hist[1], cnt, nvalid, *common, nch, **meta, num_warps=4)
+    _select_kernel[grid](src, hist[0], hist[1], cnt, out, visible, nvalid, blocks, *common, nch,
+                         out.stride(0), blocks.stride(0) if blocks is not None else 0,
+                         NCH_PAD=triton.next_power_of_2(nch), MASK_OUT=mask_out,
+                         BLOCK_SIZE=bs, **meta, num_warps=4)
 
 
 def _query_tiles(token_groups, tile: int, device):
@@ -439,6 +612,37 @@ def _query_tiles(token_groups, tile: int, device):
         counts.append((m - offs).clamp(max=tile).to(torch.int32).expand(first.numel(), -1)
                       .flatten())
     return torch.cat(firsts), torch.cat(counts)
+
+
+def _compact_tiles_per_prog(owners: int) -> int:
+    """Row tiles per scoring program over candidate lists: SCORE_TILES_PER_PROGRAM once a
+    chunk has enough list owners to fill the GPU, fewer (the lists spread over more
+    programs) below COMPACT_OWNERS_PER_TILE owners per tile."""
+    n = max(1, owners // COMPACT_OWNERS_PER_TILE)
+    return max(1, min(SCORE_TILES_PER_PROGRAM, 1 << (n.bit_length() - 1)))
+
+
+def _compact_candidates(cand, nblk: int, first: int, n_rows: int, block_size: int, owners: int,
+                        tiles, tile_base: int, slot_base: int):
+    """A candidate consumer's lists, one per query tile of the chunk (device ops only): the
+    blocks that one of the tile's queries keeps, or that hold a row below k (the first
+    ``first`` blocks), ascending, as (blocks [owners, nblk] int32, row counts [owners]
+    int32). Every row the reference can select lies in its query's list: the kept rows, and
+    the lowest-numbered -inf rows that fill a top-k with fewer than k finite scores (all
+    below k); listing rows in ascending order keeps ties to the lower row."""
+    dev = cand.device
+    tile_tok, tile_cnt, tile = tiles
+    nlch = triton.cdiv(nblk, LIST_CHUNK)
+    lcnt = torch.empty(owners, nlch, dtype=torch.int32, device=dev)
+    blocks = torch.empty(owners, nblk, dtype=torch.int32, device=dev)
+    nvalid = torch.empty(owners, dtype=torch.int32, device=dev)
+    common = (tile_tok, tile_cnt, tile_base, slot_base, nblk, first, cand.stride(0), nlch)
+    meta = dict(LCH=LIST_CHUNK, TILE=tile, HAS_TILES=tile_tok is not None)
+    _list_count_kernel[(owners, nlch)](cand, lcnt, *common, **meta, num_warps=4)
+    _list_write_kernel[(owners, nlch)](cand, lcnt, blocks, nvalid, *common, n_rows,
+                                       blocks.stride(0), NLCH_PAD=triton.next_power_of_2(nlch),
+                                       BLOCK_SIZE=block_size, **meta, num_warps=4)
+    return blocks, nvalid
 
 
 def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torch.Tensor,
@@ -490,29 +694,36 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
     else:
         tile_tok = tile_cnt = None
         n_tiles = t_all
-    per_tile = tile * n_rows * 2
+    # A consumer (not also the source) scores and selects over its candidate list only
+    compact = cand is not None and keep is None and n_rows > COMPACT_MIN_ROWS
+    width = nblk * block_size if compact else n_rows  # score buffer columns
+    per_tile = tile * width * 2 + (nblk * 4 if compact else 0)
     chunk_tiles = max(1, min(n_tiles, score_budget // per_tile))
     i_pad = max(triton.next_power_of_2(heads), 16 // tile)
     interpret = interpreting()
-    tiles_per_prog = SCORE_TILES_PER_PROGRAM
     rows_per_tile = PREFILL_SCORE_ROWS if prefill else SCORE_ROWS
-    row_progs = triton.cdiv(n_rows, rows_per_tile * tiles_per_prog)
     bs_pad = triton.next_power_of_2(block_size)
+    tiles = (tile_tok, tile_cnt, tile)
     for t0 in range(0, n_tiles, chunk_tiles):
         c = min(chunk_tiles, n_tiles - t0)
         slots = c * tile
         tile_base, slot_base = (t0, 0) if prefill else (0, t0)
-        scores = torch.empty(slots, n_rows, dtype=torch.int16, device=dev)
+        tiles_per_prog = _compact_tiles_per_prog(c) if compact else SCORE_TILES_PER_PROGRAM
+        lists = _compact_candidates(cand, nblk, -(-k // block_size), n_rows, block_size, c,
+                                    tiles, tile_base, slot_base) if compact else None
+        scores = torch.empty(slots, width, dtype=torch.int16, device=dev)
+        row_progs = triton.cdiv(width, rows_per_tile * tiles_per_prog)
+        if compact:
+            row_progs = min(row_progs, triton.cdiv(COMPACT_PROGRAMS, c))
         _score_kernel[(c, row_progs)](
-            q, w, key_pool, table, vis, rows, cand, scores, tile_tok, tile_cnt, tile_base,
-            slot_base, n_rows, table.stride(0), key_pool.shape[1],
-            cand.shape[1] if cand is not None else 0, tiles_per_prog,
+            q, w, key_pool, table, vis, rows, cand, *(lists or (None, None)), scores, tile_tok,
+            tile_cnt, tile_base, slot_base, width, table.stride(0), key_pool.shape[1],
+            cand.shape[1] if cand is not None else 0, nblk if compact else 0, tiles_per_prog,
             I=heads, I_PAD=i_pad, D=d, TILE=tile, BN=rows_per_tile, BLOCK_SIZE=block_size,
-            WORDS=words, HAS_TILES=prefill, HAS_KEEP=cand is not None, INTERPRET=interpret,
-            num_warps=SCORE_WARPS)
+            WORDS=words, HAS_TILES=prefill, HAS_KEEP=cand is not None, COMPACT=compact,
+            INTERPRET=interpret, num_warps=SCORE_WARPS)
         if reduce is not None:
             scores = reduce(scores.view(torch.bfloat16)).contiguous().view(torch.int16)
-        tiles = (tile_tok, tile_cnt, tile)
         if keep is not None:
             bkeys = torch.empty(slots, nblk, dtype=torch.int32, device=dev)
             _block_key_kernel[(slots, triton.cdiv(nblk, BLOCK_KEYS))](
@@ -521,5 +732,7 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
                 HAS_TILES=prefill, num_warps=4)
             _select(bkeys, min(candidate_topk, nblk), keep.view(torch.uint8), vis, tiles,
                     tile_base, slot_base, slots, nblk, False, True)
-        _select(scores, k, selected, vis, tiles, tile_base, slot_base, slots, n_rows, True, False)
+        _select(scores, k, selected, vis, tiles, tile_base, slot_base, slots, width, True, False,
+                compact=(lists[1], lists[0], block_size) if compact else None,
+                ch=COMPACT_SELECT_CHUNK if compact else SELECT_CHUNK)
     return selected, keep
