@@ -22,8 +22,7 @@ from .cache import AttentionState, StateError
 from .checkpoint import LayerWeights, check_layer_weights
 from .config import AttentionConfig
 from .ops.backends import get_ops
-from .ops.common.quant import index_fp4_fake_quant
-from .ops.common.rope import apply_rope, rope_frequencies
+from .ops.common.rope import rope_frequencies
 from .plan import Board, RatioFacts, StepPlan, UndoLog, publishes_index_keys
 from .tp import TensorParallel, check_shard_weights
 
@@ -183,8 +182,8 @@ class AttentionLayer:
                 keep = torch.empty(t, 0, dtype=torch.bool, device=x.device)
         else:
             q_index = self.ops.fp8_linear(qr, w.index_wq_b.weight, w.index_wq_b.scale)
-            q_index = q_index.view(t, self.index_heads, cfg.index_head_dim)
-            q_index = index_fp4_fake_quant(apply_rope(q_index, rot.unsqueeze(1)))
+            q_index = self.ops.rope_fp4_heads(q_index.view(t, self.index_heads,
+                                                           cfg.index_head_dim), rot)
             head_weights = self.ops.linear(x, w.index_weights_proj) * cfg.index_weight_scale
             keys = state.sources[state.index_key_source(spec.layer)].index_keys
             selected, keep = self.ops.index_topk(

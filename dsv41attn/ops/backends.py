@@ -2,8 +2,9 @@
 
 "reference" runs every op in plain torch (the spec in code); "triton" runs the ops that have
 a Triton kernel through it (sparse attention with sink over the packed caches, the fp8
-linears, the window K/V epilogue and query RoPE, the compressor epilogue, the lightning
-indexer, inverse RoPE with the grouped wo_a) and the rest through the reference ops, on whatever device the tensors live.
+linears, the window K/V epilogue and query RoPE, the compressor epilogue, the index query's
+RoPE and fp4 fake quant, the lightning indexer, inverse RoPE with the grouped wo_a) and the rest
+through the reference ops, on whatever device the tensors live.
 Each op's reference (``ops/<op>/reference.py``) has the same signature as its kernel.
 
 ``batch_invariant`` (triton only; docs/numerics.md §9): True runs every reduction in an order
@@ -36,6 +37,7 @@ class Ops:
     pool_norm_rope_pack: Callable  # compressor epilogue: rows and index keys into the pools
     inverse_rope_wo_a: Callable  # inverse RoPE + block-diagonal wo_a
     index_topk: Callable  # the lightning indexer: scores, candidate blocks, top-k
+    rope_fp4_heads: Callable  # the index query's RoPE + fp4 fake quant
     linear: Callable  # bf16 / fp32 weights (reference.linear's signature)
     rms_norm: Callable  # the query's RMSNorm (common.norm.rms_norm's signature)
     capturable: bool  # every op runs without host syncs: a decode step can be graph-captured
@@ -48,6 +50,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
     if backend == "reference":
         from .common.norm import rms_norm
         from .compressor.reference import pool_norm_rope_pack
+        from .index_query.reference import rope_fp4_heads
         from .indexer.reference import index_topk
         from .linear.reference import fp8_linear, linear
         from .output.reference import inverse_rope_wo_a
@@ -60,6 +63,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
         try:
             from .common.triton import rms_norm
             from .compressor.triton import pool_norm_rope_pack
+            from .index_query.triton import rope_fp4_heads
             from .indexer.triton import index_topk
             from .linear import reference as torch_linears
             from .linear import triton as fixed_linears
@@ -78,5 +82,5 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     # the reference ops write through boolean masks (host syncs): not capturable
     return Ops(backend, sparse_attn_paged, fp8_linear, norm_rope_pack, rope_heads,
-               pool_norm_rope_pack, inverse_rope_wo_a, index_topk, linear, rms_norm,
+               pool_norm_rope_pack, inverse_rope_wo_a, index_topk, rope_fp4_heads, linear, rms_norm,
                backend == "triton", batch_invariant)
