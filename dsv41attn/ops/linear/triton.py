@@ -600,10 +600,11 @@ def _dense_plan(m: int, n_group: int, k_group: int, groups: int, dtype: torch.dt
     bm, bn, warps, stages = _tile_row(_DENSE_TILES[dtype], m)
     if workspace is None:
         tiles = triton.cdiv(m, bm) * groups * triton.cdiv(n_group, bn)
-        elem = 2 if dtype == torch.bfloat16 else 4
-        workspace = _use_workspace(order, tiles, m, groups * n_group,
-                                   groups * n_group * k_group * elem, sms,
-                                   8 if dtype == torch.bfloat16 else 16)
+        if dtype == torch.float32:  # FMA-bound, not weight-bound: split K while SMs idle
+            workspace = tiles < sms  # (H200, 512 x 5120, M = 8: 8 tiles alone ran ~1 ms)
+        else:
+            workspace = _use_workspace(order, tiles, m, groups * n_group,
+                                       groups * n_group * k_group * 2, sms)
     return _DensePlan(bm, bn, bk, warps, stages, order, bool(workspace) and order.ranges > 1)
 
 
