@@ -58,12 +58,15 @@ def test_boundaries_ties_signs_and_odd_head_counts():
 
 
 def test_bad_arguments():
-    q = torch.zeros(2, 3, 48).bfloat16()
+    def c64(*shape):
+        return torch.ones(*shape, dtype=torch.complex64, device=DEV)
+
+    q = torch.zeros(2, 3, 48, device=DEV).bfloat16()
     with pytest.raises(ValueError, match="D = 48 must be a power of two"):
-        T.rope_fp4_heads(q, torch.ones(2, 4, dtype=torch.complex64))
+        T.rope_fp4_heads(q, c64(2, 4))
     with pytest.raises(ValueError, match="bf16"):
-        T.rope_fp4_heads(q.float(), torch.ones(2, 4, dtype=torch.complex64))
+        T.rope_fp4_heads(q.float(), c64(2, 4))
     with pytest.raises(ValueError, match="rot shape"):
-        T.rope_fp4_heads(torch.zeros(2, 3, 64).bfloat16(), torch.ones(3, 4, dtype=torch.complex64))
-    assert T.rope_fp4_heads(torch.zeros(0, 3, 64).bfloat16(),
-                            torch.ones(0, 4, dtype=torch.complex64)).shape == (0, 3, 64)
+        T.rope_fp4_heads(torch.zeros(2, 3, 64, device=DEV).bfloat16(), c64(3, 4))
+    assert T.rope_fp4_heads(torch.zeros(0, 3, 64, device=DEV).bfloat16(),
+                            c64(0, 4)).shape == (0, 3, 64)
