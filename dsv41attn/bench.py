@@ -48,11 +48,14 @@ def _events_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def _graph_ms(fn, calls: int, reps: int = 20) -> float:
+def _graph_ms(fn, calls: int = 1, reps: int = 20) -> float:
     """ms per call of ``fn`` (which makes ``calls`` calls) captured in a CUDA graph: median of
-    ``reps`` timed replays, after a warm-up run and an upload replay."""
-    fn()
-    torch.cuda.synchronize()
+    ``reps`` timed replays, after a warm-up run on a side stream and an upload replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
@@ -412,15 +415,7 @@ def bench_indexer(copy_bw: float, cases=INDEXER_CASES, page_rows: int = 256) -> 
 
         want, got = call(reference), call()
         same = torch.equal(want[0], got[0]) and (want[1] is None or torch.equal(want[1], got[1]))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call()  # warm-up on the capture stream
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
-        us = _events_ms(graph.replay, 20) * 1e3
+        us = _graph_ms(call) * 1e3
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 call()
@@ -439,7 +434,7 @@ def bench_indexer(copy_bw: float, cases=INDEXER_CASES, page_rows: int = 256) -> 
                      "select_us": other_us, "floor_us": floor * 1e6, "ratio": us * 1e-6 / floor,
                      "key_GB/s": b * scored * index_key_bytes(d) / (score_us * 1e-6) / 1e9,
                      "reference_us": ref_us, "same_as_reference": same})
-        del pool, graph
+        del pool  # the graph went with _graph_ms
         torch.cuda.empty_cache()
     return rows
 

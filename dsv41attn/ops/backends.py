@@ -76,7 +76,8 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
         if batch_invariant:
             linear, inverse_rope_wo_a = fixed_linears.linear, output.inverse_rope_wo_a
         else:  # the step-sized forms where the fixed order costs
-            linear, inverse_rope_wo_a = torch_linears.linear, output.inverse_rope_wo_a_torch
+            linear = torch_linears.linear
+            inverse_rope_wo_a = partial(output.inverse_rope_wo_a, fixed_order=False)
             sparse_attn_paged = partial(sparse_attn_paged, split_blocks=0)
     else:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

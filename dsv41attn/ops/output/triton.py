@@ -166,7 +166,8 @@ def _pick_splits(programs: int, k_blocks: int, partial_row_bytes: int, weight_by
 
 def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | Fp8Weight,
                       groups: int, *, out: torch.Tensor | None = None,
-                      num_splits: int | None = None, fused_max_rows: int = 0) -> torch.Tensor:
+                      num_splits: int | None = None, fused_max_rows: int = 0,
+                      fixed_order: bool = True) -> torch.Tensor:
     """``reference.inverse_rope_wo_a`` as one Triton kernel (plus a split-K sum for decode).
 
     o: [N, H, D] bf16; rot: [N, R/2] complex64 (the last R dims of each head are rotated by
@@ -180,7 +181,9 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | F
     bits), N at or below it the fused kernel. Default 0: the fused kernel only when num_splits
     is given. Measured on an H200 (V4.1-Flash, fp8 weights) it took 171 us at N = 1 and 880 us
     at N = 64 against ~20-30 us for rope_heads + cuBLAS, and tens of ms at 8K rows; it stays
-    the tested fused form.
+    the tested fused form. fixed_order=False (the backend's default mode, not batch-invariant)
+    runs torch's bf16 grouped einsum instead of dense_linear there (cuBLAS: its blocking, and
+    so a row's last bits, may follow N).
     """
     kg, rk = check_inputs(o, rot, wo_a, groups)
     n, h, d = o.shape
@@ -200,9 +203,12 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | F
     if out.numel() == 0:
         return out
     if n > fused_max_rows and num_splits is None:
-        # the rotation kernel, then the grouped GEMM in its fixed summation order
+        # the rotation kernel, then the grouped GEMM (in its fixed summation order)
         w16 = wo_a.dequantize() if fp8 else weight
         rotated = rope_heads(o, rot, inverse=True).view(n, h * d)
+        if not fixed_order:
+            return out.copy_(torch.einsum("ngd,grd->ngr", rotated.view(n, groups, kg),
+                                          w16.view(groups, rk, kg)).flatten(1))
         return out.copy_(dense_linear(rotated, w16, groups))
     o = o.contiguous()
     cs = cos_sin(rot)  # [N, R/2, 2] fp32 cos, sin
@@ -232,22 +238,3 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | F
                                                           INTERPRET=interp)
     return out
 
-
-def inverse_rope_wo_a_torch(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | Fp8Weight,
-                            groups: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``inverse_rope_wo_a`` for the backend's default mode (``batch_invariant=False``): the
-    rotation kernel, then torch's bf16 grouped einsum (cuBLAS; its blocking, and so a row's
-    last bits, may follow N). Same arguments and result as inverse_rope_wo_a."""
-    kg, rk = check_inputs(o, rot, wo_a, groups)
-    n, h, d = o.shape
-    fp8 = isinstance(wo_a, Fp8Weight)
-    check_device(o, rot, wo_a.weight if fp8 else wo_a, *((wo_a.scale,) if fp8 else ()))
-    if out is None:
-        out = torch.empty(n, groups * rk, dtype=torch.bfloat16, device=o.device)
-    else:
-        check_out(out, o, groups * rk)
-    if out.numel() == 0:
-        return out
-    w16 = wo_a.dequantize() if fp8 else wo_a
-    rotated = rope_heads(o, rot, inverse=True).view(n, groups, kg)
-    return out.copy_(torch.einsum("ngd,grd->ngr", rotated, w16.view(groups, rk, kg)).flatten(1))
