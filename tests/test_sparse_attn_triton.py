@@ -208,6 +208,7 @@ PAGED_CASES = [
     (3, 8, 128, 128, 130, 16, 1),  # window blocks and 3 compressed ones, no mixed block
     (3, 16, 512, 40, 40, 4, 1),  # the model's head dim
     (3, 16, 512, 40, 40, 4, 2),
+    (5, 8, 64, 20, 70, 6, 2),  # page_rows not a power of two: page and row by division
 ]
 
 
@@ -352,6 +353,8 @@ def test_paged_rejects_bad_inputs():
            (ValueError, "block_table", {"block_table": args["block_table"][0]}),
            (ValueError, "block_h", {"block_h": 24}),
            (ValueError, "num_splits", {"num_splits": 0}),
+           (ValueError, "d_chunks", {"d_chunks": 3}),
+           (ValueError, "d_chunks", {"d_chunks": 2}),  # D = 32: halves too narrow
            (ValueError, "out", {"out": torch.empty(3, 8, 16, dtype=torch.bfloat16)})]
     for exc, name, change in bad:
         with pytest.raises(exc, match=name):
@@ -406,3 +409,19 @@ def test_paged_token_bits_do_not_depend_on_the_call(split_blocks):
     if split_blocks is None:  # split_blocks=0: sized to the step, as close to the reference
         wave = tri_paged(q[:3], sink, d ** -0.5, **few, split_blocks=0).float()
         assert (wave - ref).norm() / ref.norm() <= 1e-2
+
+
+@pytest.mark.parametrize("d,page_rows", [(64, 4), (256, 6)])
+def test_paged_column_halves_same_bits(d, page_rows):
+    """d_chunks=2 (a tile decoded and multiplied in two column halves, the logits one dot
+    chained over them) gives the bits of d_chunks=1, unsplit and split, into a NaN-poisoned
+    buffer; the byte path at D=64, int32 words at D=256 (halves of 128)."""
+    q, sink, args = make_step(5, 16, d, 70, 100, page_rows, "mixed", seed=d + page_rows)
+    sink[3] = float("-inf")
+    for kw in ({"num_splits": 1}, {"num_splits": 3}, {"split_blocks": 0}, {}):
+        one = tri_paged(q, sink, d ** -0.5, **args, **kw, d_chunks=1)
+        out = torch.full_like(q, float("nan"))
+        two = tri_paged(q, sink, d ** -0.5, **args, **kw, d_chunks=2, out=out)
+        assert not torch.isnan(two).any()
+        assert torch.equal(one.view(torch.int16), two.view(torch.int16)), kw
+        assert torch.equal(two[2], torch.zeros_like(two[2]))  # the all -1 token

@@ -22,12 +22,20 @@ split the logits instead of each computing all of them; the merge pipelines its 
 the interpreter its output is bit-identical to the previous kernel's.
 
 H200 (torch 2.11, Triton 3.6), bench shapes (128 fp8 + 512 paged fp4 rows per query), CUDA-graph
-replay, previous -> this kernel: batch 1 23.3 -> 21.7 us, 8: 24.2 -> 23.2, 64: 88.2 -> 55.2
-(10% of copy bandwidth), 256: 305 -> 180 (12%). A 64-row block still takes ~9 us per SM against
-~1.5 us of tensor work: beside the [64, 512] fp32 accumulator (128 registers a thread) the
-logits dot's hoisted shared-memory descriptors spill, and with ~190 KB of shared memory the
-spills are reloaded from L2 (the SASS shows LDL.64 before each HGMMA), while the dots, the
-decoding and the loads of one program run one after another.
+replay, batch 1 / 8 / 64 / 256: 21.7 / 23.3 / 53.9 / 176 us (batch-invariant mode 25.3 / 26.4 /
+86.5 / 303), from 23.3 / 24.9 / 58.1 / 183 (28.8 / 29.5 / 92.9 / 323) before the compressed
+rows' page and row were split by a shift instead of an int64 division (a ~80-instruction routine
+that each thread ran for each of the 16 rows its loads touch: 34 call sites in the loop);
+FlashMLA's sparse decode on the same GPU: 17.4 / 19.2 / 47.9 / 93.1. A 64-row block still takes
+~9 us per SM against ~1.5 us of tensor work: ncu (b=256) shows one instruction issued every ~4.8
+cycles per scheduler, with 2 warps a scheduler (one program an SM: 255 registers, ~190 KB of
+shared memory), 3.6 of a warp's 9.7 cycles between issues long-scoreboard stalls (local-memory
+spills: beside the [64, 512] fp32 accumulator, 128 registers a thread, the dots' hoisted shared-
+memory descriptors spill, and with that much shared memory the spills are reloaded from L2),
+~1.3 each barrier and fixed-latency waits; the dots, the decoding and the loads of one program
+run one after another. Handling a tile in two column halves (d_chunks=2: the same bits) spills
+more on Triton 3.6 (stack 570-740 bytes against 320-460) and ran 14-23% slower; two splits per
+token at batch 256 ran 198 us.
 """
 from __future__ import annotations
 
@@ -220,23 +228,23 @@ _FP4_WORD_ASM = tl.constexpr(
 
 
 @triton.jit
-def _window_raw(row_ptr, ok, D: tl.constexpr, WORDS: tl.constexpr):
-    """Packed window rows at row_ptr [BLOCK_N] (rows ~ok load 0). WORDS (D >= 128, rows
-    4-byte aligned): int32 words of 4 e4m3 codes [BLOCK_N, D/128, 4, 8] (a 32-code block is 8
-    words) and of 4 ue8m0 exponents [BLOCK_N, D/128, 1, 1]; else uint8 codes [BLOCK_N, D/32, 32]
-    and exponents [BLOCK_N, D/32, 1]. Either way the codes load as vectors, each exponent byte
-    once."""
+def _window_raw(row_ptr, ok, c, D: tl.constexpr, DC: tl.constexpr, WORDS: tl.constexpr):
+    """Columns [c*DC, (c+1)*DC) of packed window rows at row_ptr [BLOCK_N] (rows ~ok load 0).
+    WORDS (DC >= 128, rows 4-byte aligned): int32 words of 4 e4m3 codes [BLOCK_N, DC/128, 4, 8]
+    (a 32-code block is 8 words) and of 4 ue8m0 exponents [BLOCK_N, DC/128, 1, 1]; else uint8
+    codes [BLOCK_N, DC/32, 32] and exponents [BLOCK_N, DC/32, 1]. Either way the codes load as
+    vectors, each exponent byte once."""
     if WORDS:
         ptr = row_ptr.to(tl.pointer_type(tl.int32))[:, None, None, None]
         ok4 = ok[:, None, None, None]
-        xw = tl.arange(0, D // 128)[None, :, None, None]
+        xw = c * (DC // 128) + tl.arange(0, DC // 128)[None, :, None, None]
         blk = tl.arange(0, 4)[None, None, :, None]
         codes = tl.load(ptr + xw * 32 + blk * 8 + tl.arange(0, 8)[None, None, None, :],
                         mask=ok4, other=0)
         e = tl.load(ptr + D // 4 + xw, mask=ok4, other=0)
     else:
         ptr, ok3 = row_ptr[:, None, None], ok[:, None, None]
-        blk = tl.arange(0, D // 32)[None, :, None]
+        blk = c * (DC // 32) + tl.arange(0, DC // 32)[None, :, None]
         codes = tl.load(ptr + blk * 32 + tl.arange(0, 32)[None, None, :], mask=ok3, other=0)
         e = tl.load(ptr + D + blk, mask=ok3, other=0)
     return codes, e
@@ -269,22 +277,22 @@ def _window_tile(codes, e, D: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.con
 
 
 @triton.jit
-def _compressed_raw(row_ptr, ok, D: tl.constexpr, WORDS: tl.constexpr):
-    """Packed compressed rows at row_ptr [BLOCK_N] (rows ~ok load 0). WORDS: int32 words
-    of 8 e2m1 nibbles [BLOCK_N, D/64, 4, 2] (a 16-element scale group is 2 words) and of 4 e4m3
-    scales [BLOCK_N, D/64, 1, 1]; else uint8 pairs [BLOCK_N, D/16, 8] (element 2i in the low
-    nibble) and scales [BLOCK_N, D/16, 1]."""
+def _compressed_raw(row_ptr, ok, c, D: tl.constexpr, DC: tl.constexpr, WORDS: tl.constexpr):
+    """Columns [c*DC, (c+1)*DC) of packed compressed rows at row_ptr [BLOCK_N] (rows ~ok load
+    0). WORDS: int32 words of 8 e2m1 nibbles [BLOCK_N, DC/64, 4, 2] (a 16-element scale group
+    is 2 words) and of 4 e4m3 scales [BLOCK_N, DC/64, 1, 1]; else uint8 pairs [BLOCK_N, DC/16,
+    8] (element 2i in the low nibble) and scales [BLOCK_N, DC/16, 1]."""
     if WORDS:
         ptr = row_ptr.to(tl.pointer_type(tl.int32))[:, None, None, None]
         ok4 = ok[:, None, None, None]
-        xw = tl.arange(0, D // 64)[None, :, None, None]
+        xw = c * (DC // 64) + tl.arange(0, DC // 64)[None, :, None, None]
         grp = tl.arange(0, 4)[None, None, :, None]
         pairs = tl.load(ptr + xw * 8 + grp * 2 + tl.arange(0, 2)[None, None, None, :], mask=ok4,
                         other=0)
         sc = tl.load(ptr + D // 8 + xw, mask=ok4, other=0)
     else:
         ptr, ok3 = row_ptr[:, None, None], ok[:, None, None]
-        blk = tl.arange(0, D // 16)[None, :, None]
+        blk = c * (DC // 16) + tl.arange(0, DC // 16)[None, :, None]
         pairs = tl.load(ptr + blk * 8 + tl.arange(0, 8)[None, None, :], mask=ok3, other=0)
         sc = tl.load(ptr + D // 2 + blk, mask=ok3, other=0)
     return pairs, sc
@@ -322,13 +330,19 @@ def _compressed_tile(pairs, sc, D: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: t
 
 
 @triton.jit
-def _page_lookup(bt_base, cr, PAGES, PAGE_ROWS):
+def _page_lookup(bt_base, cr, PAGES, PAGE_ROWS, PAGE_SHIFT: tl.constexpr):
     """Issue the page-table loads for compressed rows cr [BLOCK_N] (-1 = none): (page, row in
-    page, valid); _row_ptrs uses the pages (one loop iteration later when prefetching)."""
+    page, valid); _row_ptrs uses the pages (one loop iteration later when prefetching).
+    The split of g into page and row is int32 (g < 2^31), by a shift and a mask when PAGE_ROWS
+    = 2^PAGE_SHIFT (PAGE_SHIFT < 0: a division): int64 division is a ~80-instruction routine,
+    and every thread computes it for each of the rows its loads touch."""
     ok = cr >= 0
-    g = tl.where(ok, cr, 0).to(tl.int64)
-    pg = g // PAGE_ROWS
-    return tl.load(bt_base + pg, mask=ok & (pg < PAGES), other=0), g % PAGE_ROWS, ok
+    g = tl.where(ok, cr, 0)
+    if PAGE_SHIFT >= 0:
+        pg, row = g >> PAGE_SHIFT, g & ((1 << PAGE_SHIFT) - 1)
+    else:
+        pg, row = g // PAGE_ROWS, g % PAGE_ROWS
+    return tl.load(bt_base + pg, mask=ok & (pg < PAGES), other=0), row, ok
 
 
 @triton.jit
@@ -339,15 +353,35 @@ def _row_ptrs(pool_ptr, page, row, PAGE_ROWS, D: tl.constexpr):
 
 
 @triton.jit
-def _attend(q, kv, valid, scale, m_i, l_i, acc, live, INTERPRET: tl.constexpr):
+def _cat(x0, x1, R: tl.constexpr, C: tl.constexpr):
+    """[R, C] halves -> [R, 2C] (x0's columns first): the interpreter's full-width logits dot."""
+    return tl.reshape(tl.permute(tl.join(x0, x1), (0, 2, 1)), (R, 2 * C))
+
+
+@triton.jit
+def _attend(q0, q1, kv0, kv1, valid, scale, m_i, l_i, acc0, acc1, live, NH: tl.constexpr,
+            INTERPRET: tl.constexpr):
     """One 64-entry block of the online softmax: logits s = q.kv^T, p rounded to bf16 before
     P.V, acc = acc * alpha + p.kv.
+
+    NH = 2: q, kv and acc come as column halves (q0, kv0, acc0: columns [0, D/2)); the logits
+    are one dot chained over the halves (the same k-steps in the same order as the full-width
+    dot: on the GPU the same bits; the interpreter, whose tl.dot rounds once per call, takes the
+    full-width dot), and P.V runs per half. A tile is then decoded, stored to shared memory and
+    multiplied half by half, and fewer registers are live at once (NH = 1: q1, kv1 and acc1 are
+    unused placeholders).
 
     live is always true: the softmax sits in a branch so that the compiler does not see the
     logits' dot feed the P.V dot; it then spreads both warp groups over the logits' columns
     instead of having each compute all of them.
     """
-    s = tl.dot(q, tl.trans(kv))
+    if NH == 1:
+        s = tl.dot(q0, tl.trans(kv0))
+    elif INTERPRET:
+        s = tl.dot(_cat(q0, q1, q0.shape[0], q0.shape[1]),
+                   tl.trans(_cat(kv0, kv1, kv0.shape[0], kv0.shape[1])))
+    else:
+        s = tl.dot(q1, tl.trans(kv1), tl.dot(q0, tl.trans(kv0)))
     m_new, alpha, p, l_new = m_i, m_i, s, l_i
     if live:
         s = tl.where(valid[None, :], s, float("-inf")) * scale
@@ -355,8 +389,36 @@ def _attend(q, kv, valid, scale, m_i, l_i, acc, live, INTERPRET: tl.constexpr):
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])  # invalid entries: exp(-inf) = 0
         l_new = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(to_bf16(p, INTERPRET), kv, acc * alpha[:, None])  # the reference's rounding
-    return m_new, l_new, acc
+    pb = to_bf16(p, INTERPRET)  # the reference's rounding point
+    acc0 = tl.dot(pb, kv0, acc0 * alpha[:, None])
+    if NH == 2:
+        acc1 = tl.dot(pb, kv1, acc1 * alpha[:, None])
+    return m_new, l_new, acc0, acc1
+
+
+@triton.jit
+def _window_kv(ptr, ok, D: tl.constexpr, DC: tl.constexpr, NH: tl.constexpr,
+               BLOCK_N: tl.constexpr, WORDS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Window rows at ptr [BLOCK_N] -> their decoded column chunks (kv0, kv1; kv1 = kv0 when
+    NH = 1), each loaded and decoded on its own."""
+    codes, e = _window_raw(ptr, ok, 0, D, DC, WORDS)
+    kv0 = _window_tile(codes, e, DC, BLOCK_N, WORDS, INTERPRET)
+    kv1 = kv0
+    if NH == 2:
+        codes, e = _window_raw(ptr, ok, 1, D, DC, WORDS)
+        kv1 = _window_tile(codes, e, DC, BLOCK_N, WORDS, INTERPRET)
+    return kv0, kv1
+
+
+@triton.jit
+def _compressed_raw2(ptr, ok, D: tl.constexpr, DC: tl.constexpr, NH: tl.constexpr,
+                     WORDS: tl.constexpr):
+    """_compressed_raw of both column chunks (the second a 1-element placeholder if NH = 1)."""
+    pairs0, sc0 = _compressed_raw(ptr, ok, 0, D, DC, WORDS)
+    pairs1, sc1 = tl.zeros([1], tl.int32), tl.zeros([1], tl.int32)
+    if NH == 2:
+        pairs1, sc1 = _compressed_raw(ptr, ok, 1, D, DC, WORDS)
+    return pairs0, sc0, pairs1, sc1
 
 
 @triton.jit
@@ -376,8 +438,10 @@ def _window_ptrs(ring_ptr, new_ptr, wr, N_RING, N_NEW, D: tl.constexpr):
 def _sparse_attn_paged_kernel(
         q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr, o_ptr,
         ml_ptr, acc_ptr, scale, H, N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, BLOCKS_PER_SPLIT,
-        sw_t, sc_t, bt_r, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr, WORDS: tl.constexpr, INTERPRET: tl.constexpr):
+        sw_t, sc_t, bt_r, D: tl.constexpr, NH: tl.constexpr, PAGE_SHIFT: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WORDS: tl.constexpr,
+        INTERPRET: tl.constexpr):
     """One (token t, head block, split s) program over list blocks [s*BPS, (s+1)*BPS).
 
     The list of token t is window_ids[t, :WW] (ring rows or the step's new rows, see
@@ -386,23 +450,29 @@ def _sparse_attn_paged_kernel(
     blocks (the last software-pipelined by hand). SPLIT: write fp32 partials m, l [T, S, H]
     (ml_ptr: m then l) and acc [T, S, H, D] for _combine_kernel; else finish with the sink and
     store o [T, H, D] bf16. WORDS: packed rows load as int32 words (D >= 128, bases 4-aligned).
+    NH (1 or 2): the columns are handled in NH chunks of DC = D / NH (see _attend).
     """
+    DC: tl.constexpr = D // NH
     bi = tl.program_id(0).to(tl.int64)  # the token t; int64 so offsets cannot overflow
     sp = tl.program_id(2)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
-    offs_d = tl.arange(0, D)
+    offs_c = tl.arange(0, DC)
     offs_n = tl.arange(0, BLOCK_N)
     # padded heads load q = 0: their logits are finite and their rows are never stored
-    q = tl.load(q_ptr + bi * H * D + offs_h[:, None] * D + offs_d[None, :],
-                mask=h_mask[:, None], other=0.0)
+    q_row = q_ptr + bi * H * D + offs_h[:, None] * D + offs_c[None, :]
+    q0 = tl.load(q_row, mask=h_mask[:, None], other=0.0)
+    q1 = q0
+    if NH == 2:
+        q1 = tl.load(q_row + DC, mask=h_mask[:, None], other=0.0)
     if INTERPRET:
-        q = q.to(tl.float32)
+        q0, q1 = q0.to(tl.float32), q1.to(tl.float32)
     live = H > 0  # always true (see _attend)
 
     m_i = tl.full([BLOCK_H], -1e30, tl.float32)  # literal: jit bodies read constexpr globals only
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, DC], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, DC if NH == 2 else 1], tl.float32)
     widx_base = widx_ptr + bi * sw_t
     cidx_base = cidx_ptr + bi * sc_t - WW  # entry j >= WW is compressed_idx[t, j - WW]
     bt_base = bt_ptr + tl.load(trow_ptr + bi) * bt_r  # the token's block-table row
@@ -414,9 +484,9 @@ def _sparse_attn_paged_kernel(
     for j0 in tl.range(j_start, hi, BLOCK_N, num_stages=2):
         ptr, ok = _window_ptrs(ring_ptr, new_ptr, tl.load(widx_base + j0 + offs_n), N_RING,
                                N_NEW, D)
-        codes, e = _window_raw(ptr, ok, D, WORDS)
-        m_i, l_i, acc = _attend(q, _window_tile(codes, e, D, BLOCK_N, WORDS, INTERPRET), ok,
-                                scale, m_i, l_i, acc, live, INTERPRET)
+        kv0, kv1 = _window_kv(ptr, ok, D, DC, NH, BLOCK_N, WORDS, INTERPRET)
+        m_i, l_i, acc0, acc1 = _attend(q0, q1, kv0, kv1, ok, scale, m_i, l_i, acc0, acc1, live,
+                                       NH, INTERPRET)
 
     # the block where the window part ends (if WW % BLOCK_N): each row is one or the other
     for j0 in range(tl.maximum(j_start, WW // BLOCK_N * BLOCK_N),
@@ -425,12 +495,15 @@ def _sparse_attn_paged_kernel(
         cr = tl.load(cidx_base + j0 + offs_n, mask=(j0 + offs_n >= WW) & (j0 + offs_n < WW + K),
                      other=-1)
         ptr, ok_w = _window_ptrs(ring_ptr, new_ptr, wr, N_RING, N_NEW, D)
-        codes, e = _window_raw(ptr, ok_w, D, WORDS)
-        page, row, ok_c = _page_lookup(bt_base, cr, PAGES, PAGE_ROWS)
-        pairs, sc = _compressed_raw(_row_ptrs(pool_ptr, page, row, PAGE_ROWS, D), ok_c, D, WORDS)
-        kv = _window_tile(codes, e, D, BLOCK_N, WORDS, INTERPRET) + \
-            _compressed_tile(pairs, sc, D, BLOCK_N, WORDS, INTERPRET)
-        m_i, l_i, acc = _attend(q, kv, ok_w | ok_c, scale, m_i, l_i, acc, live, INTERPRET)
+        kv0, kv1 = _window_kv(ptr, ok_w, D, DC, NH, BLOCK_N, WORDS, INTERPRET)
+        page, row, ok_c = _page_lookup(bt_base, cr, PAGES, PAGE_ROWS, PAGE_SHIFT)
+        pairs0, sc0, pairs1, sc1 = _compressed_raw2(
+            _row_ptrs(pool_ptr, page, row, PAGE_ROWS, D), ok_c, D, DC, NH, WORDS)
+        kv0 = kv0 + _compressed_tile(pairs0, sc0, DC, BLOCK_N, WORDS, INTERPRET)
+        if NH == 2:
+            kv1 = kv1 + _compressed_tile(pairs1, sc1, DC, BLOCK_N, WORDS, INTERPRET)
+        m_i, l_i, acc0, acc1 = _attend(q0, q1, kv0, kv1, ok_w | ok_c, scale, m_i, l_i, acc0,
+                                       acc1, live, NH, INTERPRET)
 
     # compressed-only blocks [lo, j_end), prefetched by hand: the bytes of block j+1 are in
     # flight to registers while block j is decoded and multiplied (the compiler's pipelining
@@ -438,27 +511,38 @@ def _sparse_attn_paged_kernel(
     # of block j+2 too
     lo = tl.maximum(j_start, tl.cdiv(WW, BLOCK_N) * BLOCK_N)
     cr = tl.load(cidx_base + lo + offs_n, mask=lo + offs_n < j_end, other=-1)
-    page, row, ok = _page_lookup(bt_base, cr, PAGES, PAGE_ROWS)
-    pairs, sc = _compressed_raw(_row_ptrs(pool_ptr, page, row, PAGE_ROWS, D), ok, D, WORDS)
+    page, row, ok = _page_lookup(bt_base, cr, PAGES, PAGE_ROWS, PAGE_SHIFT)
+    pairs0, sc0, pairs1, sc1 = _compressed_raw2(_row_ptrs(pool_ptr, page, row, PAGE_ROWS, D), ok,
+                                                D, DC, NH, WORDS)
     cr = tl.load(cidx_base + lo + BLOCK_N + offs_n, mask=lo + BLOCK_N + offs_n < j_end, other=-1)
     for j0 in tl.range(lo, j_end, BLOCK_N, num_stages=1):
-        page, row, ok_next = _page_lookup(bt_base, cr, PAGES, PAGE_ROWS)
-        pairs_next, sc_next = _compressed_raw(_row_ptrs(pool_ptr, page, row, PAGE_ROWS, D),
-                                              ok_next, D, WORDS)
+        page, row, ok_next = _page_lookup(bt_base, cr, PAGES, PAGE_ROWS, PAGE_SHIFT)
+        pairs0_next, sc0_next, pairs1_next, sc1_next = _compressed_raw2(
+            _row_ptrs(pool_ptr, page, row, PAGE_ROWS, D), ok_next, D, DC, NH, WORDS)
         cr = tl.load(cidx_base + j0 + 2 * BLOCK_N + offs_n,
                      mask=j0 + 2 * BLOCK_N + offs_n < j_end, other=-1)
-        m_i, l_i, acc = _attend(q, _compressed_tile(pairs, sc, D, BLOCK_N, WORDS, INTERPRET), ok,
-                                scale, m_i, l_i, acc, live, INTERPRET)
-        pairs, sc, ok = pairs_next, sc_next, ok_next
+        kv0 = _compressed_tile(pairs0, sc0, DC, BLOCK_N, WORDS, INTERPRET)
+        kv1 = kv0
+        if NH == 2:
+            kv1 = _compressed_tile(pairs1, sc1, DC, BLOCK_N, WORDS, INTERPRET)
+        m_i, l_i, acc0, acc1 = _attend(q0, q1, kv0, kv1, ok, scale, m_i, l_i, acc0, acc1, live,
+                                       NH, INTERPRET)
+        pairs0, sc0, pairs1, sc1, ok = pairs0_next, sc0_next, pairs1_next, sc1_next, ok_next
 
     if SPLIT:
         ns = tl.num_programs(2)
         part = (bi * ns + sp) * H + offs_h  # [BLOCK_H] rows of the [T, S, H] partials
         tl.store(ml_ptr + part, m_i, mask=h_mask)
         tl.store(ml_ptr + tl.num_programs(0) * ns * H + part, l_i, mask=h_mask)
-        tl.store(acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=h_mask[:, None])
+        tl.store(acc_ptr + part[:, None] * D + offs_c[None, :], acc0, mask=h_mask[:, None])
+        if NH == 2:
+            tl.store(acc_ptr + part[:, None] * D + DC + offs_c[None, :], acc1,
+                     mask=h_mask[:, None])
     else:
-        _finish(o_ptr, sink_ptr, bi, offs_h, h_mask, offs_d, m_i, l_i, acc, H, D, INTERPRET)
+        _finish(o_ptr, sink_ptr, bi, offs_h, h_mask, offs_c, m_i, l_i, acc0, H, D, INTERPRET)
+        if NH == 2:
+            _finish(o_ptr, sink_ptr, bi, offs_h, h_mask, DC + offs_c, m_i, l_i, acc1, H, D,
+                    INTERPRET)
 
 
 @triton.jit
@@ -526,8 +610,8 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
                       token_row: torch.Tensor, compressed_idx: torch.Tensor,
                       max_queries: int = 64, *, out: torch.Tensor | None = None,
                       num_splits: int | None = None, split_blocks: int | None = None,
-                      block_h: int | None = None,
-                      num_warps: int | None = None) -> torch.Tensor:
+                      block_h: int | None = None, num_warps: int | None = None,
+                      d_chunks: int | None = None) -> torch.Tensor:
     """``reference.sparse_attn_paged`` in Triton: rows decoded in registers from the packed bytes,
     one query per packed token of a step; the window ring is read in place (never copied).
 
@@ -548,7 +632,9 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     sizes, but a token's bits then depend on the step); a forced num_splits cuts by the step's
     longest list; block_h, the head tile
     (power of two >= 16), None = H rounded up to a power of two in [16, 64]; num_warps, None =
-    4 (8 at D > 128). Returns [T, H, D] bf16; a token without entries gives 0 (no NaN).
+    4 (8 at D > 128); d_chunks, the column chunks a tile is decoded and multiplied in (1 or 2,
+    see _attend; 2 needs D >= 64; the same bits either way), None = 1 (2 measured slower on an
+    H200 with Triton 3.6). Returns [T, H, D] bf16; a token without entries gives 0 (no NaN).
     """
     _check("q", q, ("T", "H", "D"), torch.bfloat16)
     t_all, h, d = q.shape
@@ -578,6 +664,8 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
         raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if d_chunks not in (None, 1, 2) or (d_chunks == 2 and d < 64):
+        raise ValueError(f"d_chunks must be 1 or 2 (2 at D >= 64), got {d_chunks} at D = {d}")
     if split_blocks is not None and split_blocks < 0:
         raise ValueError(f"split_blocks must be >= 0, got {split_blocks}")
     tensors = {"q": q, "sink": sink, "window_ring": window_ring, "new_rows": new_rows,
@@ -602,7 +690,10 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
         (ring, token_row.new_zeros(1, 1))  # never read without k
     # D >= 128: rows load as int32 words when every base is 4-byte aligned (the row sizes are
     # multiples of 4 there); views that are not take the byte path instead of being copied
-    words = d >= 128 and all(x.data_ptr() % 4 == 0 for x in (ring, new_rows, pool))
+    nh = d_chunks or 1  # 2: fewer live registers per step, but more spills on Triton 3.6
+    words = d // nh >= 128 and all(x.data_ptr() % 4 == 0 for x in (ring, new_rows, pool))
+    page_rows = pool.shape[1]
+    page_shift = page_rows.bit_length() - 1 if page_rows & (page_rows - 1) == 0 else -1
     n_blocks, h_blocks = triton.cdiv(ww + k, BLOCK_N), triton.cdiv(h, block_h)
     if num_splits is None and split_blocks == 0:
         num_splits = _wave_splits(t_all * h_blocks, n_blocks, sm_count(q.device))
@@ -618,7 +709,9 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     _sparse_attn_paged_kernel[(t_all, h_blocks, s)](
         q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out, ml, acc, float(scale),
         h, n_ring, t_all, ww, k, table.shape[1], pool.shape[1], per_split,
-        widx.stride(0), cidx.stride(0), table.stride(0), D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
+        widx.stride(0), cidx.stride(0), table.stride(0), D=d, NH=nh, PAGE_SHIFT=page_shift,
+        BLOCK_H=block_h,
+        BLOCK_N=BLOCK_N,
         SPLIT=s > 1, WORDS=words, INTERPRET=interp, num_warps=warps)
     if s > 1:
         bd = min(d, 128)  # small merge tiles: enough programs to read the partials fast
