@@ -339,3 +339,75 @@ def test_decode_boundary_rows_alone():
         for r0 in (0, 65 - m):
             part = fp8_gemm(q[r0:r0 + m], s[r0:r0 + m], w, ws).cpu().view(torch.int32)
             assert torch.equal(part, full[r0:r0 + m]), (m, r0)
+
+
+def test_act_quant_f16_values():
+    """act_quant(f16=True): the e4m3 codes' values as fp16, exactly (signed zeros, subnormals,
+    448), and the same scales."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(5, 32 * 9, generator=g) * torch.logspace(-8, 8, 5)[:, None]
+    x[0, :32] = torch.cat([_e4m3_grid()[:16], -_e4m3_grid()[:16]]) * 2.0 ** -3  # tiny codes
+    x[1, 40] = -0.0
+    x[2, 64:96] = 0.0
+    x = x.bfloat16().to(DEV)
+    q, s = act_quant(x)
+    v, s16 = act_quant(x, f16=True)
+    assert v.dtype == torch.float16 and torch.equal(s16, s)
+    assert torch.equal(v.cpu().view(torch.int16), q.cpu().to(torch.float16).view(torch.int16))
+
+
+PAIR_CASES = {"m1": 1, "m7": 7, "m16": 16, "m17": 17, "m70": 70}
+
+
+@pytest.mark.parametrize("m", list(PAIR_CASES.values()), ids=list(PAIR_CASES))
+def test_fp8_linear_pair_equals_two_calls(m):
+    """fp8_linear_pair (one act_quant for two weights of the same K, N off the tiles): the
+    bits of two fp8_linear calls, bf16 and fp32 out."""
+    k = 32 * 12
+    w1, s1 = _quantized(70, k, seed=m)
+    w2, s2 = _quantized(33, k, seed=m + 1)
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, k, generator=g) * 2).bfloat16().to(DEV)
+    w1, s1, w2, s2 = w1.to(DEV), s1.to(DEV), w2.to(DEV), s2.to(DEV)
+    for dt in (torch.bfloat16, torch.float32):
+        y1, y2 = T.fp8_linear_pair(x, w1, s1, w2, s2, out_dtype=dt)
+        r1 = fp8_linear(x, w1, s1, out_dtype=dt)
+        r2 = fp8_linear(x, w2, s2, out_dtype=dt)
+        assert y1.dtype == dt and y1.shape == (m, 70) and y2.shape == (m, 33)
+        assert torch.equal(y1.cpu().float(), r1.cpu().float())
+        assert torch.equal(y2.cpu().float(), r2.cpu().float())
+    with pytest.raises(ValueError):
+        T.fp8_linear_pair(x, w1, s1, w2[:, :32].contiguous(), s2[:, :1].contiguous())
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 65])
+def test_linear_outputs_equal_gemm(m):
+    """fp8_linear's own epilogues (bf16 or fp32 written by the decode kernel, the fused
+    split-K sum at <= 16 rows, fp16 token values) against fp8_gemm on the e4m3 codes then
+    torch's cast: the same bits; fp16 values into fp8_gemm too (decode and tile kernels); the
+    fused sum leaves its tile counters at zero."""
+    n, k = 100, 32 * 24
+    w, ws = _quantized(n, k, seed=m + 40)
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k // 32).repeat_interleave(32))
+    x = x.bfloat16().to(DEV)
+    w, ws = w.to(DEV), ws.to(DEV)
+    q, s = act_quant(x)
+    ref = fp8_gemm(q, s, w, ws)
+    plan = T._gemm_plan(m, n, k // 32, DEFAULT_SM_COUNT if DEV == "cpu" else
+                        sm_count(torch.device(DEV)))
+    assert plan.order.ranges > 1
+    v, _ = act_quant(x, f16=True)
+    for splits in (None, 1, 5):
+        r = fp8_gemm(q, s, w, ws, num_splits=splits)
+        y16 = fp8_gemm(v, s, w, ws, num_splits=splits)
+        assert torch.equal(y16.cpu().view(torch.int32), r.cpu().view(torch.int32)), splits
+        yb = fp8_linear(x, w, ws, num_splits=splits)
+        yf = fp8_linear(x, w, ws, num_splits=splits, out_dtype=torch.float32)
+        assert torch.equal(yf.cpu().view(torch.int32), r.cpu().view(torch.int32)), splits
+        assert torch.equal(yb.cpu().view(torch.int16), r.to(torch.bfloat16).cpu().view(torch.int16))
+    assert torch.equal(fp8_gemm(q, s, w, ws).cpu().view(torch.int32), ref.cpu().view(torch.int32))
+    for buf in T._COUNTERS.values():
+        assert not buf.any()
+    with pytest.raises(ValueError, match="precise_dot"):
+        fp8_gemm(v, s, w, ws, precise_dot=False)

@@ -20,7 +20,9 @@ _split_sum_kernel adds in range order); larger M has each tile's program sum its
 after another with a second accumulator, the same fp32 operations in the same order. Decode
 sizes (M <= SPLIT_MAX_M) run _fp8_decode_kernel, the same K walk with the operands swapped
 (weight rows on the wgmma's 64-row side, 16 or 64 token rows on its narrow side, so 1-16 rows
-no longer pay for a 64-row tile), and split whenever the tiles leave SMs idle; larger M runs
+no longer pay for a 64-row tile), and split whenever the tiles leave SMs idle (at <= 16 rows
+the last program of a tile adds the partials in range order itself: no split-sum launch;
+fp8_linear then also feeds it fp16 token values and takes its bf16 output); larger M runs
 _fp8_gemm_kernel's square tiles. Tile sizes and operand roles change with M; the K walk, the
 mma instruction (wgmma: every tile has >= 64 rows on its weight or token side) and every
 rounding do not (bit-identical on an H200 at every M tried). One range keeps the reference's
@@ -52,8 +54,20 @@ SPLIT_SUM_BLOCK = 256  # outputs per program of the split-sum kernel (2 warps, 1
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, inv_max, QB: tl.constexpr):
-    """x: [M, K] bf16; q: [M, K] uint8 (e4m3 bytes); s: [M, KB] fp32. Grid (M, cdiv(KB, QB))."""
+def _e4m3_value(code):
+    """e4m3 bytes (int32 0..254, never NaN) -> their values in fp32, exactly, from the bits."""
+    mag = code & 0x7F
+    v = tl.where(mag >= 8, ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True),
+                 mag.to(tl.float32) * 0.001953125)  # normal: 2^(e-7) (1 + m/8); else m 2^-9
+    sign = (code & 0x80) << 24  # the sign bit set by bits: -0 kept (Triton's -v is 0 - v)
+    return (v.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, inv_max, QB: tl.constexpr,
+                      F16: tl.constexpr = False):
+    """x: [M, K] bf16; q: [M, K] uint8 (e4m3 bytes), or fp16 (F16: the codes' values, exact:
+    the decode GEMM's fp16 token operand); s: [M, KB] fp32. Grid (M, cdiv(KB, QB))."""
     row = tl.program_id(0).to(tl.int64)
     offs_b = tl.program_id(1) * QB + tl.arange(0, QB)  # scale blocks of this program
     b_mask = offs_b < KB
@@ -63,7 +77,10 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, inv_max, QB: tl.constexpr):
     s = (e << 23).to(tl.float32, bitcast=True)
     inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s, exact and normal
     code = e4m3_code(x * inv_s[:, None])  # x * (1/s) == x / s exactly
-    tl.store(q_ptr + offs, code.to(tl.uint8), mask=b_mask[:, None])
+    if F16:
+        tl.store(q_ptr + offs, _e4m3_value(code).to(tl.float16), mask=b_mask[:, None])
+    else:
+        tl.store(q_ptr + offs, code.to(tl.uint8), mask=b_mask[:, None])
     tl.store(s_ptr + row * KB + offs_b, s, mask=b_mask)
 
 
@@ -135,20 +152,74 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS, R
 
 
 @triton.jit
-def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS, RANGES,
-                       GRANULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       KSUB: tl.constexpr, DOT_F16: tl.constexpr, ALL_RANGES: tl.constexpr,
+def _dot32(b, a, DOT_F16: tl.constexpr, INTERPRET: tl.constexpr):
+    """One 32-block's w . x^T: b [BLOCK_N, 32] e4m3 weight, a [BLOCK_M, 32] token rows (e4m3
+    codes, or their fp16 values): [BLOCK_N, BLOCK_M] fp32, rounded once (exact fp64 under the
+    interpreter; wgmma on the GPU)."""
+    if INTERPRET:
+        a64 = a.to(tl.float32).to(tl.float64)
+        b64 = b.to(tl.float32).to(tl.float64)
+        part = tl.dot(b64, tl.trans(a64), out_dtype=tl.float64).to(tl.float32)
+    elif DOT_F16:  # e4m3 -> fp16 is exact (a no-op for fp16 token rows)
+        part = tl.dot(b.to(tl.float16), tl.trans(a.to(tl.float16)), out_dtype=tl.float32)
+    else:
+        part = tl.dot(b, tl.trans(a), out_dtype=tl.float32)
+    return part
+
+
+@triton.jit
+def _block_scales(sa_ptrs, sb_ptrs, kb, m_mask, n_mask):
+    """32-block kb's row scales [BLOCK_M] (fp32) and weight scales [BLOCK_N] (e8m0 -> fp32)."""
+    sa = tl.load(sa_ptrs + kb, mask=m_mask, other=1.0)
+    sb = e8m0_to_fp32(tl.load(sb_ptrs + kb, mask=n_mask, other=127).to(tl.int32))
+    return sa, sb
+
+
+@triton.jit
+def _block_step(acc, b_ptrs, a_ptrs, sa, sb, n_mask, m_mask, DOT_F16: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """acc + (block dot * row scale) * weight scale: one 32-block, the reference's order."""
+    b = tl.load(b_ptrs, mask=n_mask[:, None], other=0.0)
+    a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+    part = _dot32(b, a, DOT_F16, INTERPRET)
+    return acc + part * sa[None, :] * sb[:, None]
+
+
+@triton.jit
+def _store_out(ptrs, y, mask, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """Store fp32 y, or y rounded to bf16 (RNE, as torch's cast) when OUT_BF16."""
+    if OUT_BF16:
+        tl.store(ptrs, to_bf16(y, INTERPRET).to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(ptrs, y, mask=mask)
+
+
+@triton.jit
+def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, M, N, K, KB,
+                       CHUNKS, RANGES, GRANULE: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, KSUB: tl.constexpr, DOT_F16: tl.constexpr,
+                       ALL_RANGES: tl.constexpr, PARTIALS: tl.constexpr,
+                       SPLITS: tl.constexpr, PREFETCH: tl.constexpr, OUT_BF16: tl.constexpr,
                        INTERPRET: tl.constexpr):
     """_fp8_gemm_kernel for decode-sized M with the operands swapped: each 32-block's tl.dot is
     w [BLOCK_N, 32] . x^T [32, BLOCK_M] (weight rows on the MMA's 64-row side, the few token
     rows its narrow side), so a BLOCK_N x BLOCK_M tile of y^T per program; every output element
     gets the same fp32 operations in the same order as in _fp8_gemm_kernel (the block dot, times
     the row scale, times the column-block scale, added into the range's accumulator from -0 in
-    K order, the ranges added in order). Operands as _fp8_gemm_kernel's. Grid (cdiv(N,
-    BLOCK_N), S, cdiv(M, BLOCK_M)): program (n, z, m) sums range z (S = RANGES), or every range
-    in turn (ALL_RANGES, S = 1); c is [S, M, N] (S > 1: partials for _split_sum_kernel).
-    Bit-identical to _fp8_gemm_kernel at every M, on an H200 too (the same wgmma instruction,
-    f16 or e4m3 operands; only its 64-row side now holds the weight)."""
+    K order, the ranges added in order). a: [M, K] e4m3 codes, or their fp16 values (exact;
+    then no per-block widening and shared-memory round trip of the token rows); the other
+    operands as _fp8_gemm_kernel's; out: [M, N] fp32, or bf16 (OUT_BF16). Grid (cdiv(N,
+    BLOCK_N), S, cdiv(M, BLOCK_M)): program (n, z, m) sums range z (S = SPLITS = RANGES), or
+    every range in turn (ALL_RANGES, S = 1). PARTIALS: each program writes its range's fp32
+    partial into c [S, M, N] for _split_sum_kernel; SPLITS (= S > 1) also, then bumps the
+    tile's counter in cnt (int32, zero): the one that finds SPLITS - 1 (the last to finish)
+    adds the partials in range order, as _split_sum_kernel would, writes out and resets the
+    counter to 0 (one launch, not two; 16-row tiles: a 64-row tile's sum would spill). PREFETCH
+    (16-row tiles) loads the block scales one K iteration ahead, off the dot's critical path
+    (64-row tiles load them in the step: their [64] row scales, twice over, would spill). Bit-identical
+    to _fp8_gemm_kernel at every M, on an H200 too (the same wgmma instruction, f16 or e4m3
+    operands; only its 64-row side now holds the weight)."""
+    tl.static_assert(KSUB == 1 or KSUB == 2 or KSUB == 4)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -173,42 +244,104 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS,
     sa_ptrs = sa_ptr + offs_m64 * KB
     sb_ptrs = sb_ptr + (offs_n // 32) * KB
     acc = tl.full([BLOCK_N, BLOCK_M], -0.0, tl.float32)
-    for kb0 in range(kb_lo, kb_hi, KSUB):  # consecutive 32-blocks, in K order
-        for j in tl.static_range(KSUB):
-            b = tl.load(b_ptrs + j * 32, mask=n_mask[:, None], other=0.0)
-            a = tl.load(a_ptrs + j * 32, mask=m_mask[:, None], other=0.0)
-            if INTERPRET:
-                a64 = a.to(tl.float32).to(tl.float64)
-                b64 = b.to(tl.float32).to(tl.float64)
-                part = tl.dot(b64, tl.trans(a64), out_dtype=tl.float64).to(tl.float32)
-            elif DOT_F16:
-                part = tl.dot(b.to(tl.float16), tl.trans(a.to(tl.float16)),
-                              out_dtype=tl.float32)
-            else:
-                part = tl.dot(b, tl.trans(a), out_dtype=tl.float32)
-            sa = tl.load(sa_ptrs + kb0 + j, mask=m_mask, other=1.0)
-            e = tl.load(sb_ptrs + kb0 + j, mask=n_mask, other=127).to(tl.int32)
-            sb = e8m0_to_fp32(e)
-            acc += part * sa[None, :] * sb[:, None]  # (part * sa) * sb, as _fp8_gemm_kernel
-        a_ptrs += 32 * KSUB
-        b_ptrs += 32 * KSUB
-        if ALL_RANGES:
-            if kb0 + KSUB == r_end:
-                total += acc
-                acc = tl.full([BLOCK_N, BLOCK_M], -0.0, tl.float32)
-                r += 1
-                r_end = (r + 1) * CHUNKS // RANGES * GRANULE
+    if PREFETCH:
+        sa0, sb0 = _block_scales(sa_ptrs, sb_ptrs, kb_lo, m_mask, n_mask)
+        sa1 = sa0
+        sb1 = sb0
+        sa2 = sa0
+        sb2 = sb0
+        sa3 = sa0
+        sb3 = sb0
+        if KSUB > 1:
+            sa1, sb1 = _block_scales(sa_ptrs, sb_ptrs, kb_lo + 1, m_mask, n_mask)
+        if KSUB > 2:
+            sa2, sb2 = _block_scales(sa_ptrs, sb_ptrs, kb_lo + 2, m_mask, n_mask)
+            sa3, sb3 = _block_scales(sa_ptrs, sb_ptrs, kb_lo + 3, m_mask, n_mask)
+        for kb0 in range(kb_lo, kb_hi, KSUB):  # KSUB consecutive 32-blocks, in K order
+            nxt = kb0 + KSUB  # the next iteration's scales, loaded now (masked past the end)
+            more_m = m_mask & (tl.zeros([BLOCK_M], tl.int32) + nxt < kb_hi)
+            more_n = n_mask & (tl.zeros([BLOCK_N], tl.int32) + nxt < kb_hi)
+            na0, nb0 = _block_scales(sa_ptrs, sb_ptrs, nxt, more_m, more_n)
+            na1 = na0
+            nb1 = nb0
+            na2 = na0
+            nb2 = nb0
+            na3 = na0
+            nb3 = nb0
+            if KSUB > 1:
+                na1, nb1 = _block_scales(sa_ptrs, sb_ptrs, nxt + 1, more_m, more_n)
+            if KSUB > 2:
+                na2, nb2 = _block_scales(sa_ptrs, sb_ptrs, nxt + 2, more_m, more_n)
+                na3, nb3 = _block_scales(sa_ptrs, sb_ptrs, nxt + 3, more_m, more_n)
+            acc = _block_step(acc, b_ptrs, a_ptrs, sa0, sb0, n_mask, m_mask, DOT_F16, INTERPRET)
+            if KSUB > 1:
+                acc = _block_step(acc, b_ptrs + 32, a_ptrs + 32, sa1, sb1, n_mask, m_mask,
+                                  DOT_F16, INTERPRET)
+            if KSUB > 2:
+                acc = _block_step(acc, b_ptrs + 64, a_ptrs + 64, sa2, sb2, n_mask, m_mask,
+                                  DOT_F16, INTERPRET)
+                acc = _block_step(acc, b_ptrs + 96, a_ptrs + 96, sa3, sb3, n_mask, m_mask,
+                                  DOT_F16, INTERPRET)
+            sa0 = na0
+            sb0 = nb0
+            sa1 = na1
+            sb1 = nb1
+            sa2 = na2
+            sb2 = nb2
+            sa3 = na3
+            sb3 = nb3
+            a_ptrs += 32 * KSUB
+            b_ptrs += 32 * KSUB
+            if ALL_RANGES:
+                if nxt == r_end:  # range r is complete: add it, start range r + 1 from -0
+                    total += acc
+                    acc = tl.full([BLOCK_N, BLOCK_M], -0.0, tl.float32)
+                    r += 1
+                    r_end = (r + 1) * CHUNKS // RANGES * GRANULE
+    else:  # the scales of each block in its step, as _fp8_gemm_kernel
+        for kb0 in range(kb_lo, kb_hi, KSUB):
+            nxt = kb0 + KSUB
+            for j in tl.static_range(KSUB):  # the scales after the dot (fewer live registers)
+                b = tl.load(b_ptrs + j * 32, mask=n_mask[:, None], other=0.0)
+                a = tl.load(a_ptrs + j * 32, mask=m_mask[:, None], other=0.0)
+                part = _dot32(b, a, DOT_F16, INTERPRET)
+                sa, sb = _block_scales(sa_ptrs, sb_ptrs, kb0 + j, m_mask, n_mask)
+                acc += part * sa[None, :] * sb[:, None]
+            a_ptrs += 32 * KSUB
+            b_ptrs += 32 * KSUB
+            if ALL_RANGES:
+                if nxt == r_end:  # range r is complete: add it, start range r + 1 from -0
+                    total += acc
+                    acc = tl.full([BLOCK_N, BLOCK_M], -0.0, tl.float32)
+                    r += 1
+                    r_end = (r + 1) * CHUNKS // RANGES * GRANULE
     if ALL_RANGES:
         acc = total
     mn = offs_m64[None, :] * N + offs_n64[:, None]  # [BLOCK_N, BLOCK_M], N contiguous
-    tl.store(c_ptr + split.to(tl.int64) * M * N + mn, acc,
-             mask=n_mask[:, None] & m_mask[None, :])
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLITS > 1:
+        tl.store(c_ptr + split.to(tl.int64) * M * N + mn, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is stored before the counter moves
+        cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:  # the last one
+            y = tl.load(c_ptr + mn, mask=mask, other=0.0, cache_modifier=".cg")
+            for z in tl.static_range(1, SPLITS):  # range order, as _split_sum_kernel
+                y += tl.load(c_ptr + z * M * N + mn, mask=mask, other=0.0,
+                             cache_modifier=".cg")
+            _store_out(out_ptr + mn, y, mask, OUT_BF16, INTERPRET)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    elif PARTIALS:
+        tl.store(c_ptr + split.to(tl.int64) * M * N + mn, acc, mask=mask)
+    else:
+        _store_out(out_ptr + mn, acc, mask, OUT_BF16, INTERPRET)
 
 
 @triton.jit
-def _split_sum_kernel(part_ptr, c_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """part: [SPLITS, M, N] fp32 split-K partials; c: [M, N] fp32, MN = M * N. Grid
-    (cdiv(MN, BLOCK),). c = (part[0] + part[1]) + ... in split order, fp32: deterministic."""
+def _split_sum_kernel(part_ptr, c_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                      OUT_BF16: tl.constexpr = False, INTERPRET: tl.constexpr = False):
+    """part: [SPLITS, M, N] fp32 split-K partials; c: [M, N] fp32 (or bf16: OUT_BF16, the sum
+    rounded once), MN = M * N. Grid (cdiv(MN, BLOCK),). c = (part[0] + part[1]) + ... in split
+    order, fp32: deterministic."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     part_ptrs = part_ptr + offs
@@ -216,7 +349,7 @@ def _split_sum_kernel(part_ptr, c_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.const
     for _ in tl.static_range(1, SPLITS):  # unrolled: the SPLITS loads are independent
         part_ptrs += MN
         acc += tl.load(part_ptrs, mask=mask, other=0.0)
-    tl.store(c_ptr + offs, acc, mask=mask)
+    _store_out(c_ptr + offs, acc, mask, OUT_BF16, INTERPRET)
 
 
 @dataclass(frozen=True)
@@ -291,9 +424,10 @@ _FP8_TILES = ((None, 128, 128, 8, 3, 1),)
 # and whose narrow side is BLOCK_M (>= 16) token rows: the same wgmma, the same bits (checked on
 # an H200 against _fp8_gemm_kernel at M = 1, 2, 7, 8, 64 on the V4.1 shapes, f16 and e4m3
 # operands). (largest M, BLOCK_M, BLOCK_N, warps, stages, most 32-blocks per K iteration): the
-# fastest of the tables timed there (CUDA-graph replay; more stages, KSUB 2 or BLOCK_N 64 were
-# slower at M <= 16, 2 stages ~10% faster at M = 64).
-_FP8_DECODE_TILES = ((16, 16, 128, 4, 3, 4), (SPLIT_MAX_M, 64, 128, 4, 2, 4))
+# fastest of the tables timed there (CUDA-graph replay; more stages or KSUB 2 were slower at
+# M <= 16, 2 stages ~10% faster at M = 64; with the scales prefetched, BLOCK_N 64 beat 128 at
+# M = 1 on wq_b 20.9 / 22.9 us and wo_b 29.2 / 30.4, 256 rows and 8 warps lost; same bits).
+_FP8_DECODE_TILES = ((16, 16, 64, 4, 3, 4), (SPLIT_MAX_M, 64, 128, 4, 2, 4))
 
 def _tile_row(table, m: int):
     return next(row[1:] for row in table if row[0] is None or m <= row[0])
@@ -333,11 +467,13 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
     return _GemmPlan(bm, bn, warps, stages, ksub, bool(precise_dot), order, workspace, swap)
 
 
-def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant(x: torch.Tensor, *, f16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 activation quantisation (docs/numerics.md §2), bit-exact with common.quant.act_quant.
 
     x: [M, K] bf16, K a multiple of 32. Returns (codes [M, K] float8_e4m3fn, scales [M, K/32]
-    fp32 powers of two) with x ~= codes * scales per block of 32. Finite inputs only.
+    fp32 powers of two) with x ~= codes * scales per block of 32. Finite inputs only. f16: the
+    codes' values as fp16 instead (exact: what the decode GEMM's wgmma reads, so it skips the
+    widening; fp8_gemm takes either).
     """
     if x.dim() != 2:
         raise ValueError(f"act_quant wants a 2-D [M, K] tensor, got shape {tuple(x.shape)}")
@@ -348,14 +484,45 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if k % FP8_BLOCK:
         raise ValueError(f"K = {k} is not a multiple of the quant block {FP8_BLOCK}")
     kb = k // FP8_BLOCK
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    q = torch.empty(m, k, dtype=torch.float16 if f16 else torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, kb, dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return q, s
     grid = (m, triton.cdiv(kb, QUANT_BLOCKS))
-    _act_quant_kernel[grid](x.contiguous(), q.view(torch.uint8), s, k, kb, INV_FP8_MAX,
-                            QB=QUANT_BLOCKS, num_warps=4)
+    _act_quant_kernel[grid](x.contiguous(), q if f16 else q.view(torch.uint8), s, k, kb,
+                            INV_FP8_MAX, QB=QUANT_BLOCKS, F16=f16, num_warps=4)
     return q, s
+
+
+def _check_gemm(x_codes, x_scales, weight, weight_scale, num_splits, precise_dot):
+    """fp8_gemm's argument checks; returns (M, N, K/32)."""
+    if x_codes.dim() != 2 or weight.dim() != 2 or x_scales.dim() != 2 or weight_scale.dim() != 2:
+        raise ValueError("fp8_gemm wants 2-D x_codes, x_scales, weight, weight_scale")
+    if x_codes.dtype not in (torch.float8_e4m3fn, torch.float16) \
+            or weight.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"x_codes and weight must be float8_e4m3fn (x_codes: or act_quant's "
+                        f"fp16 values), got {x_codes.dtype}, {weight.dtype}")
+    if x_codes.dtype == torch.float16 and not precise_dot:
+        raise ValueError("fp16 x_codes (act_quant(f16=True)) need precise_dot=True")
+    if x_scales.dtype != torch.float32 or weight_scale.dtype != torch.float8_e8m0fnu:
+        raise TypeError(f"x_scales must be fp32 and weight_scale float8_e8m0fnu, got "
+                        f"{x_scales.dtype}, {weight_scale.dtype}")
+    m, k = x_codes.shape
+    n = weight.shape[0]
+    if k % FP8_BLOCK:
+        raise ValueError(f"K = {k} is not a multiple of the quant block {FP8_BLOCK}")
+    kb = k // FP8_BLOCK
+    if weight.shape[1] != k:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match K = {k}")
+    if tuple(x_scales.shape) != (m, kb):
+        raise ValueError(f"x_scales {tuple(x_scales.shape)} != {(m, kb)}")
+    if tuple(weight_scale.shape) != (triton.cdiv(n, FP8_BLOCK), kb):
+        raise ValueError(f"weight_scale {tuple(weight_scale.shape)} != "
+                         f"{(triton.cdiv(n, FP8_BLOCK), kb)}")
+    if num_splits is not None and not 1 <= num_splits <= max(kb, 1):
+        raise ValueError(f"num_splits = {num_splits} is not in [1, K/32 = {kb}]")
+    check_device(x_codes, x_scales, weight, weight_scale)
+    return m, n, kb
 
 
 def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
@@ -364,7 +531,8 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
              workspace: bool | None = None) -> torch.Tensor:
     """Blockwise-scaled fp8 GEMM: y[m, n] = sum_kb (x[m, kb] . w[n, kb]) sx[m, kb] sw[n//32, kb].
 
-    x_codes: [M, K] float8_e4m3fn; x_scales: [M, K/32] fp32; weight: [N, K] float8_e4m3fn;
+    x_codes: [M, K] float8_e4m3fn (or their fp16 values, act_quant(f16=True): the same
+    result); x_scales: [M, K/32] fp32; weight: [N, K] float8_e4m3fn;
     weight_scale: [ceil(N/32), K/32] float8_e8m0fnu; out: optional contiguous [M, N] fp32
     buffer. Returns [M, N] fp32. K must be a multiple of 32.
 
@@ -384,29 +552,7 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
     past the fixture tolerance (194 of 3312 rows on an H200, limit 1%), hence the default.
     Either way every tile runs wgmma, so either is M-invariant (_FP8_TILES, _FP8_DECODE_TILES).
     """
-    if x_codes.dim() != 2 or weight.dim() != 2 or x_scales.dim() != 2 or weight_scale.dim() != 2:
-        raise ValueError("fp8_gemm wants 2-D x_codes, x_scales, weight, weight_scale")
-    if x_codes.dtype != torch.float8_e4m3fn or weight.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"x_codes and weight must be float8_e4m3fn, got {x_codes.dtype}, "
-                        f"{weight.dtype}")
-    if x_scales.dtype != torch.float32 or weight_scale.dtype != torch.float8_e8m0fnu:
-        raise TypeError(f"x_scales must be fp32 and weight_scale float8_e8m0fnu, got "
-                        f"{x_scales.dtype}, {weight_scale.dtype}")
-    m, k = x_codes.shape
-    n = weight.shape[0]
-    if k % FP8_BLOCK:
-        raise ValueError(f"K = {k} is not a multiple of the quant block {FP8_BLOCK}")
-    kb = k // FP8_BLOCK
-    if weight.shape[1] != k:
-        raise ValueError(f"weight {tuple(weight.shape)} does not match K = {k}")
-    if tuple(x_scales.shape) != (m, kb):
-        raise ValueError(f"x_scales {tuple(x_scales.shape)} != {(m, kb)}")
-    if tuple(weight_scale.shape) != (triton.cdiv(n, FP8_BLOCK), kb):
-        raise ValueError(f"weight_scale {tuple(weight_scale.shape)} != "
-                         f"{(triton.cdiv(n, FP8_BLOCK), kb)}")
-    if num_splits is not None and not 1 <= num_splits <= max(kb, 1):
-        raise ValueError(f"num_splits = {num_splits} is not in [1, K/32 = {kb}]")
-    check_device(x_codes, x_scales, weight, weight_scale)
+    m, n, kb = _check_gemm(x_codes, x_scales, weight, weight_scale, num_splits, precise_dot)
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32, device=x_codes.device)
     elif tuple(out.shape) != (m, n) or out.dtype != torch.float32 \
@@ -420,8 +566,25 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
     return _run_fp8_gemm(plan, x_codes, x_scales, weight, weight_scale, out)
 
 
+_COUNTERS: dict = {}  # (device, stream) -> int32 tile counters of the fused split-K sum
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per output tile, for _fp8_decode_kernel's last-program sum;
+    each launch leaves them zero again. One buffer per (device, stream): launches on one
+    stream run in order, so they never share counters at the same time."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        buf = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
 def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out):
-    """Launch ``plan`` on checked operands (fp8_gemm's), into ``out``."""
+    """Launch ``plan`` on checked operands (fp8_gemm's; x_codes e4m3 or fp16 values), into
+    ``out`` ([M, N] fp32, or bf16 for the decode kernel: its fp32 result rounded once)."""
     m, k = x_codes.shape
     n, kb = weight.shape[0], k // FP8_BLOCK
     s = plan.splits
@@ -429,26 +592,58 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out)
     args = (x_codes.contiguous(), x_scales.contiguous(), weight.contiguous(),
             weight_scale.contiguous().view(torch.uint8))
     partials = out if s == 1 else torch.empty(s, m, n, dtype=torch.float32, device=out.device)
+    all_ranges = order.ranges > 1 and not plan.workspace
     if plan.swap:
         grid = (triton.cdiv(n, plan.block_n), s, triton.cdiv(m, plan.block_m))
-        _fp8_decode_kernel[grid](*args, partials, m, n, k, kb, order.chunks, order.ranges,
-                                 GRANULE=order.granule, BLOCK_M=plan.block_m,
+        narrow = plan.block_m <= 16  # 16-row tiles: prefetched scales, the sum in the kernel
+        fused = s > 1 and narrow
+        counters = _tile_counters(out.device, grid[0] * grid[2]) if fused else partials
+        _fp8_decode_kernel[grid](*args, partials, out, counters, m, n, k, kb, order.chunks,
+                                 order.ranges, GRANULE=order.granule, BLOCK_M=plan.block_m,
                                  BLOCK_N=plan.block_n, KSUB=plan.ksub, DOT_F16=plan.dot_f16,
-                                 ALL_RANGES=order.ranges > 1 and not plan.workspace,
+                                 ALL_RANGES=all_ranges, PARTIALS=s > 1, SPLITS=s if fused else 1,
+                                 PREFETCH=narrow, OUT_BF16=out.dtype == torch.bfloat16,
                                  INTERPRET=interpreting(), num_warps=plan.num_warps,
                                  num_stages=plan.num_stages)
-    else:
-        grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), s)
-        _fp8_gemm_kernel[grid](*args, partials, m, n, k, kb, order.chunks, order.ranges,
-                               GRANULE=order.granule, BLOCK_M=plan.block_m,
-                               BLOCK_N=plan.block_n, KSUB=plan.ksub, DOT_F16=plan.dot_f16,
-                               ALL_RANGES=order.ranges > 1 and not plan.workspace,
-                               INTERPRET=interpreting(), num_warps=plan.num_warps,
-                               num_stages=plan.num_stages)
+        if s > 1 and not fused:
+            _split_sum_kernel[(triton.cdiv(m * n, SPLIT_SUM_BLOCK),)](
+                partials, out, m * n, SPLITS=s, BLOCK=SPLIT_SUM_BLOCK,
+                OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interpreting(), num_warps=2)
+        return out
+    assert out.dtype == torch.float32
+    grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), s)
+    _fp8_gemm_kernel[grid](*args, partials, m, n, k, kb, order.chunks, order.ranges,
+                           GRANULE=order.granule, BLOCK_M=plan.block_m,
+                           BLOCK_N=plan.block_n, KSUB=plan.ksub, DOT_F16=plan.dot_f16,
+                           ALL_RANGES=all_ranges, INTERPRET=interpreting(),
+                           num_warps=plan.num_warps, num_stages=plan.num_stages)
     if s > 1:
         _split_sum_kernel[(triton.cdiv(m * n, SPLIT_SUM_BLOCK),)](
             partials, out, m * n, SPLITS=s, BLOCK=SPLIT_SUM_BLOCK, num_warps=2)
     return out
+
+
+def _check_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
+    if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
+
+
+def _f16_rows(m: int, precise_dot: bool) -> bool:
+    """Quantise to fp16 values for the decode kernel's 16-row tiles (no per-block widening of
+    the token rows there; 64-row tiles keep the e4m3 codes: their fp16 tile spilled more)."""
+    return precise_dot and m <= _FP8_DECODE_TILES[0][0]
+
+
+def _linear_from_quant(x_q, s, weight, weight_scale, num_splits, precise_dot, out_dtype):
+    """fp8_gemm on act_quant's output, [M, N] in out_dtype: at decode sizes the kernel writes
+    bf16 (or fp32) itself, the one rounding torch's cast would do."""
+    m, n, kb = _check_gemm(x_q, s, weight, weight_scale, num_splits, precise_dot)
+    if m * n and kb and m <= SPLIT_MAX_M and out_dtype in (torch.bfloat16, torch.float32):
+        plan = _gemm_plan(m, n, kb, sm_count(x_q.device), num_splits, precise_dot)
+        out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
+        return _run_fp8_gemm(plan, x_q, s, weight, weight_scale, out)
+    return fp8_gemm(x_q, s, weight, weight_scale, num_splits=num_splits,
+                    precise_dot=precise_dot).to(out_dtype)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
@@ -461,14 +656,31 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     precise_dot: fp8_gemm's
     (default True: fp16 operands to the GPU's tl.dot). Returns [..., N] in ``out_dtype``
     (bf16, or torch.float32: the GEMM's fp32 result, as a tensor-parallel wo_b partial needs).
+    Decode sizes (M <= SPLIT_MAX_M) have the GEMM write out_dtype itself (no cast launch);
+    M <= 16 (precise_dot) also quantises x to fp16 values and sums the split-K partials in the
+    GEMM's last program: two launches in all (act_quant, the GEMM), the same bits.
     """
-    if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
-        raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
+    _check_linear(x, weight, weight_scale)
     lead = x.shape[:-1]
-    x_q, s = act_quant(x.reshape(-1, x.shape[-1]))
-    y = fp8_gemm(x_q, s, weight, weight_scale, num_splits=num_splits,
-                 precise_dot=precise_dot)
-    return y.to(out_dtype).reshape(*lead, weight.shape[0])
+    x2 = x.reshape(-1, x.shape[-1])
+    x_q, s = act_quant(x2, f16=_f16_rows(x2.shape[0], precise_dot))
+    y = _linear_from_quant(x_q, s, weight, weight_scale, num_splits, precise_dot, out_dtype)
+    return y.reshape(*lead, weight.shape[0])
+
+
+def fp8_linear_pair(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor,
+                    s2: torch.Tensor, *, precise_dot: bool = True,
+                    out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8_linear(x, w1, s1), fp8_linear(x, w2, s2)) with one act_quant of x (wq_a and wkv
+    share the layer input): the same bits as the two calls, one launch fewer."""
+    _check_linear(x, w1, s1)
+    _check_linear(x, w2, s2)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    x_q, s = act_quant(x2, f16=_f16_rows(x2.shape[0], precise_dot))
+    y1 = _linear_from_quant(x_q, s, w1, s1, None, precise_dot, out_dtype)
+    y2 = _linear_from_quant(x_q, s, w2, s2, None, precise_dot, out_dtype)
+    return y1.reshape(*lead, w1.shape[0]), y2.reshape(*lead, w2.shape[0])
 
 
 # ---- bf16 / fp32 weights: dense_linear -------------------------------------------------------
