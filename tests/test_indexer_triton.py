@@ -4,7 +4,8 @@ rows with fewer visible rows than k and none at all, unallocated pages, candidat
 partial blocks, consumers reading a source's kept blocks (scored and selected over compact
 lists of them: -inf rows deciding, partial last blocks, visible limits inside kept blocks, no
 kept block, prefill tiles sharing a list), rows split over several scoring and selection
-programs, and query chunks. Runs under TRITON_INTERPRET=1 on the CPU (conftest)."""
+programs, query chunks, and key scales of every decode path (wide, tiny, spread in a row).
+Runs under TRITON_INTERPRET=1 on the CPU (conftest)."""
 from __future__ import annotations
 
 import pytest
@@ -33,9 +34,10 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(tri, "COMPACT_MIN_ROWS", 0)  # consumers score over their lists
 
 
-def setup(seqs, n_rows, heads, d, seed, page_rows=4, ties=False):
+def setup(seqs, n_rows, heads, d, seed, page_rows=4, ties=False, key_scale=None):
     """Paged index keys of len(seqs) sequences on shuffled pages; one query per token (seqs[i]
-    tokens of sequence i, packed), with visibility ending at its position as in a prefill."""
+    tokens of sequence i, packed), with visibility ending at its position as in a prefill.
+    key_scale: a factor [len(seqs), n_rows, d] on the keys before they are quantised."""
     g = torch.Generator().manual_seed(seed)
     b = len(seqs)
     pages = -(-n_rows // page_rows)
@@ -48,6 +50,8 @@ def setup(seqs, n_rows, heads, d, seed, page_rows=4, ties=False):
         keys = torch.randn(b, n_rows, d, generator=g).bfloat16()
         q = torch.randn(sum(seqs), heads, d, generator=g).bfloat16()
         w = (torch.randn(sum(seqs), heads, generator=g) / 8).bfloat16()
+    if key_scale is not None:
+        keys = (keys.float() * key_scale).bfloat16()
     pool = torch.zeros(b * pages + 2, page_rows, d // 2 + d // 32, dtype=torch.uint8)
     packed = pack_index_keys(index_fp4_fake_quant(keys))
     for s in range(b):
@@ -159,6 +163,28 @@ def test_consumer_lists_prefill_tiles_and_chunks(small_tiles):
     want, got = both(args, n, 9, candidates=cand.to(DEV), block_size=bs,
                      score_budget=2 * (4 * 32 * 2 + 8 * 4))  # two query tiles per chunk
     assert_same(want, got)
+
+
+@pytest.mark.parametrize("d,heads", [(32, 4), (128, 8)], ids=["tiny-bytes", "words"])
+def test_key_scales_wide_tiny_and_spread(d, heads, small_tiles):
+    """Key scales the one-multiply decode cannot take (past 2^1, ue8m0 byte > 128: tiles
+    decoded with two multiplies), tiny ones (2^-100: e2m1 0.5 codes on bf16 subnormals before
+    their scale), scale blocks of one row spread over 9 octaves, and tiles mixing a few wide
+    rows into ordinary ones (16-row tiles over 64 rows): the selection per sequence is the
+    reference's."""
+    n = 64
+    f = torch.ones(4, n, d)
+    f[0] = 2.0 ** 40
+    f[1] = 2.0 ** -100
+    f[2] = 2.0 ** (3 * (torch.arange(d) // 32) - 4.0)  # blocks 2^-4, 2^-1, 2^2, 2^5
+    f[3, ::7] = 2.0 ** 12
+    args = setup([1, 1, 1, 1], n, heads, d, seed=21, key_scale=f)
+    args[5].fill_(n)
+    want, got = both(args, n, 12, candidate_topk=3, block_size=4)
+    assert_same(want, got)
+    pool = args[2].cpu()
+    e = pool[..., d // 2:]
+    assert (e > 128).any() and (e < 40).any()  # both decodes and tiny scales ran
 
 
 def test_unallocated_pages_read_zero_keys():

@@ -18,17 +18,22 @@ Flow of one call (every launch on the device, no host sync, so a decode step can
 1. ``_score_kernel``: one program per (query tile, run of row tiles). A query tile is one
    token (decode) or up to ``PREFILL_TILE`` consecutive tokens of one sequence (they share the
    sequence's keys). Index keys are read straight from the paged pool through the block table
-   (as 32-bit words where rows are 4-byte aligned: 68 B at d = 128) and decoded in registers,
-   8 nibbles per word, to f16 codes worth e2m1 * 2^-6 (an e4m3 re-encoding and the hardware
-   e4m3 -> f16 conversion). Per 32-element scale block the dot of key codes and query codes
-   (the query split exactly into f16 codes times a power of two) is exact in fp32; it is
-   scaled by both powers of two and the blocks are summed in fp32, which is the reference's
-   exact bf16 product sum. Per head the dot is rounded to bf16, relu'd, multiplied by its
-   weight and rounded to bf16, then the heads are summed in fp32 and rounded to bf16: the
-   reference's rounding points. Rows a query cannot see, and for a candidate consumer rows
-   outside its kept blocks, are -inf and their key bytes are never loaded; a tile with
-   nothing to score loads nothing. Scores go to a bf16 buffer [queries, rows] (a consumer's:
-   [queries, list positions], row = list[p // block_size] * block_size + p % block_size).
+   (as 32-bit words where rows are 4-byte aligned: 68 B at d = 128; else assembled from bytes),
+   the next tile's loads issued before this tile's arithmetic, and decoded in registers, 8
+   nibbles per word, to the reference's bf16 key values: each nibble becomes the bf16 bits
+   s << 15 | code << 6 (the e2m1 value * 2^-126, exactly: e2m1's 0 and 0.5 land on bf16
+   subnormals), scaled by one bf16x2 multiply by 2^(E-1) (a tile whose ue8m0 bytes are all
+   <= 128) or two, by 2^126 and 2^(E-127) (any E; 0 -> 0, 255 -> inf as the reference). The
+   index queries are the dot's other operand as given (bf16 fp4 fake-quantised values), so
+   one bf16 tl.dot over all d elements, fp32 accumulation, gives each per-head dot: the
+   reference's exact products summed in fp32 (bits can move only where that sum rounds, as
+   with any order). Per head the dot is rounded to bf16, relu'd, multiplied by its weight and
+   rounded to bf16 (packed bf16x2 instructions, two heads at a time: the reference's rounding
+   points), then the heads are summed in fp32 and rounded to bf16. Rows a query cannot see,
+   and for a candidate consumer rows outside its kept blocks, are -inf and their key bytes are
+   never loaded; a tile with nothing to score loads nothing. Scores go to a bf16 buffer
+   [queries, rows] (a consumer's: [queries, list positions], row = list[p // block_size] *
+   block_size + p % block_size).
 2. Candidate source only: ``_block_key_kernel`` takes each block's maximum (the newest
    visible block pinned to +inf) as an ordered 16-bit key per block.
 3. Exact top-k by radix select on the ordered 16-bit keys of the bf16 scores (``_order_key``:
@@ -48,6 +53,16 @@ every rank lists the same rows (the kept flags are the same on every rank), and 
 past a tile's count hold no score. A call that is both source and consumer scores every row.
 Under TRITON_INTERPRET the dot runs in fp32 on the same exact values (the interpreter has no
 inline asm and misreads 16-bit dot operands) and gives the same bits.
+
+Measured (H200, CUDA graphs, bench's indexer cases, V4.1-Flash; scoring / selection / total
+us): candidate source b=64 x 64K: 275 / 96 / 382 (key bytes at 1.04 TB/s, 25% of the 4.2 TB/s
+copy bandwidth; floor 68 us); b=256 x 64K: 1083 / 298 / 1410; b=1 x 1M: 75 / 49 / 139;
+Reindex b=64 x 64K: 102 / 39 / 158. Before this decode (four K=32 f16 dots per tile, each
+scaled by the blocks' powers of two in fp32): 366 / 96 / 485, 1419 / 296 / 1747, 99 / 49 /
+171, 127 / 39 / 179. What remains is per-tile latency: two programs per SM (about 208
+registers: Triton takes the key operand registers -> shared memory -> registers before the
+wgmma), the page lookup of the next tile waited for inside each iteration (its key loads
+need it), and the decode's integer work (about 20 instructions per word).
 """
 from __future__ import annotations
 
@@ -147,66 +162,94 @@ def _owner_tokens(o, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, HAS_TILES
     return tok0, cnt
 
 
-# A word of 8 e2m1 nibbles ($8, element t in bits 4t..4t+3) -> 8 f16 ($0..$7) worth the e2m1
-# values * 2^-6, exactly: each nibble s|e1 e0|m becomes the e4m3 byte s|0 0 e1 e0|m 0 0
-# (e4m3_of_e2m1), bytes put in element order, then the hardware e4m3x2 -> f16x2 conversion.
-_NIBBLES_F16_ASM = tl.constexpr(
-    "{ .reg .b32 t, u, l, h, a, b, x; .reg .b16 e01, e23, e45, e67;"
-    " shl.b32 t, $8, 2; and.b32 t, t, 0x1C1C1C1C; shl.b32 u, $8, 4; and.b32 u, u, 0x80808080;"
-    " or.b32 l, t, u; shr.b32 t, $8, 2; and.b32 t, t, 0x1C1C1C1C; and.b32 u, $8, 0x80808080;"
-    " or.b32 h, t, u; prmt.b32 a, l, h, 0x5140; prmt.b32 b, l, h, 0x7362;"
-    " mov.b32 {e01, e23}, a; mov.b32 {e45, e67}, b;"
-    + "".join(f" cvt.rn.f16x2.e4m3x2 x, {src}; mov.b32 {{{d0}, {d1}}}, x;"
-              for src, d0, d1 in (("e01", "$0", "$1"), ("e23", "$2", "$3"),
-                                  ("e45", "$4", "$5"), ("e67", "$6", "$7"))) + " }")
+# A word of 8 e2m1 nibbles ($8, element t in bits 4t..4t+3) -> 8 bf16 worth the e2m1 values
+# times the block's power of two, exactly: nibbles t and t + 4 go to the two halves of one
+# 32-bit word as the bf16 bits s << 15 | code << 6 (e1 e0 m: the bf16 exponent's low bits
+# and the mantissa's top bit), which is the e2m1 value * 2^-126 (codes 0 and 0.5 land on the
+# bf16 subnormals exactly as e2m1's do), then one bf16x2 multiply by 2^(E-1) ($9: E in
+# 1..128, 0 for E = 0) or two, by 2^126 and by the reference's 2^(E-127) (E << 7: 0 -> 0,
+# 255 -> inf) ($9, $10: any E). Outputs $0..$7: nibbles 0, 4, 1, 5, 2, 6, 3, 7.
+def _nibbles_bf16_asm(two_step: bool) -> str:
+    shifts = (("shl", 6, 12), ("shl", 2, 8), ("shr", 2, 4), ("shr", 6, 0))
+    body = ""
+    for j, (op, code_sh, sign_sh) in enumerate(shifts):
+        sign = f" shl.b32 b, $8, {sign_sh};" if sign_sh else " mov.b32 b, $8;"
+        body += (f" {op}.b32 a, $8, {code_sh};{sign} and.b32 a, a, 0x01C001C0;"
+                 f" and.b32 b, b, 0x80008000; or.b32 o, a, b; mul.rn.bf16x2 o, o, $9;"
+                 + (" mul.rn.bf16x2 o, o, $10;" if two_step else "")
+                 + f" mov.b32 {{${2 * j}, ${2 * j + 1}}}, o;")
+    return "{ .reg .b32 a, b, o;" + body + " }"
+
+
+_NIBBLES_BF16_ONE = tl.constexpr(_nibbles_bf16_asm(False))
+_NIBBLES_BF16_TWO = tl.constexpr(_nibbles_bf16_asm(True))
+# Per head: the fp32 dot ($2, $3) rounded to bf16, relu'd (NaN kept), times the bf16 weight
+# ($4: two packed) rounded to bf16, back as fp32 ($0, $1): the reference's rounding points,
+# two heads per instruction.
+_HEAD_TERMS_ASM = tl.constexpr(
+    "{ .reg .b32 p, z; mov.b32 z, 0; cvt.rn.bf16x2.f32 p, $3, $2; max.NaN.bf16x2 p, p, z;"
+    " mul.rn.bf16x2 p, p, $4; shl.b32 $0, p, 16; and.b32 $1, p, 0xFFFF0000; }")
 
 
 @triton.jit
-def _code_value(nib, INTERPRET: tl.constexpr):
-    """e2m1 nibbles (uint8) -> their values * 2^-6 as dot operands (f16; fp32 under the
-    interpreter)."""
-    v = e4m3_to_fp32(e4m3_of_e2m1(nib))
-    if INTERPRET:
-        return v
-    else:
-        return v.to(tl.float16)
-
-
-@triton.jit
-def _key_raw(pool_ptr, base, live, blk: tl.constexpr, D: tl.constexpr, WORDS: tl.constexpr):
-    """Issue the loads of scale block ``blk`` (32 elements) of the key rows at byte offsets
-    ``base`` [BN]: (codes: 4 int32 words [BN, 4] (WORDS: 4-byte aligned rows) or 16 bytes
-    [BN, 16], element 2j in the low nibble; the ue8m0 scale byte [BN] as int32)."""
+def _key_raw(pool_ptr, base, live, D: tl.constexpr, WORDS: tl.constexpr):
+    """Issue the loads of the key rows at byte offsets ``base`` [BN]: (codes: D/8 int32 words
+    [BN, D/8], element 8w + t in bits 4t..4t+3 of word w (WORDS: 4-byte aligned rows, loaded
+    as words; else assembled from bytes); the scale blocks' ue8m0 bytes [BN, D/32] as
+    int32)."""
+    NW: tl.constexpr = D // 8
+    offs_w = tl.arange(0, NW)
     if WORDS:
         wptr = pool_ptr.to(tl.pointer_type(tl.int32)) + base[:, None] // 4
-        raw = tl.load(wptr + blk * 4 + tl.arange(0, 4)[None, :], mask=live[:, None], other=0)
+        raw = tl.load(wptr + offs_w[None, :], mask=live[:, None], other=0)
     else:
-        raw = tl.load(pool_ptr + base[:, None] + blk * 16 + tl.arange(0, 16)[None, :],
-                      mask=live[:, None], other=0)
-    e = tl.load(pool_ptr + base + D // 2 + blk, mask=live, other=0).to(tl.int32)
+        b = tl.load(pool_ptr + base[:, None] + tl.arange(0, D // 2)[None, :],
+                    mask=live[:, None], other=0).to(tl.int32)
+        b = tl.reshape(b, (b.shape[0], NW, 4)) << (8 * tl.arange(0, 4))[None, None, :]
+        raw = tl.sum(b, 2)  # disjoint bits: the sum is the or
+    NB: tl.constexpr = D // 32
+    e = tl.load(pool_ptr + base[:, None] + (D // 2 + tl.arange(0, NB))[None, :],
+                mask=live[:, None], other=0).to(tl.int32)
     return raw, e
 
 
 @triton.jit
-def _key_block(raw, e, BN: tl.constexpr, WORDS: tl.constexpr, INTERPRET: tl.constexpr):
-    """_key_raw's loads -> (codes [BN, 32] worth e2m1 * 2^-6 in element order, the block's
-    scale * 2^6 [BN] fp32). Words are decoded 8 nibbles at a time."""
-    if WORDS:
-        if INTERPRET:
-            e0, e1, e2, e3, e4, e5, e6, e7 = (
-                _code_value(((raw >> (4 * t)) & 15).to(tl.uint8), INTERPRET)
-                for t in tl.static_range(8))
-        else:
-            e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
-                _NIBBLES_F16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [raw],
-                dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-        # nibble t of word w: element 8w + t
-        v = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)),
-                    tl.join(tl.join(e1, e5), tl.join(e3, e7)))
+def _per_word(x):
+    """[BN, D/32] per scale block -> [BN, D/8] per code word (4 words a block)."""
+    return tl.reshape(tl.broadcast_to(x[:, :, None], (x.shape[0], x.shape[1], 4)),
+                      (x.shape[0], x.shape[1] * 4))
+
+
+@triton.jit
+def _key_tile(raw, e, TWO_STEP: tl.constexpr, INTERPRET: tl.constexpr):
+    """_key_raw's loads -> the key values [BN, D] (bf16; fp32 under the interpreter): e2m1 *
+    2^(E-127) exactly, as the reference decodes them. TWO_STEP: any E (two multiplies), else
+    E <= 128 only (one)."""
+    BN: tl.constexpr = raw.shape[0]
+    NW: tl.constexpr = raw.shape[1]
+    D: tl.constexpr = NW * 8
+    if INTERPRET:
+        scale = _per_word((e << 23).to(tl.float32, bitcast=True))  # 0 -> 0, as the reference
+        e0, e1, e2, e3, e4, e5, e6, e7 = (
+            e4m3_to_fp32(e4m3_of_e2m1(((raw >> (4 * t)) & 15).to(tl.uint8))) * 64.0 * scale
+            for t in tl.static_range(8))
     else:
-        v = tl.join(_code_value(raw & 15, INTERPRET), _code_value(raw >> 4, INTERPRET))
-    scale = (e << 23).to(tl.float32, bitcast=True) * 64.0  # ue8m0 as the reference: 0 -> 0
-    return tl.reshape(v, (BN, 32)), scale
+        if TWO_STEP:
+            f1 = tl.full(raw.shape, 0x7E807E80, tl.int32)  # 2^126
+            f2 = _per_word((e << 7) | (e << 23))
+            e0, e4, e1, e5, e2, e6, e3, e7 = tl.inline_asm_elementwise(
+                _NIBBLES_BF16_TWO, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [raw, f1, f2],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        else:
+            f = tl.where(e == 0, 0, (e + 126) << 7)  # 2^(E-1)
+            f = _per_word(f | (f << 16))
+            e0, e4, e1, e5, e2, e6, e3, e7 = tl.inline_asm_elementwise(
+                _NIBBLES_BF16_ONE, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [raw, f],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    # nibble t of word w: element 8w + t
+    v = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)),
+                tl.join(tl.join(e1, e5), tl.join(e3, e7)))
+    return tl.reshape(v, (BN, D))
 
 
 @triton.jit
@@ -217,11 +260,7 @@ def _tile_fetch(pool_ptr, bt_ptr, keep_ptr, list_ptr, row, tok0, offs_m, m_ok, v
     """The loads of one tile of positions g0 .. g0 + BN - 1 (none at or past ``g_end``): the
     rows themselves, or for a compact tile the rows its positions stand for in the tile's
     block list (list_ptr); which (position, query) pairs are scored, which rows are read, the
-    raw key blocks."""
-    NB: tl.constexpr = D // 32
-    B1: tl.constexpr = 1 if NB > 1 else 0  # blocks past the row's: reload block 0 (unused)
-    B2: tl.constexpr = 2 if NB > 2 else 0
-    B3: tl.constexpr = 3 if NB > 2 else 0
+    raw key words and scale bytes, which rows need the two-multiply decode."""
     if COMPACT:
         offs_p = g0 + tl.arange(0, BN)
         in_p = offs_p < g_end
@@ -246,28 +285,24 @@ def _tile_fetch(pool_ptr, bt_ptr, keep_ptr, list_ptr, row, tok0, offs_m, m_ok, v
     # [BN] byte offsets. A row starts on a 4-byte boundary at best (68 B): say so, or the
     # compiler, seeing runs of consecutive slots, vectorises misaligned loads
     base = tl.multiple_of((page * page_rows + offs_g % page_rows) * (D // 2 + D // 32), 1)
-    r0, e0 = _key_raw(pool_ptr, base, live, 0, D, WORDS)
-    r1, e1 = _key_raw(pool_ptr, base, live, B1, D, WORDS)
-    r2, e2 = _key_raw(pool_ptr, base, live, B2, D, WORDS)
-    r3, e3 = _key_raw(pool_ptr, base, live, B3, D, WORDS)
-    return seen, need, r0, r1, r2, r3, e0, e1, e2, e3
+    raw, e = _key_raw(pool_ptr, base, live, D, WORDS)
+    # rows with a scale past the one-multiply decode's range (ue8m0 byte > 128), per row
+    wide = tl.zeros([BN], tl.int32)
+    for b in tl.static_range(D // 32):
+        eb = tl.load(pool_ptr + base + D // 2 + b, mask=live, other=0).to(tl.int32)
+        wide = wide | (eb > 128).to(tl.int32)
+    return seen, need, raw, e, wide
 
 
 @triton.jit
-def _q_block(q_ptr, q_off, r_ok, blk: tl.constexpr, INTERPRET: tl.constexpr):
-    """Scale block ``blk`` of the index queries as the dot's right operand: (codes [32, rows],
-    scale [rows]) with q = codes * scale exactly: the scale is the power of two at or below
-    the block's amax, so the fp4 values divide exactly into f16."""
-    kk = tl.arange(0, 32)
-    v = tl.load(q_ptr + q_off[None, :] + blk * 32 + kk[:, None], mask=r_ok[None, :],
-                other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(v), 0)
-    s = (amax.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    s = tl.where(s == 0.0, 1.0, s)
-    c = v / s[None, :]
-    if not INTERPRET:
-        c = c.to(tl.float16)
-    return c, s
+def _q_operand(q_ptr, q_off, r_ok, D: tl.constexpr, INTERPRET: tl.constexpr):
+    """The index queries as the dot's right operand [D, rows] (bf16 as given: the fp4
+    fake-quantised values; fp32 under the interpreter)."""
+    kk = tl.arange(0, D)
+    v = tl.load(q_ptr + q_off[None, :] + kk[:, None], mask=r_ok[None, :], other=0.0)
+    if INTERPRET:
+        v = v.to(tl.float32)
+    return v
 
 
 @triton.jit
@@ -300,10 +335,9 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, li
     them loads nothing). Grid (chunk tiles, cdiv(N, BN * tiles_per_prog), over lists at most
     COMPACT_PROGRAMS / tiles of them).
 
-    Per 32-element scale block the dot of the codes is exact in fp32 (f16 operands, e2m1
-    products); it is scaled by the key's and the query's powers of two and summed over the
-    blocks in fp32, as the reference's matmul sums the exact bf16 products."""
-    NB: tl.constexpr = D // 32
+    The key elements are the reference's bf16 values (e2m1 times the block's power of two),
+    the query elements the given bf16 ones: one bf16 dot over all D elements with fp32
+    accumulation sums the reference's exact products, as its matmul does."""
     R: tl.constexpr = TILE * I_PAD  # (token, head) columns of the dot
     tile = tl.program_id(0)
     tok0, cnt = _owner_tokens(tile, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, HAS_TILES)
@@ -329,54 +363,55 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, li
     r_head = offs_r % I_PAD
     r_ok = (r_tok < live) & (r_head < I)
     q_off = (tok0 + r_tok) * (I * D) + r_head * D
-    qc0, qs0 = _q_block(q_ptr, q_off, r_ok, 0, INTERPRET)
-    if NB > 1:
-        qc1, qs1 = _q_block(q_ptr, q_off, r_ok, 1, INTERPRET)
-    if NB > 2:
-        qc2, qs2 = _q_block(q_ptr, q_off, r_ok, 2, INTERPRET)
-        qc3, qs3 = _q_block(q_ptr, q_off, r_ok, 3, INTERPRET)
-    wv = tl.load(w_ptr + (tok0 + r_tok) * I + r_head, mask=r_ok, other=0.0).to(tl.float32)
+    qv = _q_operand(q_ptr, q_off, r_ok, D, INTERPRET)
+    wv = tl.load(w_ptr + (tok0 + r_tok) * I + r_head, mask=r_ok, other=0.0)
+    if INTERPRET:
+        wv = wv.to(tl.float32)
     out_cols = out_ptr + (tile.to(tl.int64) * TILE + offs_m.to(tl.int64))[None, :] * N
     g_first = tl.program_id(1) * tiles_per_prog * BN
     if COMPACT:
         g_end = n
     else:
         g_end = tl.minimum(N, g_first + tiles_per_prog * BN)  # this program's rows end there
-    seen, need, r0, r1, r2, r3, e0, e1, e2, e3 = _tile_fetch(
+    seen, need, raw, e, wide = _tile_fetch(
         pool_ptr, bt_ptr, keep_ptr, lst, row, tok0, offs_m, m_ok, vis, g_first, g_end,
         bt_stride, page_rows, keep_stride, D, BN, BLOCK_SIZE, WORDS, HAS_KEEP, COMPACT)
     for it in range(n_it):
         # positions (rows unless COMPACT)
         offs_g = _tile_start(it, g_first, tiles_per_prog, BN, COMPACT) + tl.arange(0, BN)
         # the next tile's loads go out before this tile's arithmetic (software pipelining)
-        n_seen, n_need, n0, n1, n2, n3, f0, f1, f2, f3 = _tile_fetch(
+        n_seen, n_need, n_raw, n_e, n_wide = _tile_fetch(
             pool_ptr, bt_ptr, keep_ptr, lst, row, tok0, offs_m, m_ok, vis,
             _tile_start(it + 1, g_first, tiles_per_prog, BN, COMPACT), g_end,
             bt_stride, page_rows, keep_stride, D, BN, BLOCK_SIZE, WORDS, HAS_KEEP, COMPACT)
         store_ok = (offs_g < n)[:, None] & m_ok[None, :]
-        if tl.max(need.to(tl.int32), 0) == 0:
+        # one reduction: rows to score, and (x 1024) rows with a scale past the one-multiply
+        # decode's range (ue8m0 byte > 128)
+        flags = tl.sum(need.to(tl.int32) + wide * 1024, 0)
+        if flags == 0:
             tl.store(out_cols + offs_g[:, None], tl.full([BN, TILE], 0xFF80, tl.int32)
                      .to(tl.int16), mask=store_ok)  # -inf
         else:
-            kc, ks = _key_block(r0, e0, BN, WORDS, INTERPRET)
-            acc = tl.dot(kc, qc0) * (ks[:, None] * qs0[None, :])
-            if NB > 1:
-                kc, ks = _key_block(r1, e1, BN, WORDS, INTERPRET)
-                acc += tl.dot(kc, qc1) * (ks[:, None] * qs1[None, :])
-            if NB > 2:
-                kc, ks = _key_block(r2, e2, BN, WORDS, INTERPRET)
-                acc += tl.dot(kc, qc2) * (ks[:, None] * qs2[None, :])
-                kc, ks = _key_block(r3, e3, BN, WORDS, INTERPRET)
-                acc += tl.dot(kc, qc3) * (ks[:, None] * qs3[None, :])
-            s = round_bf16(acc, INTERPRET)  # the per-head bf16 dot, [BN, R]
-            s = tl.where(s < 0, 0.0, s)  # relu (NaN kept)
-            prod = round_bf16(s * wv[None, :], INTERPRET)
+            # one dot over the whole row: every scale folded into its key element (exact in
+            # bf16), E > 128 anywhere in the tile taking the two-multiply decode
+            if flags >= 1024:
+                kc = _key_tile(raw, e, True, INTERPRET)
+            else:
+                kc = _key_tile(raw, e, False, INTERPRET)
+            acc = tl.dot(kc, qv)  # [BN, R]
+            if INTERPRET:
+                s = round_bf16(acc, INTERPRET)  # the per-head bf16 dot
+                s = tl.where(s < 0, 0.0, s)  # relu (NaN kept)
+                prod = round_bf16(s * wv[None, :], INTERPRET)
+            else:
+                prod = tl.inline_asm_elementwise(
+                    _HEAD_TERMS_ASM, "=r,=r,r,r,r", [acc, tl.broadcast_to(wv[None, :], acc.shape)],
+                    dtype=tl.float32, is_pure=True, pack=2)
             score = round_bf16(tl.sum(tl.reshape(prod, [BN, TILE, I_PAD]), 2), INTERPRET)
             score = tl.where(seen, score, float("-inf"))
             bits = (score.to(tl.uint32, bitcast=True) >> 16).to(tl.int32)
             tl.store(out_cols + offs_g[:, None], bits.to(tl.int16), mask=store_ok)
-        seen, need, r0, r1, r2, r3, e0, e1, e2, e3 = \
-            n_seen, n_need, n0, n1, n2, n3, f0, f1, f2, f3
+        seen, need, raw, e, wide = n_seen, n_need, n_raw, n_e, n_wide
 
 
 @triton.jit
