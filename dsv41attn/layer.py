@@ -153,9 +153,8 @@ class AttentionLayer:
             kv = self.ops.linear(x[tokens], w.compressor_wkv).unsqueeze(1)  # [N, 1, D] bf16
             score = None
         else:
-            xf = x.float()
-            new_kv = self.ops.linear(xf, w.compressor_wkv)  # [T, D] fp32
-            new_score = self.ops.linear(xf, w.compressor_wgate)
+            new_kv, new_score = self.ops.compressor_project(x, w.compressor_wkv,
+                                                            w.compressor_wgate)  # [T, D] fp32
             kv = state.recent_group(source.recent_kv, new_kv, facts.members)  # [N, r, D]
             score = state.recent_group(source.recent_score, new_score, facts.members)
             state.write_recent(source, facts.recent_write, new_kv, new_score, undo)

@@ -1,6 +1,5 @@
 """Triton compressor epilogue (pool + norm + RoPE + fp4 pack + index keys + paged write) against
 the reference (SPEC §2.3-2.5, §4.3, §4.4.1); runs under TRITON_INTERPRET=1 on CPU."""
-import os
 
 
 import pytest
@@ -19,7 +18,7 @@ from dsv41attn.ops.common.packing import (
     unpack_compressed_rows,
     unpack_index_keys,
 )
-from dsv41attn.ops.common.rope import apply_rope, rope_frequencies, rope_rotations
+from dsv41attn.ops.common.rope import rope_frequencies, rope_rotations
 from dsv41attn.ops.compressor import reference as R
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -293,3 +292,79 @@ def test_bad_inputs():
         args = dict(good, page=good["page"].cuda())
         with pytest.raises(ValueError):
             T.pool_norm_rope_pack(**args)
+
+
+# ---- the r > 1 projections: wkv and wgate of every token, fp32 ------------------------------
+def _project_inputs(m: int, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    wkv = torch.randn(n, k, generator=g) / k ** 0.5
+    wgate = torch.randn(n, k, generator=g) * 3  # a wider range than wkv's
+    return x.to(DEV), wkv.to(DEV), wgate.to(DEV)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int32).cpu()
+
+
+# rows across the tiles (1, 2-8 by powers of two, then 8-row tiles); widths that leave partial
+# tiles; K of one partial lane block, several lane blocks, several ranges
+PROJECT_CASES = [(1, 24, 96), (3, 17, 700), (8, 9, 129), (9, 40, 1100), (37, 16, 20),
+                 (20, 5, 1)]
+
+
+@pytest.mark.parametrize("m,n,k", PROJECT_CASES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in PROJECT_CASES])
+def test_project_rows_matches_reference_bits(m, n, k):
+    """Every output the correctly rounded fp32 of its dot product, as reference.project."""
+    x, wkv, wgate = _project_inputs(m, n, k, seed=m * 100 + n)
+    kv, score = T.project_rows(x, wkv, wgate)
+    want_kv, want_score = R.project(x, wkv, wgate)
+    assert kv.dtype == score.dtype == torch.float32 and kv.shape == score.shape == (m, n)
+    assert torch.equal(_bits(kv), _bits(want_kv))
+    assert torch.equal(_bits(score), _bits(want_score))
+
+
+def test_project_rows_do_not_depend_on_the_call():
+    """A token's projections are the same bits alone, in any batch and at any row offset (the
+    tiles change with the row count; the summation order does not)."""
+    x, wkv, wgate = _project_inputs(21, 12, 1100, seed=5)
+    full = T.project_rows(x, wkv, wgate)
+    for rows in (slice(4, 5), slice(2, 6), slice(3, 12)):
+        part = T.project_rows(x[rows], wkv, wgate)
+        for got, want in zip(part, full):
+            assert torch.equal(_bits(got), _bits(want[rows]))
+
+
+def test_project_modes(monkeypatch):
+    """fixed_order: dense_linear's call-invariant order at every size; step-sized: project_rows
+    up to PROJECT_SMALL_M rows, torch's float64 GEMM above."""
+    from dsv41attn.ops.linear.triton import dense_linear
+    x, wkv, wgate = _project_inputs(6, 8, 40, seed=6)
+    fixed = T.project(x, wkv, wgate)
+    assert torch.equal(_bits(fixed[0]), _bits(dense_linear(x, wkv)))
+    assert torch.equal(_bits(fixed[1]), _bits(dense_linear(x, wgate)))
+    calls, torch_project = [], R.project
+    monkeypatch.setattr(T.reference, "project",
+                        lambda *a: calls.append(a[0].shape[0]) or torch_project(*a))
+    monkeypatch.setattr(T, "PROJECT_SMALL_M", 4)
+    small = T.project(x[:4], wkv, wgate, fixed_order=False)
+    assert calls == [] and torch.equal(_bits(small[1]), _bits(T.project_rows(x[:4], wkv, wgate)[1]))
+    long = T.project(x, wkv, wgate, fixed_order=False)
+    assert calls == [6] and torch.equal(_bits(long[0]), _bits(torch_project(x, wkv, wgate)[0]))
+
+
+@pytest.mark.parametrize("fn", [T.project, T.project_rows])
+def test_project_empty_and_bad_inputs(fn):
+    x, wkv, wgate = _project_inputs(3, 8, 40, seed=7)
+    kv, score = fn(x[:0], wkv, wgate)
+    assert kv.shape == score.shape == (0, 8)
+    kv, score = fn(x[:, :0], wkv[:, :0], wgate[:, :0])  # K = 0: zeros
+    assert kv.shape == (3, 8) and not kv.any() and not score.any()
+    bad = {"x dtype": (x.float(), wkv, wgate), "x rank": (x[0], wkv, wgate),
+           "wkv dtype": (x, wkv.bfloat16(), wgate), "wkv width": (x, wkv[:, :39], wgate),
+           "wgate shape": (x, wkv, wgate[:7]), "wgate dtype": (x, wkv, wgate.double())}
+    for what, args in bad.items():
+        with pytest.raises(ValueError):
+            fn(*args)
+    with pytest.raises(TypeError):
+        fn(x, wkv, wgate.tolist())

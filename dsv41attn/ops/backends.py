@@ -2,7 +2,7 @@
 
 "reference" runs every op in plain torch (the spec in code); "triton" runs the ops that have
 a Triton kernel through it (sparse attention with sink over the packed caches, the fp8
-linears, the window K/V epilogue and query RoPE, the compressor epilogue, the index query's
+linears, the window K/V epilogue and query RoPE, the compressor's fp32 projections and epilogue, the index query's
 RoPE and fp4 fake quant, the lightning indexer, inverse RoPE with the grouped wo_a) and the rest
 through the reference ops, on whatever device the tensors live.
 Each op's reference (``ops/<op>/reference.py``) has the same signature as its kernel.
@@ -13,7 +13,8 @@ in any chunking and token by token; False (the default) lets the sparse attentio
 split to the step and runs the bf16 / fp32 linears and wo_a on torch (cuBLAS picks kernels by
 row count), which is faster where invariance costs (a batch of 256 and prefill, measured in
 docs/benchmarks.md) and equally exact against the reference's tolerances. The fp8 GEMMs and
-the query RMSNorm keep their fixed order in both modes: it costs them nothing. The reference
+the query RMSNorm keep their fixed order in both modes: it costs them nothing, and so do the
+ratio > 1 compressor projections up to a few dozen rows (one fp64-summing kernel for both). The reference
 backend has one mode (torch's kernels, whose blocking may follow the row count on a GPU).
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Ops:
     fp8_linear: Callable
     norm_rope_pack: Callable  # window K/V: RMSNorm + RoPE + fp8 + pack (+ ring write)
     rope_heads: Callable  # the query's RoPE
+    compressor_project: Callable  # r > 1 compressor: fp32 wkv and wgate of every token
     pool_norm_rope_pack: Callable  # compressor epilogue: rows and index keys into the pools
     inverse_rope_wo_a: Callable  # inverse RoPE + block-diagonal wo_a
     index_topk: Callable  # the lightning indexer: scores, candidate blocks, top-k
@@ -50,6 +52,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
     if backend == "reference":
         from .common.norm import rms_norm
         from .compressor.reference import pool_norm_rope_pack
+        from .compressor.reference import project as compressor_project
         from .index_query.reference import rope_fp4_heads
         from .indexer.reference import index_topk
         from .linear.reference import fp8_linear, linear
@@ -63,6 +66,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
         try:
             from .common.triton import rms_norm
             from .compressor.triton import pool_norm_rope_pack
+            from .compressor.triton import project as compressor_project
             from .index_query.triton import rope_fp4_heads
             from .indexer.triton import index_topk
             from .linear import reference as torch_linears
@@ -79,9 +83,10 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
             linear = torch_linears.linear
             inverse_rope_wo_a = partial(output.inverse_rope_wo_a, fixed_order=False)
             sparse_attn_paged = partial(sparse_attn_paged, split_blocks=0)
+            compressor_project = partial(compressor_project, fixed_order=False)
     else:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     # the reference ops write through boolean masks (host syncs): not capturable
     return Ops(backend, sparse_attn_paged, fp8_linear, norm_rope_pack, rope_heads,
-               pool_norm_rope_pack, inverse_rope_wo_a, index_topk, rope_fp4_heads, linear, rms_norm,
+               compressor_project, pool_norm_rope_pack, inverse_rope_wo_a, index_topk, rope_fp4_heads, linear, rms_norm,
                backend == "triton", batch_invariant)

@@ -15,6 +15,16 @@ from ..common.rope import apply_rope
 from ..linear.reference import linear
 
 
+def project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """r > 1: every token's fp32 wkv and wgate outputs (the values the recent ring keeps).
+
+    x: [T, dim] bf16; wkv, wgate: [D, dim] fp32. Returns (kv, score), each [T, D] fp32, the
+    correctly rounded fp32 of each exact dot product (``linear``'s fp32 path)."""
+    xf = x.float()
+    return linear(xf, wkv), linear(xf, wgate)
+
+
 def pool_norm_rope_pack(kv: torch.Tensor, score: torch.Tensor | None, norm_weight: torch.Tensor,
                         index_wk: torch.Tensor, index_k_norm: torch.Tensor, eps: float,
                         rot: torch.Tensor, rows_pool: torch.Tensor, keys_pool: torch.Tensor,

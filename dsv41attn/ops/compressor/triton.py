@@ -1,23 +1,23 @@
 """Triton compressor epilogue (docs/numerics.md §5, step 3): the same numerics as
 ``reference.pool_norm_rope_pack``, from the wkv/wgate outputs to the packed paged rows.
 
-Two launches at r > 1 (a fixed count, no host sync: CUDA-graph capturable), one at r = 1.
+Three launches at r > 1 and two at r = 1 (a fixed count, no host sync: CUDA-graph capturable).
 Stage 1 (``_pool_kernel``, r > 1 only) pools in parallel over (4 groups, 128 channels) tiles:
 per-channel softmax over the r tokens, fp32, the reference's order, rounded to bf16 and kept as
-fp32 in a [N, D] scratch buffer. Stage 2 (``_norm_rope_pack_kernel``) runs one program per
-BLOCK_G groups. Channels are held as (even, odd) pairs, the RoPE pairs and the fp4 byte pairs
-alike, and walked in chunks of BK: pass 1 sums the squares of bf16(pooled) for the RMS, pass 2
-normalises (the latent), accumulates latent . index_wk^T in fp32 (bf16 tl.dot), rotates and
-packs the latent chunk; both read stage 1's values (r = 1: the bf16 kv row). The index key
-then gets its norm, RoPE and pack.
+fp32 in a [N, D] scratch buffer. Stage 2 (``_latent_kernel``) runs one program per (BLOCK_G
+groups, BK-channel chunk): channels are held as (even, odd) pairs, the RoPE pairs and the fp4
+byte pairs alike; each program sums the squares of the whole row's bf16(pooled) for the RMS
+(every chunk, in chunk order: each program gets the same bits), normalises its chunk (the
+latent), rotates and packs it into the rows pool, and stores its chunk's part of latent .
+index_wk^T (fp32, bf16 tl.dot) in an [N, D/BK, DI] scratch; both read stage 1's values (r = 1:
+the bf16 kv row). Stage 3 (``_key_kernel``) adds the parts in chunk order and gives the index
+key its bf16 rounding, norm, RoPE and pack.
 
-Stage 2 is the former one-kernel epilogue with its two pooling passes replaced by loads of the
-same values, laid out as those loads were: the same chunks, tiles, warps and layouts (the RMS
-sums reduce in the same blocked layout, the key norm in the same mma layout), so every output
-byte is the same as the one-kernel version's (checked on an H200 for 1 to 2048 groups at r = 1
-and 2). Before, each program pooled its groups' r tokens twice, chunk after chunk: 66 us a call
-at r = 2 for one group as for 2048 (one latency-bound program per 16 groups); now 39-44 us.
-What is left is stage 2's chunk chain (~36 us for one program, as at r = 1).
+Before, one program per 16 groups walked the 8 chunks of V4.1-Flash's D = 512 in series
+(~36 us for one group, latency-bound); the chunks now run side by side. The rows are the same
+bytes as that kernel's (the same chunk code); the index key's fp32 sum now adds eight chunk
+parts instead of chaining one accumulator through the chunks' dots (an fp32-ulp difference,
+before the bf16 cast, like the GEMM order below).
 
 Rounding points follow the reference: correctly rounded division and sqrt (div_rn, sqrt_rn),
 no fused multiply-add on the GPU (enable_fp_fusion=False: torch's CPU rounds every product
@@ -34,7 +34,10 @@ import triton
 import triton.language as tl
 
 from ..common.triton import (check_device, cos_sin, e4m3_code, e4m3_to_fp32, interpreting,
-                             pow2_ceil_exponent, rms_scale, rope_rotate, round_bf16, to_bf16)
+                             pow2_ceil_exponent, require, rms_scale, rope_rotate, round_bf16,
+                             to_bf16)
+from ..linear.triton import _dense_sum_kernel, dense_linear
+from . import reference
 
 BLOCK_G = 16  # groups per program: tl.dot needs M >= 16
 MAX_BK = 64  # channels per chunk (32 pairs); bounds the registers at D = 512
@@ -161,37 +164,37 @@ def _in_pools(page_ptr, slot_ptr, g64, live, P, PAGE_ROWS):
 
 
 @triton.jit
-def _chunk_in(kv_ptr, score_ptr, pooled_ptr, g64, ok, ch, RATIO: tl.constexpr, D: tl.constexpr,
+def _chunk_in(kv_ptr, pooled_ptr, g64, ok, ch, RATIO: tl.constexpr, D: tl.constexpr,
               INTERPRET: tl.constexpr):
     """bf16(pooled) of channels ch [C] of groups g64, fp32 [G, C], rows ~ok 0: RATIO 1 the kv
     row (_pooled), else stage 1's values (the same bits, loaded the way _pooled loads)."""
     if RATIO == 1:
-        x = _pooled(kv_ptr, score_ptr, g64, ok, ch, RATIO, D, INTERPRET)
+        x = _pooled(kv_ptr, kv_ptr, g64, ok, ch, RATIO, D, INTERPRET)  # no score at RATIO 1
     else:
         x = tl.load(pooled_ptr + g64[:, None] * D + ch[None, :], mask=ok[:, None], other=0.0)
     return x
 
 
 @triton.jit
-def _sum_sq_chunk(sum_sq, kv_ptr, score_ptr, pooled_ptr, g64, ok, k0, half,
+def _sum_sq_chunk(sum_sq, kv_ptr, pooled_ptr, g64, ok, k0, half,
                   RATIO: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr):
     """sum_sq + the squares of chunk k0's (even, odd) channels, [G] fp32."""
-    pe = _chunk_in(kv_ptr, score_ptr, pooled_ptr, g64, ok, k0 + 2 * half, RATIO, D, INTERPRET)
-    po = _chunk_in(kv_ptr, score_ptr, pooled_ptr, g64, ok, k0 + 2 * half + 1, RATIO, D,
+    pe = _chunk_in(kv_ptr, pooled_ptr, g64, ok, k0 + 2 * half, RATIO, D, INTERPRET)
+    po = _chunk_in(kv_ptr, pooled_ptr, g64, ok, k0 + 2 * half + 1, RATIO, D,
                    INTERPRET)
     return sum_sq + (tl.sum(pe * pe, 1) + tl.sum(po * po, 1))
 
 
 @triton.jit
-def _latent_chunk(key_e, key_o, kv_ptr, score_ptr, pooled_ptr, norm_w_ptr, wk_ptr, rot_ptr,
+def _latent_chunk(key_e, key_o, kv_ptr, pooled_ptr, norm_w_ptr, wk_ptr, rot_ptr,
                   row_ptr, g64, ok, rs, k0, half, out, RATIO: tl.constexpr, D: tl.constexpr,
                   ROPE: tl.constexpr, BLOCK_G: tl.constexpr, BK: tl.constexpr,
                   INTERPRET: tl.constexpr):
     """Chunk k0 of the latent: normalised, accumulated into latent . wk^T (key_e, key_o),
     rotated, packed and stored. Returns the updated (key_e, key_o)."""
     ch = k0 + 2 * half
-    pe = _chunk_in(kv_ptr, score_ptr, pooled_ptr, g64, ok, ch, RATIO, D, INTERPRET)
-    po = _chunk_in(kv_ptr, score_ptr, pooled_ptr, g64, ok, ch + 1, RATIO, D, INTERPRET)
+    pe = _chunk_in(kv_ptr, pooled_ptr, g64, ok, ch, RATIO, D, INTERPRET)
+    po = _chunk_in(kv_ptr, pooled_ptr, g64, ok, ch + 1, RATIO, D, INTERPRET)
     we = tl.load(norm_w_ptr + ch).to(tl.float32)[None, :]
     wo = tl.load(norm_w_ptr + ch + 1).to(tl.float32)[None, :]
     le = to_bf16(we * (pe * rs), INTERPRET)  # the pre-RoPE latent, bf16 (fp32 when INTERPRET)
@@ -216,54 +219,73 @@ def _latent_chunk(key_e, key_o, kv_ptr, score_ptr, pooled_ptr, norm_w_ptr, wk_pt
 
 
 @triton.jit
-def _norm_rope_pack_kernel(
-        kv_ptr, score_ptr, pooled_ptr, norm_w_ptr, wk_ptr, k_norm_w_ptr, rot_ptr, rows_ptr,
-        keys_ptr, page_ptr, slot_ptr, N, P, PAGE_ROWS, eps, inv_fp4_max,
-        RATIO: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, ROPE: tl.constexpr,
-        BLOCK_G: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr,
-        INTERPRET: tl.constexpr):
-    """Stage 2. kv: [N, RATIO, D] fp32/bf16 (read at RATIO 1 only); score: unused; pooled:
-    [N, D] fp32 from stage 1 (RATIO > 1; read for the groups written); norm_w: [D] bf16; wk:
-    [DI, D] bf16; k_norm_w: [DI] bf16; rot: [N, ROPE/2, 2] fp32; rows: [P, PAGE_ROWS, D/2 +
-    D/16] uint8; keys: [P, PAGE_ROWS, DI/2 + DI/32] uint8; page, slot: [N] int64. All
-    contiguous. Grid (cdiv(N, BLOCK_G),). Groups whose (page, slot) is outside the pools are
-    neither loaded nor stored. UNROLL: the chunk loops unrolled (the same operations in the
-    same order, scheduled across chunks).
-    """
+def _group_rows(page_ptr, slot_ptr, N, P, PAGE_ROWS, BLOCK_G: tl.constexpr):
+    """This program's groups: (g64 [BLOCK_G] int64, ok: the group exists and its (page, slot)
+    is inside the pools, dest: its int64 row of the pools)."""
     g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
     g64 = g.to(tl.int64)
     page = tl.load(page_ptr + g64, mask=g < N, other=-1)
     slot = tl.load(slot_ptr + g64, mask=g < N, other=0)
     ok = (g < N) & (page >= 0) & (page < P) & (slot >= 0) & (slot < PAGE_ROWS)
-    dest = page * PAGE_ROWS + slot  # int64 row of the pools
-    half = tl.arange(0, BK // 2)  # pair numbers within a chunk
+    return g64, ok, page * PAGE_ROWS + slot
 
+
+@triton.jit
+def _latent_kernel(
+        kv_ptr, pooled_ptr, norm_w_ptr, wk_ptr, rot_ptr, rows_ptr, part_ptr, page_ptr, slot_ptr,
+        N, P, PAGE_ROWS, eps, RATIO: tl.constexpr, D: tl.constexpr, DI: tl.constexpr,
+        ROPE: tl.constexpr, BLOCK_G: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr,
+        INTERPRET: tl.constexpr):
+    """Stage 2: channel chunk c = program_id(1) of BLOCK_G groups' latents. Every program sums
+    the whole row's squares (all chunks, in chunk order: the same RMS bits in each), normalises
+    its chunk (the bf16 latent), stores its RoPE'd fp4 packing in the rows pool and its part of
+    the index key, latent_c . wk[:, c]^T in fp32, in part [N, D/BK, DI] (even key channels,
+    then odd). kv: [N, RATIO, D] (read at RATIO 1 only); pooled: [N, D] fp32 from stage 1
+    (RATIO > 1); norm_w: [D] bf16; wk: [DI, D] bf16; rot: [N, ROPE/2, 2] fp32; rows: [P,
+    PAGE_ROWS, D/2 + D/16] uint8; page, slot: [N] int64. Grid (cdiv(N, BLOCK_G), D / BK).
+    Groups outside the pools are neither loaded nor stored. UNROLL: the squares' loop unrolled
+    (the same operations in the same order)."""
+    g64, ok, dest = _group_rows(page_ptr, slot_ptr, N, P, PAGE_ROWS, BLOCK_G)
+    half = tl.arange(0, BK // 2)  # pair numbers within a chunk
     sum_sq = tl.zeros([BLOCK_G], tl.float32)
     if UNROLL:
         for k0 in tl.static_range(0, D, BK):
-            sum_sq = _sum_sq_chunk(sum_sq, kv_ptr, score_ptr, pooled_ptr, g64, ok, k0, half,
+            sum_sq = _sum_sq_chunk(sum_sq, kv_ptr, pooled_ptr, g64, ok, k0, half,
                                    RATIO, D, INTERPRET)
     else:
         for k0 in range(0, D, BK):
-            sum_sq = _sum_sq_chunk(sum_sq, kv_ptr, score_ptr, pooled_ptr, g64, ok, k0, half,
+            sum_sq = _sum_sq_chunk(sum_sq, kv_ptr, pooled_ptr, g64, ok, k0, half,
                                    RATIO, D, INTERPRET)
     rs = rms_scale(sum_sq, eps, D)[:, None]
 
+    c = tl.program_id(1)
     out = tl.arange(0, DI // 2)  # index-key pairs
-    key_e = tl.zeros([BLOCK_G, DI // 2], tl.float32)  # latent . wk^T, channels 2i and 2i+1
+    key_e = tl.zeros([BLOCK_G, DI // 2], tl.float32)
     key_o = tl.zeros([BLOCK_G, DI // 2], tl.float32)
     row_ptr = rows_ptr + dest[:, None] * (D // 2 + D // 16)
-    if UNROLL:
-        for k0 in tl.static_range(0, D, BK):
-            key_e, key_o = _latent_chunk(key_e, key_o, kv_ptr, score_ptr, pooled_ptr,
-                                         norm_w_ptr, wk_ptr, rot_ptr, row_ptr, g64, ok, rs, k0,
-                                         half, out, RATIO, D, ROPE, BLOCK_G, BK, INTERPRET)
-    else:
-        for k0 in range(0, D, BK):
-            key_e, key_o = _latent_chunk(key_e, key_o, kv_ptr, score_ptr, pooled_ptr,
-                                         norm_w_ptr, wk_ptr, rot_ptr, row_ptr, g64, ok, rs, k0,
-                                         half, out, RATIO, D, ROPE, BLOCK_G, BK, INTERPRET)
+    key_e, key_o = _latent_chunk(key_e, key_o, kv_ptr, pooled_ptr, norm_w_ptr, wk_ptr,
+                                 rot_ptr, row_ptr, g64, ok, rs, c * BK, half, out, RATIO, D,
+                                 ROPE, BLOCK_G, BK, INTERPRET)
+    part = part_ptr + (g64[:, None] * (D // BK) + c) * DI + out[None, :]
+    tl.store(part, key_e, mask=ok[:, None])
+    tl.store(part + DI // 2, key_o, mask=ok[:, None])
 
+
+@triton.jit
+def _key_kernel(part_ptr, k_norm_w_ptr, rot_ptr, keys_ptr, page_ptr, slot_ptr, N, P, PAGE_ROWS,
+                eps, inv_fp4_max, DI: tl.constexpr, ROPE: tl.constexpr, CHUNKS: tl.constexpr,
+                BLOCK_G: tl.constexpr, INTERPRET: tl.constexpr):
+    """Stage 3: the index keys of BLOCK_G groups: the latent chunks' parts (part [N, CHUNKS,
+    DI] fp32) added in chunk order, rounded to bf16 (linear's output), k_norm, RoPE, fp4 with
+    ue8m0 scales, stored in keys [P, PAGE_ROWS, DI/2 + DI/32] uint8. Grid (cdiv(N, BLOCK_G),)."""
+    g64, ok, dest = _group_rows(page_ptr, slot_ptr, N, P, PAGE_ROWS, BLOCK_G)
+    out = tl.arange(0, DI // 2)
+    part = part_ptr + g64[:, None] * (CHUNKS * DI) + out[None, :]
+    key_e = tl.load(part, mask=ok[:, None], other=0.0)
+    key_o = tl.load(part + DI // 2, mask=ok[:, None], other=0.0)
+    for c in tl.static_range(1, CHUNKS):
+        key_e += tl.load(part + c * DI, mask=ok[:, None], other=0.0)
+        key_o += tl.load(part + c * DI + DI // 2, mask=ok[:, None], other=0.0)
     ke = round_bf16(key_e, INTERPRET)  # linear's bf16 output
     ko = round_bf16(key_o, INTERPRET)
     rk = rms_scale(tl.sum(ke * ke, 1) + tl.sum(ko * ko, 1), eps, DI)[:, None]
@@ -277,6 +299,129 @@ def _norm_rope_pack_kernel(
     tl.store(key_ptr + out[None, :], packed.to(tl.uint8), mask=ok[:, None])
     tl.store(key_ptr + DI // 2 + tl.arange(0, DI // 32)[None, :], scales.to(tl.uint8),
              mask=ok[:, None])
+
+
+# ---- the r > 1 projections (wkv and wgate, fp32 weights) -------------------------------------
+PROJECT_LANES = 128  # fp64 accumulator lanes: lane j sums the products at k = j (mod 128)
+PROJECT_RANGE_K = 512  # K range per partial: the ranges' sums are added in order
+PROJECT_SMALL_M = 16  # project_rows / torch float64 crossover of the step-sized mode: H200,
+# V4.1-Flash's 2 x [512, 4096], CUDA graph, us for (project_rows, torch): 15 / 43 at T = 1,
+# 22 / 58 at 8, 46 / 58 at 16, 156 / 64 at 64
+
+
+@triton.jit
+def _halve(p, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr):
+    """[BM, BN, W] -> [BM, BN, W/2]: lane 2i + lane 2i+1 (an order fixed by the indices, not by
+    the register layout)."""
+    a, b = tl.split(tl.reshape(p, (BM, BN, W // 2, 2)))
+    return a + b
+
+
+@triton.jit
+def _project_range(x_row, w_row, m_ok, n_ok, k_lo, K, BM: tl.constexpr, BN: tl.constexpr,
+                   LANES: tl.constexpr, RANGE_K: tl.constexpr):
+    """sum_k x[m, k] w[n, k] over k in [k_lo, k_lo + RANGE_K) as fp64 [BM, BN]: each product
+    exact (bf16 x fp32 values), lane j = k mod LANES summed in K order, then the lanes
+    pairwise (_halve)."""
+    tl.static_assert(LANES == 128)
+    offs_k = tl.arange(0, LANES)
+    acc = tl.zeros([BM, BN, LANES], tl.float64)
+    for k0 in tl.static_range(0, RANGE_K, LANES):
+        k = k_lo + k0 + offs_k
+        k_ok = k < K
+        xv = tl.load(x_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wv = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += xv.to(tl.float32).to(tl.float64)[:, None, :] * wv.to(tl.float64)[None, :, :]
+    s = _halve(_halve(_halve(acc, BM, BN, 128), BM, BN, 64), BM, BN, 32)
+    s = _halve(_halve(_halve(s, BM, BN, 16), BM, BN, 8), BM, BN, 4)
+    return tl.sum(_halve(s, BM, BN, 2), 2)  # one lane left: its sum is itself
+
+
+@triton.jit
+def _project_kernel(x_ptr, wkv_ptr, wgate_ptr, part_ptr, M, N, K, BM: tl.constexpr,
+                    BN: tl.constexpr, LANES: tl.constexpr, RANGE_K: tl.constexpr):
+    """x: [M, K] bf16; wkv, wgate: [N, K] fp32, contiguous; part: [cdiv(K, RANGE_K), 2, M, N]
+    fp64, range r's sums of kv (0) and score (1). Grid (2 * cdiv(N, BN), cdiv(M, BM), K
+    ranges): axis 0 walks the N tiles of wkv, then of wgate."""
+    tiles = tl.cdiv(N, BN)
+    pid = tl.program_id(0)
+    which = (pid >= tiles).to(tl.int64)
+    if pid < tiles:
+        w_ptr = wkv_ptr
+    else:
+        w_ptr = wgate_ptr
+    offs_n = (pid % tiles) * BN + tl.arange(0, BN)
+    offs_m = tl.program_id(1) * BM + tl.arange(0, BM)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    r = tl.program_id(2)
+    part = _project_range(x_ptr + offs_m.to(tl.int64)[:, None] * K,
+                          w_ptr + offs_n.to(tl.int64)[:, None] * K, m_ok, n_ok, r * RANGE_K, K,
+                          BM, BN, LANES, RANGE_K)
+    tl.store(part_ptr + ((r * 2 + which) * M + offs_m.to(tl.int64)[:, None]) * N
+             + offs_n[None, :], part, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _check_project(x, wkv, wgate) -> None:
+    for name, t in (("x", x), ("wkv", wkv), ("wgate", wgate)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    require(x.dim() == 2 and x.dtype == torch.bfloat16,
+            f"x must be [T, dim] bf16, got {tuple(x.shape)} {x.dtype}")
+    require(wkv.dim() == 2 and wkv.dtype == torch.float32 and wkv.shape[1] == x.shape[1],
+            f"wkv must be fp32 [D, dim={x.shape[1]}], got {tuple(wkv.shape)} {wkv.dtype}")
+    require(wgate.shape == wkv.shape and wgate.dtype == torch.float32,
+            f"wgate must be fp32 {tuple(wkv.shape)} like wkv, got {tuple(wgate.shape)} "
+            f"{wgate.dtype}")
+    check_device(x, wkv, wgate)
+
+
+def project_rows(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.project`` for a few rows (decode) in two launches: x: [T, dim] bf16; wkv,
+    wgate: [D, dim] fp32. Returns (kv, score) [T, D] fp32 each.
+
+    Each output is its exact dot product summed in fp64 in an order fixed by the K width alone
+    (per PROJECT_RANGE_K range: PROJECT_LANES lanes in K order, then pairwise; the ranges in
+    order, in a second kernel) and rounded once to fp32: the same bits whatever T or the tile,
+    and the reference's correctly rounded value unless the fp64 sum lands within about 2^-29
+    of an fp32 rounding boundary. Its fp64 FMAs run on CUDA cores, so it beats torch's float64
+    GEMM (and its float64 copies of the weights) only up to PROJECT_SMALL_M rows; the partials
+    take ranges x 2 x T x D x 8 bytes. Raises ValueError on a bad dtype, shape or device."""
+    _check_project(x, wkv, wgate)
+    m, k = x.shape
+    n = wkv.shape[0]
+    out = torch.empty(2, m, n, dtype=torch.float32, device=x.device)  # kv, score
+    if out.numel() == 0 or k == 0:
+        return out[0].zero_(), out[1].zero_()
+    ranges = triton.cdiv(k, PROJECT_RANGE_K)
+    bm, bn, warps = (triton.next_power_of_2(m), 8, 4) if m <= 8 else (8, 8, 8)
+    part = torch.empty(ranges, 2, m, n, dtype=torch.float64, device=x.device)
+    _project_kernel[(2 * triton.cdiv(n, bn), triton.cdiv(m, bm), ranges)](
+        x.contiguous(), wkv.contiguous(), wgate.contiguous(), part, m, n, k, BM=bm, BN=bn,
+        LANES=PROJECT_LANES, RANGE_K=PROJECT_RANGE_K, num_warps=warps)
+    block = 1024  # the ranges' partials added in range order, rounded once to fp32
+    _dense_sum_kernel[(triton.cdiv(out.numel(), block),)](
+        part, out, out.numel(), ranges, FP64=True, BLOCK=block, INTERPRET=interpreting())
+    return out[0], out[1]
+
+
+def project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, *,
+            fixed_order: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.project`` on the triton backend: x: [T, dim] bf16; wkv, wgate: [D, dim]
+    fp32 -> (kv, score) [T, D] fp32. ``fixed_order`` (the batch-invariant mode): dense_linear
+    for both, one summation order at every T. False (the step-sized mode): ``project_rows``
+    up to PROJECT_SMALL_M rows, torch's float64 GEMM above (each correctly rounded but for
+    the rare fp64 near-tie, so the two agree to the bit almost everywhere)."""
+    _check_project(x, wkv, wgate)
+    if x.numel() == 0:  # no rows, or dim = 0 (zeros)
+        out = x.new_zeros((2, x.shape[0], wkv.shape[0]), dtype=torch.float32)
+        return out[0], out[1]
+    if fixed_order:
+        return dense_linear(x, wkv), dense_linear(x, wgate)
+    if x.shape[0] <= PROJECT_SMALL_M:
+        return project_rows(x, wkv, wgate)
+    return reference.project(x, wkv, wgate)
 
 
 def _is_pow2(n: int) -> bool:
@@ -372,10 +517,16 @@ def pool_norm_rope_pack(kv: torch.Tensor, score: torch.Tensor | None, norm_weigh
             kv, score, pooled, page, slot, n, rows_pool.shape[0], rows_pool.shape[1],
             RATIO=r, D=d_lat, BLOCK_G=POOL_BLOCK_G, BLOCK_C=block_c, INTERPRET=interp,
             num_warps=4, enable_fp_fusion=False)  # as stage 2: no fused multiply-add
-    _norm_rope_pack_kernel[(triton.cdiv(n, BLOCK_G),)](
-        kv, kv, pooled, norm_weight.contiguous(), index_wk.contiguous(),
-        index_k_norm.contiguous(), rot_cs, rows_pool, keys_pool, page, slot, n,
-        rows_pool.shape[0], rows_pool.shape[1], float(eps), _INV_FP4_MAX,
-        RATIO=r, D=d_lat, DI=index_wk.shape[0], ROPE=2 * rot.shape[1], BLOCK_G=BLOCK_G,
-        BK=min(MAX_BK, d_lat), UNROLL=r > 1, INTERPRET=interp, num_warps=4,
+    bk = min(MAX_BK, d_lat)
+    d_idx, chunks = index_wk.shape[0], d_lat // bk
+    part = torch.empty((n, chunks, d_idx), dtype=torch.float32, device=kv.device)
+    _latent_kernel[(triton.cdiv(n, BLOCK_G), chunks)](
+        kv, pooled, norm_weight.contiguous(), index_wk.contiguous(), rot_cs, rows_pool, part,
+        page, slot, n, rows_pool.shape[0], rows_pool.shape[1], float(eps), RATIO=r, D=d_lat,
+        DI=d_idx, ROPE=2 * rot.shape[1], BLOCK_G=BLOCK_G, BK=bk, UNROLL=r > 1,
+        INTERPRET=interp, num_warps=4,
         enable_fp_fusion=False)  # the reference rounds every product before its sum
+    _key_kernel[(triton.cdiv(n, BLOCK_G),)](
+        part, index_k_norm.contiguous(), rot_cs, keys_pool, page, slot, n, rows_pool.shape[0],
+        rows_pool.shape[1], float(eps), _INV_FP4_MAX, DI=d_idx, ROPE=2 * rot.shape[1],
+        CHUNKS=chunks, BLOCK_G=BLOCK_G, INTERPRET=interp, num_warps=4, enable_fp_fusion=False)
