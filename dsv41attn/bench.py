@@ -26,6 +26,7 @@ from .checkpoint import expected_tensors, random_layer_weights
 from .config import AttentionConfig, preset
 from .ops.common.packing import (compressed_row_bytes, index_key_bytes, pack_compressed_rows,
                                  pack_index_keys, pack_window_rows, window_row_bytes)
+from .plan import UndoLog
 from .stack import AttentionStack
 from .tp import shard_layer_weights
 
@@ -168,21 +169,25 @@ class RoleBench:
                for L in self.layers} for _ in range(3)]
         return state, xs
 
-    def decode_graph_us(self, batch: int, ctx: int, reps: int) -> float:
-        """Median of CUDA-graph replays of a decode step (DecodePlan.capture): the role's layer
-        and its sources, minus a graph of the sources alone (same state, next plan)."""
+    def decode_graph_us(self, batch: int, ctx: int, reps: int) -> tuple[float, float]:
+        """(layer, step facts) in us: medians of CUDA-graph replays of a decode step
+        (DecodePlan.capture) of the role's layer and its sources, minus a graph of the sources
+        alone (same state, next plan); and a graph of the step's shared facts alone
+        (``DecodePlan.derive_facts``: once per step, whatever the layer count), which a role
+        without sources subtracts instead."""
         state, xs = self._decode_state(batch, ctx, 2 * reps + 6)
         times = {}
         sources = [L for L in self.layers if L != self.target]
         for name, layers in (("all", self.layers), ("sources", sources)):
             if not layers:
-                times[name] = 0.0
                 continue
             graph = self.stack.plan_decode(state, steps=reps + 3, layers=layers).capture(xs[0])
             graph.replay(xs[1])  # first replay uploads the graph
             inputs = iter(xs * reps)
             times[name] = _events_ms(lambda g=graph, it=inputs: g.replay(next(it)), reps)
-        return (times["all"] - times["sources"]) * 1e3
+        facts = _graph_ms(self.stack.plan_decode(state, steps=1, layers=self.layers).derive_facts,
+                          reps=reps)
+        return (times["all"] - times.get("sources", facts)) * 1e3, facts * 1e3
 
     def decode_eager_us(self, batch: int, ctx: int, reps: int, compile_target: bool = False) -> float:
         """Median over steps of the role's layer alone, run eagerly (host launches included)
@@ -216,27 +221,43 @@ class RoleBench:
                     self.stack.layers[L](x, state, step)
         return statistics.median(times[1:]) * 1e3
 
-    def profile_decode(self, batch: int, ctx: int) -> list[tuple[str, float, int]]:
-        """Per-kernel GPU time of the role's layer in one eager decode step: (name, us, calls)
-        for every kernel and copy the step launched, longest first (their calls summed: the
-        launches a CUDA graph of the step holds)."""
+    def profile_decode(self, batch: int, ctx: int) -> tuple[list[tuple[str, float, int]],
+                                                             list[tuple[str, float, int]]]:
+        """Per-kernel GPU time in one eager decode step: (name, us, calls) for every kernel and
+        copy, longest first (calls summed: the launches a CUDA graph holds, run as a graph runs
+        them, without the undo log's saves), of (the role's layer, the step's shared facts). A layer that is the step's first includes the
+        facts (``DecodePlan.derive_facts`` runs before it), so those are subtracted."""
         from torch.profiler import ProfilerActivity, profile
+
+        def kernels(fn):
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            rows = [(e.key, e.device_time_total if hasattr(e, "device_time_total")
+                     else e.cuda_time_total, e.count) for e in prof.key_averages()]
+            return {name: (us, n) for name, us, n in rows if us > 0}
 
         state, xs = self._decode_state(batch, ctx, 4)
         plan = self.stack.plan_decode(state, steps=3)
         plan.run(xs[0])
-        steps = plan.iter_run(xs[1])
+        facts = kernels(plan.derive_facts)
+        # the launches a captured graph holds: no undo log (this state is thrown away after)
+        steps = plan._launch(plan._inputs(xs[1]), UndoLog(enabled=False))
+        first = plan.layers.index(self.target) == 0
         for L in plan.layers[:plan.layers.index(self.target)]:  # sources run outside the profile
             next(steps)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            next(steps)
-            torch.cuda.synchronize()
-        steps.close()  # the step is undone: the profile needs only the target layer
-        rows = [(e.key, e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total,
-                 e.count) for e in prof.key_averages()]
-        rows = [r for r in rows if r[1] > 0]
-        return sorted(rows, key=lambda r: -r[1])
+        layer = kernels(lambda: next(steps))
+        steps.close()
+        if first:
+            for name, (us, n) in facts.items():
+                us0, n0 = layer.get(name, (0.0, 0))
+                if n0 > n:
+                    layer[name] = (max(us0 - us, 0.0), n0 - n)
+                else:
+                    layer.pop(name, None)
+        order = lambda d: sorted(((k, us, n) for k, (us, n) in d.items()), key=lambda r: -r[1])
+        return order(layer), order(facts)
 
 
 def _weights(cfg: AttentionConfig, layers, tp=None) -> dict:
@@ -286,7 +307,10 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
             for key, (fn, fn_args) in runs:
                 t0 = time.time()
                 try:
-                    row[key] = fn(*fn_args)
+                    value = fn(*fn_args)
+                    if isinstance(value, tuple):  # decode: (the layer, the step's shared facts)
+                        value, row[key[:-3] + "_facts_us"] = value
+                    row[key] = value
                 except torch.cuda.OutOfMemoryError:
                     row[key] = float("nan")
                 except Exception as e:  # noqa: BLE001 - a failed case is reported, not fatal
@@ -484,7 +508,8 @@ def main(args) -> int:
     rows, copy_bw = bench_layers(decode=decode, prefill=prefill, roles=roles,
                                  compile_cases=compile_cases, tp=tp,
                                  invariant=args.batch_invariant)
-    fields = ["role", "kind", "batch", "context", "triton_us", "invariant_us", "invariant_cost%",
+    fields = ["role", "kind", "batch", "context", "triton_us", "triton_facts_us", "invariant_us",
+              "invariant_cost%",
               "triton_eager_us", "reference_us", "compiled_us", "floor_us", "ratio", "TFLOP/s", "GB/s", "speedup_reference",
               "speedup_compiled", "flops", "bytes"]
     if args.csv:
@@ -493,8 +518,10 @@ def main(args) -> int:
             w.writeheader()
             w.writerows(rows)
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s; times in us (median); triton = CUDA-graph "
-          "replay, eager = host launches included")
-    print(f"{'role':<14}{'kind':<8}{'batch':>6}{'context':>9}{'triton':>9}{'floor':>8}{'ratio':>7}"
+          "replay of the layer, eager = host launches included; facts = the step's shared facts "
+          "(once per step for all layers, not in the layer's time)")
+    print(f"{'role':<14}{'kind':<8}{'batch':>6}{'context':>9}{'triton':>9}{'facts':>7}"
+          f"{'floor':>8}{'ratio':>7}"
           f"{'TFLOP/s':>8}{'GB/s':>7}{'eager':>8}{'ref':>8}{'compile':>8}{'speedup':>8}"
           f"{'invariant':>10}{'cost':>7}")
 
@@ -504,7 +531,8 @@ def main(args) -> int:
 
     for r in rows:
         print(f"{r['role']:<14}{r['kind']:<8}{r['batch']:>6}{r['context']:>9}"
-              f"{fmt(r, 'triton_us'):>9}{r['floor_us']:>8.1f}{fmt(r, 'ratio', '.1f'):>7}"
+              f"{fmt(r, 'triton_us'):>9}{fmt(r, 'triton_facts_us'):>7}{r['floor_us']:>8.1f}"
+              f"{fmt(r, 'ratio', '.1f'):>7}"
               f"{fmt(r, 'TFLOP/s', '.1f'):>8}{fmt(r, 'GB/s'):>7}{fmt(r, 'triton_eager_us'):>8}"
               f"{fmt(r, 'reference_us'):>8}{fmt(r, 'compiled_us'):>8}"
               f"{fmt(r, 'speedup_reference', '.0f'):>7}x"
@@ -516,13 +544,14 @@ def main(args) -> int:
             for batch in (1, 64):
                 print(f"per-kernel GPU time, {role}, decode b={batch} 4K (one eager step):")
                 try:
-                    top = RoleBench(cfg, role, "triton", weights,
-                                    None if tp is None else tp.group).profile_decode(batch, 4096)
+                    top, facts = RoleBench(cfg, role, "triton", weights, None if tp is None
+                                           else tp.group).profile_decode(batch, 4096)
                 except Exception as e:  # noqa: BLE001 - reported, the table above stands
                     print(f"  failed: {type(e).__name__}: {e}"[:300])
                     continue
                 print(f"  {sum(n for *_, n in top)} launches, {sum(us for _, us, _ in top):.1f} us "
-                      "of GPU time in all; the longest:")
+                      f"of GPU time in all (besides the step's facts: {sum(n for *_, n in facts)} "
+                      f"launches, {sum(us for _, us, _ in facts):.1f} us); the longest:")
                 for name, us, n in top[:12]:
                     print(f"  {us:>8.1f} us {n:>4}x  {name[:90]}")
     return 0

@@ -114,6 +114,16 @@ class DecodePlan:
                              f"it has {self.steps_left}")
         return DecodeGraph(self, xs)
 
+    def derive_facts(self) -> None:
+        """The step's facts on the device from the sequences' current positions (RoPE
+        rotations, window lists, ring and page slots, compressor groups, visibility): what
+        every layer of a step shares, derived once before the first layer. Writes only the
+        plan's own buffers, so calling it again for the same positions changes nothing (the
+        bench times it alone, to tell a layer's cost from the step's)."""
+        plan = self.plan
+        pos = self.state.layers[self.layers[0]].positions[plan.seq_rows]  # [b] int64
+        plan.derive(pos, pos, self._first, pos, self._scans)
+
     # ---- internals -------------------------------------------------------------------------
     def _check_live(self) -> None:
         st = self.state
@@ -150,8 +160,7 @@ class DecodePlan:
         """The GPU-only part: the plan's facts derived from the positions on the device,
         then every layer over the b tokens; yields (layer, output)."""
         plan, runners = self.plan, runners or {}
-        pos = self.state.layers[self.layers[0]].positions[plan.seq_rows]  # [b] int64
-        plan.derive(pos, pos, self._first, pos, self._scans)
+        self.derive_facts()
         board = Board()
         for L in self.layers:
             x = inputs[L]
