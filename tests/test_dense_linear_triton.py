@@ -94,6 +94,8 @@ def test_leading_dims_and_bad_inputs():
     x, w = x.to(DEV), w.to(DEV)
     assert _same(dense_linear(x.view(2, 3, 64), w).reshape(6, 24), dense_linear(x, w))
     assert dense_linear(x[:0], w).shape == (0, 24)
+    zero = dense_linear(x.view(2, 3, 64)[..., :0], w[:, :0])  # K = 0: zeros, leading dims kept
+    assert zero.shape == (2, 3, 24) and not zero.any()
     with pytest.raises(ValueError, match="weight"):
         dense_linear(x, w.to(torch.float16))
     with pytest.raises(ValueError, match="groups"):

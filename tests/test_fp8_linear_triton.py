@@ -411,3 +411,34 @@ def test_linear_outputs_equal_gemm(m):
         assert not buf.any()
     with pytest.raises(ValueError, match="precise_dot"):
         fp8_gemm(v, s, w, ws, precise_dot=False)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="CUDA graphs")
+def test_fused_split_sum_in_graphs_replayed_side_by_side():
+    """Graphs with the decode kernel's in-kernel split-K sum (<= 16 rows) each own their tile
+    counters: two graphs captured on torch's shared capture stream, replayed at the same time
+    on two streams, give the eager bits every time."""
+    n, k = 4096, 32 * 160
+    w, ws = _quantized(n, k, seed=91)
+    w, ws = w.to(DEV), ws.to(DEV)
+    xs = [torch.randn(m, k, device=DEV).bfloat16() for m in (1, 16)]
+    want = [fp8_linear(x, w, ws) for x in xs]
+    assert T._gemm_plan(1, n, k // 32, sm_count(torch.device(DEV))).splits > 1  # fused sum
+    outs, graphs = [], []
+    for x in xs:
+        fp8_linear(x, w, ws)  # warm-up: compiled
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs.append(fp8_linear(x, w, ws))
+        graphs.append(g)
+    streams = [torch.cuda.Stream() for _ in graphs]
+    for _ in range(20):
+        for g, st in zip(graphs, streams):
+            st.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(st):
+                g.replay()
+        for st in streams:
+            torch.cuda.current_stream().wait_stream(st)
+        torch.cuda.synchronize()
+        for got, ref in zip(outs, want):
+            assert torch.equal(got.view(torch.int16), ref.view(torch.int16))

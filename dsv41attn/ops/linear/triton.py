@@ -571,8 +571,13 @@ _COUNTERS: dict = {}  # (device, stream) -> int32 tile counters of the fused spl
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 counters, one per output tile, for _fp8_decode_kernel's last-program sum;
-    each launch leaves them zero again. One buffer per (device, stream): launches on one
-    stream run in order, so they never share counters at the same time."""
+    each launch leaves them zero again. Eager: one buffer per (device, stream), since launches
+    on one stream run in order and so never share counters at the same time. Under CUDA-graph
+    capture: a buffer of the graph's own (zeroed by a memset node at each replay), because
+    every graph torch captures shares one capture stream and graphs may replay side by side
+    on different streams."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream)
     buf = _COUNTERS.get(key)
@@ -848,7 +853,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1, *,
             f"in {groups} groups (want [..., {groups * kg}])")
     check_device(x, weight)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).to(weight.dtype).contiguous()
+    x2 = x.reshape(lead.numel(), x.shape[-1]).to(weight.dtype).contiguous()  # K = 0 too
     m = x2.shape[0]
     out = torch.empty(m, groups * ng, dtype=weight.dtype, device=x.device)
     if out.numel() == 0:
