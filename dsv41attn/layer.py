@@ -100,14 +100,16 @@ class AttentionLayer:
         t = x.shape[0]
         rot = plan.rotations_of(spec)  # [T, R/2] complex64
 
+        # wq_a (query path) and wkv (window K/V) read the same x: one act-quant for both.
+        qa, kv = ops.fp8_linear_pair(x, w.wq_a.weight, w.wq_a.scale, w.wkv.weight, w.wkv.scale)
+
         # Query path (docs/numerics.md §5, step 1).
-        qr = ops.rms_norm(ops.fp8_linear(x, w.wq_a.weight, w.wq_a.scale), w.q_norm, cfg.norm_eps)
+        qr = ops.rms_norm(qa, w.q_norm, cfg.norm_eps)
         q = ops.fp8_linear(qr, w.wq_b.weight, w.wq_b.scale).view(t, self.heads, cfg.head_dim)
         q = ops.rope_heads(q, rot)  # [T, H, D]
 
         # Window K/V (step 2): norm, RoPE, fp8, packed rows of this step (the ring is written
         # after attention: a long chunk's rows would overwrite slots its early queries read).
-        kv = ops.fp8_linear(x, w.wkv.weight, w.wkv.scale)  # [T, D] bf16
         new_rows = ops.norm_rope_pack(kv, w.kv_norm, cfg.norm_eps, rot)  # [T, D + D/32] uint8
 
         # Compressed rows (step 3) and their selection (step 4).

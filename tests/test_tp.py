@@ -176,7 +176,7 @@ def _mixed_step(stack, state, seed=2):
 
 
 # (what each rank injects: None, or (layer, where)) -> the error each rank must raise.
-# where: an op of the layer (its first call raises: fp8_linear is the first op, before any
+# where: an op of the layer (its first call raises: fp8_linear, wq_b here, runs before any
 # collective; sparse_attn_paged runs between the index-score and the wo_b collectives) or
 # "write_window" (the ring write after the layer's last collective: it writes, then raises).
 FAILURES = [

@@ -33,6 +33,7 @@ class Ops:
     name: str
     sparse_attn_paged: Callable
     fp8_linear: Callable
+    fp8_linear_pair: Callable  # two fp8 linears of one input, one act-quant (wq_a and wkv)
     norm_rope_pack: Callable  # window K/V: RMSNorm + RoPE + fp8 + pack (+ ring write)
     rope_heads: Callable  # the query's RoPE
     compressor_project: Callable  # r > 1 compressor: fp32 wkv and wgate of every token
@@ -55,7 +56,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
         from .compressor.reference import project as compressor_project
         from .index_query.reference import rope_fp4_heads
         from .indexer.reference import index_topk
-        from .linear.reference import fp8_linear, linear
+        from .linear.reference import fp8_linear, fp8_linear_pair, linear
         from .output.reference import inverse_rope_wo_a
         from .sparse_attn.reference import sparse_attn_paged
         from .window_kv.reference import norm_rope_pack, rope_heads
@@ -71,7 +72,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
             from .indexer.triton import index_topk
             from .linear import reference as torch_linears
             from .linear import triton as fixed_linears
-            from .linear.triton import fp8_linear
+            from .linear.triton import fp8_linear, fp8_linear_pair
             from .output import triton as output
             from .sparse_attn.triton import sparse_attn_paged
             from .window_kv.triton import norm_rope_pack, rope_heads
@@ -87,6 +88,6 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
     else:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     # the reference ops write through boolean masks (host syncs): not capturable
-    return Ops(backend, sparse_attn_paged, fp8_linear, norm_rope_pack, rope_heads,
+    return Ops(backend, sparse_attn_paged, fp8_linear, fp8_linear_pair, norm_rope_pack, rope_heads,
                compressor_project, pool_norm_rope_pack, inverse_rope_wo_a, index_topk, rope_fp4_heads, linear, rms_norm,
                backend == "triton", batch_invariant)
