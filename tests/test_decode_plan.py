@@ -88,6 +88,25 @@ def test_plan_equals_token_by_token_steps(cfg_name, lengths, n_steps):
     assert plan.positions == [p + n_steps for p in lengths]
 
 
+def test_derive_facts_alone_changes_nothing():
+    """derive_facts (what bench times apart from the layers) writes only the plan's own
+    buffers: deriving a step's facts again, any number of times, leaves the state and every
+    later step's outputs as a plan that never called it gives them."""
+    stack = _stack(ODD)
+    a = _prefilled(stack, [1, 4, 5, 9])
+    b = a.clone()
+    xs = _tokens(ODD, 3, 4)
+    plain, extra = stack.plan_decode(a, steps=3), stack.plan_decode(b, steps=3)
+    for k in range(3):
+        extra.derive_facts()
+        extra.derive_facts()
+        want, got = plain.run(xs[k]), extra.run(xs[k])
+        for L in want:
+            assert torch.equal(got[L], want[L]), f"step {k} layer {L}"
+        extra.derive_facts()  # after the step: the next step derives its own
+    _assert_same_state(a, b)
+
+
 def test_plan_rows_subset_and_order():
     stack = _stack(ODD)
     eager = _prefilled(stack, [2, 6, 7, 11])
