@@ -73,6 +73,7 @@ def test_alone_batched_chunked_and_token_by_token_give_the_same_bits(run):
 
 def test_the_mode_is_chosen_per_stack_and_checked():
     from dsv41attn.ops.backends import get_ops
+    from dsv41attn.ops.compressor import triton as compressor
     from dsv41attn.ops.linear import reference as torch_linears
     from dsv41attn.ops.linear import triton as fixed_linears
 
@@ -81,6 +82,10 @@ def test_the_mode_is_chosen_per_stack_and_checked():
     assert fast.linear is torch_linears.linear and fixed.linear is fixed_linears.linear
     assert fast.sparse_attn_paged.keywords == {"split_blocks": 0}  # splits sized to the step
     assert fixed.fp8_linear is fast.fp8_linear  # fixed order in both modes
+    assert fixed.fp8_linear_pair is fast.fp8_linear_pair
+    # r > 1 compressor projections: dense_linear's one order, or project_rows / torch by size
+    assert fast.compressor_project.keywords == {"fixed_order": False}
+    assert fixed.compressor_project is compressor.project  # fixed_order=True by default
     with pytest.raises(ValueError, match="batch_invariant=True needs backend 'triton'"):
         get_ops("reference", batch_invariant=True)
     with pytest.raises(TypeError, match="batch_invariant must be a bool, got 1"):
