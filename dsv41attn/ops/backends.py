@@ -2,9 +2,9 @@
 
 "reference" runs every op in plain torch (the spec in code); "triton" runs the ops that have
 a Triton kernel through it (sparse attention with sink over the packed caches, the fp8
-linears, the window K/V epilogue and query RoPE, the compressor's fp32 projections and epilogue, the index query's
-RoPE and fp4 fake quant, the lightning indexer, inverse RoPE with the grouped wo_a) and the rest
-through the reference ops, on whatever device the tensors live.
+linears, the window K/V epilogue and query RoPE, the compressor's fp32 projections and
+epilogue, the index query's RoPE and fp4 fake quant, the lightning indexer, inverse RoPE with
+the grouped wo_a) and the rest through the reference ops, on whatever device the tensors live.
 Each op's reference (``ops/<op>/reference.py``) has the same signature as its kernel.
 
 ``batch_invariant`` (triton only; docs/numerics.md §9): True runs every reduction in an order
@@ -13,8 +13,9 @@ in any chunking and token by token; False (the default) lets the sparse attentio
 split to the step and runs the bf16 / fp32 linears and wo_a on torch (cuBLAS picks kernels by
 row count), which is faster where invariance costs (a batch of 256 and prefill, measured in
 docs/benchmarks.md) and equally exact against the reference's tolerances. The fp8 GEMMs and
-the query RMSNorm keep their fixed order in both modes: it costs them nothing, and so do the
-ratio > 1 compressor projections up to a few dozen rows (one fp64-summing kernel for both). The reference
+the query RMSNorm keep their fixed order in both modes: it costs them nothing. The ratio > 1
+compressor projections run dense_linear in the fixed mode and, by default, an fp64-summing
+kernel up to 16 rows (faster than torch there) and torch's float64 GEMM above. The reference
 backend has one mode (torch's kernels, whose blocking may follow the row count on a GPU).
 """
 from __future__ import annotations
@@ -88,6 +89,6 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
     else:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     # the reference ops write through boolean masks (host syncs): not capturable
-    return Ops(backend, sparse_attn_paged, fp8_linear, fp8_linear_pair, norm_rope_pack, rope_heads,
-               compressor_project, pool_norm_rope_pack, inverse_rope_wo_a, index_topk, rope_fp4_heads, linear, rms_norm,
-               backend == "triton", batch_invariant)
+    return Ops(backend, sparse_attn_paged, fp8_linear, fp8_linear_pair, norm_rope_pack,
+               rope_heads, compressor_project, pool_norm_rope_pack, inverse_rope_wo_a, index_topk,
+               rope_fp4_heads, linear, rms_norm, backend == "triton", batch_invariant)

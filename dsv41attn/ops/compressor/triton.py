@@ -147,20 +147,10 @@ def _pool_kernel(kv_ptr, score_ptr, pooled_ptr, page_ptr, slot_ptr, N, P, PAGE_R
     channel, so the same bits whatever the tile). kv, score: [N, RATIO, D] fp32; pooled: [N, D]
     fp32, written for the groups the epilogue writes (others: untouched). Grid (cdiv(N,
     BLOCK_G), D / BLOCK_C)."""
-    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
-    g64 = g.to(tl.int64)
-    ok = _in_pools(page_ptr, slot_ptr, g64, g < N, P, PAGE_ROWS)
+    g64, ok, _ = _group_rows(page_ptr, slot_ptr, N, P, PAGE_ROWS, BLOCK_G)
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     x = _pooled(kv_ptr, score_ptr, g64, ok, ch, RATIO, D, INTERPRET)
     tl.store(pooled_ptr + g64[:, None] * D + ch[None, :], x, mask=ok[:, None])
-
-
-@triton.jit
-def _in_pools(page_ptr, slot_ptr, g64, live, P, PAGE_ROWS):
-    """Whether groups g64 (where live) have a (page, slot) inside the pools."""
-    page = tl.load(page_ptr + g64, mask=live, other=-1)
-    slot = tl.load(slot_ptr + g64, mask=live, other=0)
-    return live & (page >= 0) & (page < P) & (slot >= 0) & (slot < PAGE_ROWS)
 
 
 @triton.jit
@@ -389,6 +379,12 @@ def project_rows(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor
     GEMM (and its float64 copies of the weights) only up to PROJECT_SMALL_M rows; the partials
     take ranges x 2 x T x D x 8 bytes. Raises ValueError on a bad dtype, shape or device."""
     _check_project(x, wkv, wgate)
+    return _project_rows(x, wkv, wgate)
+
+
+def _project_rows(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """project_rows on checked operands."""
     m, k = x.shape
     n = wkv.shape[0]
     out = torch.empty(2, m, n, dtype=torch.float32, device=x.device)  # kv, score
@@ -414,13 +410,10 @@ def project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, *,
     up to PROJECT_SMALL_M rows, torch's float64 GEMM above (each correctly rounded but for
     the rare fp64 near-tie, so the two agree to the bit almost everywhere)."""
     _check_project(x, wkv, wgate)
-    if x.numel() == 0:  # no rows, or dim = 0 (zeros)
-        out = x.new_zeros((2, x.shape[0], wkv.shape[0]), dtype=torch.float32)
-        return out[0], out[1]
     if fixed_order:
         return dense_linear(x, wkv), dense_linear(x, wgate)
     if x.shape[0] <= PROJECT_SMALL_M:
-        return project_rows(x, wkv, wgate)
+        return _project_rows(x, wkv, wgate)
     return reference.project(x, wkv, wgate)
 
 
