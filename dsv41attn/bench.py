@@ -176,6 +176,10 @@ class RoleBench:
         (``DecodePlan.derive_facts``: once per step, whatever the layer count), which a role
         without sources subtracts instead."""
         state, xs = self._decode_state(batch, ctx, 2 * reps + 6)
+        # the facts first: after the sources-only graph the sources are ahead of the target
+        # layer, and a plan of every layer is refused mid-step
+        facts = _graph_ms(self.stack.plan_decode(state, steps=1, layers=self.layers).derive_facts,
+                          reps=reps)
         times = {}
         sources = [L for L in self.layers if L != self.target]
         for name, layers in (("all", self.layers), ("sources", sources)):
@@ -185,8 +189,6 @@ class RoleBench:
             graph.replay(xs[1])  # first replay uploads the graph
             inputs = iter(xs * reps)
             times[name] = _events_ms(lambda g=graph, it=inputs: g.replay(next(it)), reps)
-        facts = _graph_ms(self.stack.plan_decode(state, steps=1, layers=self.layers).derive_facts,
-                          reps=reps)
         return (times["all"] - times.get("sources", facts)) * 1e3, facts * 1e3
 
     def decode_eager_us(self, batch: int, ctx: int, reps: int, compile_target: bool = False) -> float:
@@ -313,9 +315,10 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
                     row[key] = value
                 except torch.cuda.OutOfMemoryError:
                     row[key] = float("nan")
-                except Exception as e:  # noqa: BLE001 - a failed case is reported, not fatal
+                except Exception as e:  # noqa: BLE001 - reported, the other cases still run
                     row[key] = float("nan")
                     msg = f"{type(e).__name__}: {e}"
+                    row.setdefault("failed", []).append(f"{key}: {msg[:200]}")
                     log(f"  {role} {kind} b={batch} n={n} {key}: failed: {msg[:200]} ... {msg[-600:]}")
                 torch.cuda.empty_cache()
                 log(f"  {role} {kind} b={batch} n={n} {key}: {row[key]:.1f} us ({time.time() - t0:.1f} s)")
@@ -537,6 +540,9 @@ def main(args) -> int:
               f"{fmt(r, 'reference_us'):>8}{fmt(r, 'compiled_us'):>8}"
               f"{fmt(r, 'speedup_reference', '.0f'):>7}x"
               f"{fmt(r, 'invariant_us'):>10}{fmt(r, 'invariant_cost%', '+.0f'):>6}%")
+    # an out-of-memory case is a nan in the table; any other failure fails the command
+    failed = [f"{r['role']} {r['kind']} b={r['batch']} n={r['context']} {m}"
+              for r in rows for m in r.get("failed", ())]
     if args.profile:
         cfg = preset("v41-flash")
         weights = _weights(cfg, sorted({L for r in roles for L in role_layers(cfg, r)}), tp)
@@ -548,12 +554,16 @@ def main(args) -> int:
                                            else tp.group).profile_decode(batch, 4096)
                 except Exception as e:  # noqa: BLE001 - reported, the table above stands
                     print(f"  failed: {type(e).__name__}: {e}"[:300])
+                    failed.append(f"{role} profile b={batch}: {type(e).__name__}: {e}"[:300])
                     continue
                 print(f"  {sum(n for *_, n in top)} launches, {sum(us for _, us, _ in top):.1f} us "
                       f"of GPU time in all (besides the step's facts: {sum(n for *_, n in facts)} "
                       f"launches, {sum(us for _, us, _ in facts):.1f} us); the longest:")
                 for name, us, n in top[:12]:
                     print(f"  {us:>8.1f} us {n:>4}x  {name[:90]}")
+    if failed:
+        print(f"{len(failed)} case(s) failed:", *failed, sep="\n  ")
+        return 1
     return 0
 
 

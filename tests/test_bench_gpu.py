@@ -1,0 +1,30 @@
+"""bench's per-role decode timing on the GPU: every role's graph of its layer and sources, the
+sources-only graph and the step's facts give a finite time (the consumer roles once failed
+here: the facts plan was made after the sources ran ahead of the target layer). Needs CUDA and
+compiled kernels (TRITON_INTERPRET=0); skipped elsewhere."""
+import math
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available()
+                                or os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="needs a CUDA GPU with compiled Triton kernels")
+
+
+@pytest.fixture(scope="module")
+def weights():
+    from dsv41attn import preset
+    from dsv41attn.bench import ROLES, _weights, role_layers
+    cfg = preset("v41-flash")
+    return cfg, _weights(cfg, sorted({L for r in ROLES for L in role_layers(cfg, r)}))
+
+
+@pytest.mark.parametrize("role", ["SWA", "Full r=2", "Full r=1 cand", "Reindex", "Reuse"])
+def test_decode_graph_time_of_every_role(weights, role):
+    from dsv41attn.bench import RoleBench
+    cfg, w = weights
+    layer_us, facts_us = RoleBench(cfg, role, "triton", w).decode_graph_us(2, 640, 3)
+    assert math.isfinite(layer_us) and layer_us > 0, (role, layer_us)
+    assert math.isfinite(facts_us) and facts_us > 0, (role, facts_us)
