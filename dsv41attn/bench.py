@@ -561,6 +561,9 @@ def main(args) -> int:
                       f"launches, {sum(us for _, us, _ in facts):.1f} us); the longest:")
                 for name, us, n in top[:12]:
                     print(f"  {us:>8.1f} us {n:>4}x  {name[:90]}")
+                if len(top) > 12:
+                    print(f"  {sum(us for _, us, _ in top[12:]):>8.1f} us "
+                          f"{sum(n for *_, n in top[12:]):>4}x  the {len(top) - 12} other kernels")
     if failed:
         print(f"{len(failed)} case(s) failed:", *failed, sep="\n  ")
         return 1

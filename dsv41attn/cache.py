@@ -32,6 +32,7 @@ from .config import AttentionConfig
 from .ops.common.packing import (compressed_row_bytes, index_key_bytes, paged_index_keys,
                                  paged_rows, unpack_compressed_rows, unpack_window_rows,
                                  window_row_bytes)
+from .ops.compressor.reference import recent_group
 
 
 class StateError(ValueError):
@@ -205,15 +206,29 @@ class AttentionState:
         undo.save(state.positions, plan.seq_rows)
         state.positions[plan.seq_rows] = plan.seq_end
 
-    @staticmethod
-    def recent_group(recent: torch.Tensor, new: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
-        """[N, r, D] fp32: each completed group's r token projections, from the recent ring
-        ``recent`` [B, r + R, D] (member id < B*(r+R)) or this step's ``new`` [T, D]."""
-        flat = recent.view(-1, recent.shape[-1])
-        n = flat.shape[0]
-        old = flat[members.clamp(max=n - 1)]
-        fresh = new[(members - n).clamp(0, new.shape[0] - 1)]
-        return torch.where((members < n).unsqueeze(-1), old, fresh)
+    def decode_window_write(self, layer: int, plan, undo) -> dict:
+        """A decode plan's ring write, for the window K/V op to do as it packs the rows
+        (norm_rope_pack's ring arguments): saves the slots and positions it overwrites, then
+        returns the arguments. One token per sequence: its slot (position P mod S) holds
+        position P - S, which no query of the step reads (S = window + rollback >= window), so
+        the write may come before the attention; every token writes (``plan.ring_write``)."""
+        state = self.layers[layer]
+        _, flat = plan.ring_write
+        undo.save(state.window.view(-1, state.window.shape[-1]), flat)
+        undo.save(state.positions, plan.seq_rows)
+        return {"ring": state.window, "ring_row": None, "ring_slot": flat,
+                "positions": state.positions, "position": plan.seq_end}
+
+    recent_group = staticmethod(recent_group)  # the compressor op's (ops/compressor/reference)
+
+    def decode_recent_write(self, source: SourceState, writes, undo) -> torch.Tensor:
+        """A decode plan's recent-ring write, for ``recent_gather_write`` to do with its
+        gathers: saves the slots it overwrites (``writes`` = (every token, flat slots)) and
+        returns the flat slots."""
+        _, flat = writes
+        for recent in (source.recent_kv, source.recent_score):
+            undo.save(recent.view(-1, recent.shape[-1]), flat)
+        return flat
 
     def write_recent(self, source: SourceState, writes, new_kv: torch.Tensor,
                      new_score: torch.Tensor, undo) -> None:
@@ -229,9 +244,10 @@ class AttentionState:
                                 slot: torch.Tensor, undo) -> None:
         """Save the compressed rows and index keys at (page, slot) [N] that a compressor
         epilogue is about to write (page -1: nothing is written there)."""
-        where = (page.clamp_min(0), slot)
-        undo.save(source.rows, where)
-        undo.save(source.index_keys, where)
+        if undo.enabled:  # (a graph's log is off: no clamp launch there)
+            where = (page.clamp_min(0), slot)
+            undo.save(source.rows, where)
+            undo.save(source.index_keys, where)
 
     def set_index_key_slot(self, layer: int, undo) -> None:
         """KV source ``layer`` takes the shared index-key slot (docs/numerics.md §7)."""

@@ -108,9 +108,12 @@ class AttentionLayer:
         q = ops.fp8_linear(qr, w.wq_b.weight, w.wq_b.scale).view(t, self.heads, cfg.head_dim)
         q = ops.rope_heads(q, rot)  # [T, H, D]
 
-        # Window K/V (step 2): norm, RoPE, fp8, packed rows of this step (the ring is written
-        # after attention: a long chunk's rows would overwrite slots its early queries read).
-        new_rows = ops.norm_rope_pack(kv, w.kv_norm, cfg.norm_eps, rot)  # [T, D + D/32] uint8
+        # Window K/V (step 2): norm, RoPE, fp8, packed rows of this step. A step plan writes
+        # them into the ring after attention (a long chunk's rows would overwrite slots its
+        # early queries read); a decode plan's one token per sequence overwrites a slot no
+        # query reads, so the same launch writes it and the layer's positions.
+        ring = {} if plan.compact else state.decode_window_write(spec.layer, plan, undo)
+        new_rows = ops.norm_rope_pack(kv, w.kv_norm, cfg.norm_eps, rot, **ring)  # [T, D + D/32]
 
         # Compressed rows (step 3) and their selection (step 4).
         pool = None
@@ -118,7 +121,7 @@ class AttentionLayer:
         if spec.ratio > 0:
             facts = plan.ratios[spec.ratio]
             if spec.is_kv_source:
-                self._compress(x, state, facts, undo, semantics)
+                self._compress(x, state, facts, undo, semantics, decode=not plan.compact)
             selected = self._index(x, qr, rot, state, plan, facts, board) \
                 if spec.is_index_source else board.topk(spec.index_source)
             pool = state.sources[spec.kv_source].rows
@@ -140,26 +143,33 @@ class AttentionLayer:
         else:  # this rank's fp32 partial, all-reduced in fp32, then bf16
             y = self.tp.wo_b(ops, u, w.wo_b)
 
-        state.write_window(spec.layer, plan, new_rows, undo)
+        if plan.compact:
+            state.write_window(spec.layer, plan, new_rows, undo)
         return y
 
     def _compress(self, x: torch.Tensor, state: AttentionState, facts: RatioFacts,
-                  undo: UndoLog, semantics: str) -> None:
+                  undo: UndoLog, semantics: str, decode: bool) -> None:
         """KV source (docs/numerics.md §5, step 3): the groups completed by this step's tokens
         become compressed rows and index keys in the pool (keys from the pre-RoPE latent); r > 1
-        keeps every token's fp32 projections in the recent ring for the open group."""
+        keeps every token's fp32 projections in the recent ring for the open group (a decode
+        plan's one token per sequence: the gathers and the ring write in one op)."""
         cfg, spec, w = self.cfg, self.spec, self.weights
         source = state.sources[spec.layer]
-        tokens = facts.close_tokens
         if spec.ratio == 1:
-            kv = self.ops.linear(x[tokens], w.compressor_wkv).unsqueeze(1)  # [N, 1, D] bf16
+            # ratio 1: every token closes its group (close_tokens lists them all, in order)
+            kv = self.ops.linear(x, w.compressor_wkv).unsqueeze(1)  # [N = T, 1, D] bf16
             score = None
         else:
             new_kv, new_score = self.ops.compressor_project(x, w.compressor_wkv,
                                                             w.compressor_wgate)  # [T, D] fp32
-            kv = state.recent_group(source.recent_kv, new_kv, facts.members)  # [N, r, D]
-            score = state.recent_group(source.recent_score, new_score, facts.members)
-            state.write_recent(source, facts.recent_write, new_kv, new_score, undo)
+            if decode:
+                kv, score = self.ops.recent_gather_write(
+                    source.recent_kv, source.recent_score, new_kv, new_score, facts.members,
+                    state.decode_recent_write(source, facts.recent_write, undo))  # [N, r, D]
+            else:
+                kv = state.recent_group(source.recent_kv, new_kv, facts.members)  # [N, r, D]
+                score = state.recent_group(source.recent_score, new_score, facts.members)
+                state.write_recent(source, facts.recent_write, new_kv, new_score, undo)
         page, slot = facts.close_page, facts.close_slot
         state.before_compressed_write(source, page, slot, undo)
         self.ops.pool_norm_rope_pack(kv, score, w.compressor_norm, w.index_wk, w.index_k_norm,

@@ -368,3 +368,72 @@ def test_project_empty_and_bad_inputs(fn):
             fn(*args)
     with pytest.raises(TypeError):
         fn(x, wkv, wgate.tolist())
+
+
+# ---- recent_gather_write: a decode step's open-group gathers and recent-ring write ----------
+
+def _recent_case(b, held, d, r, seed):
+    """Rings [b, held, d], one token per sequence at random positions, members and write slots
+    as a decode step derives them (ids past the step clamp, as an open group's do)."""
+    g = torch.Generator().manual_seed(seed)
+    ring_kv = torch.randn(b, held, d, generator=g)
+    ring_sc = torch.randn(b, held, d, generator=g)
+    new_kv = torch.randn(b, d, generator=g)
+    new_sc = torch.randn(b, d, generator=g)
+    pos = torch.randint(0, 50, (b,), generator=g)
+    n_ring = b * held
+    grp = (pos // r) * r
+    q = grp.unsqueeze(1) + torch.arange(r)  # [b, r] the group's positions
+    t = torch.arange(b).unsqueeze(1)
+    members = torch.where(q >= pos.unsqueeze(1), n_ring + t + q - pos.unsqueeze(1),
+                          t * held + q % held)
+    write = torch.arange(b) * held + pos % held
+    write[::3] = -1  # some tokens write nothing
+    return ring_kv, ring_sc, new_kv, new_sc, members, write
+
+
+@pytest.mark.parametrize("b,held,d,r", [(1, 2, 32, 2), (5, 4, 64, 2), (7, 6, 512, 4),
+                                        (3, 3, 200, 3)])
+def test_recent_gather_write_matches_reference(b, held, d, r):
+    """The same gathered projections and the same rings after (bit for bit), every member
+    kind: ring slots, this step's row, ids past the step (clamped), unwritten tokens."""
+    ring_kv, ring_sc, new_kv, new_sc, members, write = _recent_case(b, held, d, r, seed=b * d)
+    assert (members >= b * held).any() and (members < b * held).any()
+    ref_kv, ref_sc = ring_kv.clone(), ring_sc.clone()
+    want = R.recent_gather_write(ref_kv, ref_sc, new_kv, new_sc, members, write)
+    dev = [x.clone().to(DEV) for x in (ring_kv, ring_sc, new_kv, new_sc, members, write)]
+    got = T.recent_gather_write(*dev)
+    for w, gt in zip(want, got):
+        assert torch.equal(gt.cpu(), w)
+    assert torch.equal(dev[0].cpu(), ref_kv) and torch.equal(dev[1].cpu(), ref_sc)
+    # the reference's meaning: members read the rings as before the write
+    assert torch.equal(want[0], R.recent_group(ring_kv, new_kv, members))
+    kept = write >= 0
+    assert torch.equal(ref_kv.view(-1, d)[write[kept]], new_kv[kept])
+    untouched = torch.ones(b * held, dtype=torch.bool)
+    untouched[write[kept]] = False
+    assert torch.equal(ref_sc.view(-1, d)[untouched], ring_sc.view(-1, d)[untouched])
+
+
+def test_recent_gather_write_empty_and_errors():
+    ring = torch.zeros(2, 3, 32, device=DEV)
+    kv, sc = T.recent_gather_write(ring, ring.clone(), torch.zeros(0, 32, device=DEV),
+                                   torch.zeros(0, 32, device=DEV),
+                                   torch.zeros(0, 2, dtype=torch.int64, device=DEV),
+                                   torch.zeros(0, dtype=torch.int64, device=DEV))
+    assert kv.shape == (0, 2, 32) and sc.shape == (0, 2, 32)
+    good = dict(recent_kv=ring, recent_score=ring.clone(), new_kv=torch.zeros(2, 32, device=DEV),
+                new_score=torch.zeros(2, 32, device=DEV),
+                members=torch.zeros(2, 2, dtype=torch.int64, device=DEV),
+                write=torch.zeros(2, dtype=torch.int64, device=DEV))
+    bad = {"recent_kv": (ring.double(), "recent_kv must be a contiguous fp32"),
+           "recent_score": (ring[:, :2].clone(), "recent_score must be a contiguous fp32"),
+           "new_kv": (torch.zeros(2, 16, device=DEV), r"new_kv must be fp32 \[2, 32\]"),
+           "members": (torch.zeros(2, 2, dtype=torch.int32, device=DEV), "members must be int64"),
+           "write": (torch.zeros(3, dtype=torch.int64, device=DEV), r"write must be int64 \[2\]")}
+    for name, (value, message) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            T.recent_gather_write(**dict(good, **{name: value}))
+    with pytest.raises(TypeError, match="new_score must be a torch.Tensor"):
+        T.recent_gather_write(**dict(good, new_score=[0.0]))
+    assert (ring == 0).all()

@@ -179,6 +179,36 @@ def test_norm_rope_pack_ring(dims, strided):
     assert not torch.equal(ring_ref, ring_of(pattern))  # something was written
 
 
+@pytest.mark.parametrize("dims", list(DIMS))
+def test_norm_rope_pack_flat_slots_and_positions(dims):
+    """A decode plan's form: flat slots row * S + slot (no ring_row) write what the (row, slot)
+    form writes, and each written row's sequence position is set (a row with slot -1 and its
+    sequence's position are left alone), as the reference does."""
+    batch, slots = 4, 5
+    ring_row = torch.tensor([2, 0, 3, 1])
+    ring_slot = torch.tensor([4, 0, -1, 2])
+    flat = torch.where(ring_slot >= 0, ring_row * slots + ring_slot, -1)
+    kv, weight, rot = _case(dims, 4, seed=11, exact_sum=True)
+    row_bytes = kv.shape[1] + kv.shape[1] // 32
+    g = torch.Generator().manual_seed(12)
+    pattern = torch.randint(0, 256, (batch, slots, row_bytes), generator=g, dtype=torch.uint8)
+    pos0 = torch.tensor([7, 8, 9, 10])
+    position = torch.tensor([31, 32, 33, 34])
+    by_row = pattern.clone()
+    R.norm_rope_pack(kv, weight, EPS, rot, by_row, ring_row, ring_slot)
+    ring_ref, pos_ref = pattern.clone(), pos0.clone()
+    want = R.norm_rope_pack(kv, weight, EPS, rot, ring_ref, None, flat, positions=pos_ref,
+                            position=position)
+    assert torch.equal(ring_ref, by_row)
+    assert pos_ref.tolist() == [32, 34, 31, 10]  # rows 0, 1, 2 written; row 3's slot is -1
+    ring, pos = pattern.clone().to(DEV), pos0.clone().to(DEV)
+    got = T.norm_rope_pack(kv.to(DEV), weight.to(DEV), EPS, rot.to(DEV), ring, None,
+                           flat.to(DEV), positions=pos, position=position.to(DEV))
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(ring.cpu(), ring_ref)
+    assert torch.equal(pos.cpu(), pos_ref)
+
+
 @pytest.mark.parametrize("n", [1, 3, 37])
 @pytest.mark.parametrize("dims,heads,inverse", [
     ("tiny", 8, False), ("tiny", 3, True), ("v41-flash", 3, False), ("v41-flash", 3, True),
@@ -238,7 +268,20 @@ PACK_ERRORS = {
     "rot_too_wide": ({"rot": torch.ones(3, 17, dtype=torch.complex64)}, r"rot shape \(3, 17\)"),
     "ring_int8": ({"ring": torch.zeros(2, 4, 33, dtype=torch.int8)}, r"ring must be a uint8 \[B, S, 33\]"),
     "ring_bytes": ({"ring": torch.zeros(2, 4, 32, dtype=torch.uint8)}, r"ring must be a uint8 \[B, S, 33\]"),
-    "ring_row_missing": ({"ring_row": None}, r"ring_row must be an int64 \[3\]"),
+    "ring_row_int32": ({"ring_row": torch.zeros(3, dtype=torch.int32)}, r"ring_row must be an int64 \[3\]"),
+    "flat_slot_int32": ({"ring_row": None, "ring_slot": torch.arange(3, dtype=torch.int32)},
+                        r"ring_slot must be an int64 \[3\]"),
+    "positions_without_ring": ({"ring": None, "ring_row": None, "ring_slot": None,
+                                "positions": torch.zeros(2, dtype=torch.int64),
+                                "position": torch.ones(3, dtype=torch.int64)},
+                               "positions were given without a ring"),
+    "position_without_positions": ({"position": torch.ones(3, dtype=torch.int64)},
+                                   "position was given without positions"),
+    "positions_shape": ({"positions": torch.zeros(3, dtype=torch.int64),
+                         "position": torch.ones(3, dtype=torch.int64)},
+                        r"positions must be a contiguous int64 \[2\]"),
+    "position_missing": ({"positions": torch.zeros(2, dtype=torch.int64)},
+                         r"position must be an int64 \[3\] tensor with positions"),
     "ring_slot_int32": ({"ring_slot": torch.arange(3, dtype=torch.int32)}, r"ring_slot must be an int64 \[3\]"),
     "ring_slot_shape": ({"ring_slot": torch.arange(4)}, r"ring_slot must be an int64 \[3\]"),
     "index_without_ring": ({"ring": None}, "ring_row and ring_slot were given without a ring"),
@@ -250,10 +293,14 @@ def test_norm_rope_pack_errors(case):
     changes, message = PACK_ERRORS[case]
     args = _pack_args(**changes)
     ring_before = args["ring"].clone() if isinstance(args["ring"], torch.Tensor) else None
+    pos_before = args["positions"].clone() if isinstance(args.get("positions"), torch.Tensor) \
+        else None
     with pytest.raises(ValueError, match=message):
         T.norm_rope_pack(**args)
     if ring_before is not None:  # rejected before anything is written
         assert torch.equal(args["ring"], ring_before)
+    if pos_before is not None:
+        assert torch.equal(args["positions"], pos_before)
 
 
 ROPE_ERRORS = {

@@ -2,9 +2,9 @@
 
 "reference" runs every op in plain torch (the spec in code); "triton" runs the ops that have
 a Triton kernel through it (sparse attention with sink over the packed caches, the fp8
-linears, the window K/V epilogue and query RoPE, the compressor's fp32 projections and
-epilogue, the index query's RoPE and fp4 fake quant, the lightning indexer, inverse RoPE with
-the grouped wo_a) and the rest through the reference ops, on whatever device the tensors live.
+linears, the window K/V epilogue and query RoPE, the compressor's fp32 projections,
+recent-ring gathers and epilogue, the index query's RoPE and fp4 fake quant, the lightning
+indexer, inverse RoPE with the grouped wo_a) and the rest through the reference ops, on whatever device the tensors live.
 Each op's reference (``ops/<op>/reference.py``) has the same signature as its kernel.
 
 ``batch_invariant`` (triton only; docs/numerics.md §9): True runs every reduction in an order
@@ -38,6 +38,7 @@ class Ops:
     norm_rope_pack: Callable  # window K/V: RMSNorm + RoPE + fp8 + pack (+ ring write)
     rope_heads: Callable  # the query's RoPE
     compressor_project: Callable  # r > 1 compressor: fp32 wkv and wgate of every token
+    recent_gather_write: Callable  # r > 1 decode: the groups' projections, the recent-ring write
     pool_norm_rope_pack: Callable  # compressor epilogue: rows and index keys into the pools
     inverse_rope_wo_a: Callable  # inverse RoPE + block-diagonal wo_a
     index_topk: Callable  # the lightning indexer: scores, candidate blocks, top-k
@@ -55,6 +56,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
         from .common.norm import rms_norm
         from .compressor.reference import pool_norm_rope_pack
         from .compressor.reference import project as compressor_project
+        from .compressor.reference import recent_gather_write
         from .index_query.reference import rope_fp4_heads
         from .indexer.reference import index_topk
         from .linear.reference import fp8_linear, fp8_linear_pair, linear
@@ -69,6 +71,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
             from .common.triton import rms_norm
             from .compressor.triton import pool_norm_rope_pack
             from .compressor.triton import project as compressor_project
+            from .compressor.triton import recent_gather_write
             from .index_query.triton import rope_fp4_heads
             from .indexer.triton import index_topk
             from .linear import reference as torch_linears
@@ -90,5 +93,6 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     # the reference ops write through boolean masks (host syncs): not capturable
     return Ops(backend, sparse_attn_paged, fp8_linear, fp8_linear_pair, norm_rope_pack,
-               rope_heads, compressor_project, pool_norm_rope_pack, inverse_rope_wo_a, index_topk,
-               rope_fp4_heads, linear, rms_norm, backend == "triton", batch_invariant)
+               rope_heads, compressor_project, recent_gather_write, pool_norm_rope_pack,
+               inverse_rope_wo_a, index_topk, rope_fp4_heads, linear, rms_norm,
+               backend == "triton", batch_invariant)

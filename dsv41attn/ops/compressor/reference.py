@@ -25,6 +25,36 @@ def project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor
     return linear(xf, wkv), linear(xf, wgate)
 
 
+def recent_group(recent: torch.Tensor, new: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+    """[N, r, D] fp32: each group's r token projections, from the recent ring ``recent``
+    [B, r + R, D] (member id < B*(r+R): its flat slot) or this step's ``new`` [T, D] (id
+    B*(r+R) + t: token t; ids past the step's tokens read its last one: a group still open,
+    whose row is never written)."""
+    flat = recent.view(-1, recent.shape[-1])
+    n = flat.shape[0]
+    old = flat[members.clamp(max=n - 1)]
+    fresh = new[(members - n).clamp(0, new.shape[0] - 1)]
+    return torch.where((members < n).unsqueeze(-1), old, fresh)
+
+
+def recent_gather_write(recent_kv: torch.Tensor, recent_score: torch.Tensor,
+                        new_kv: torch.Tensor, new_score: torch.Tensor, members: torch.Tensor,
+                        write: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's r > 1 open-group bookkeeping in one op: (kv, score) [T, r, D] fp32,
+    ``recent_group`` of both rings, then this step's projections new_kv, new_score [T, D]
+    into the rings [B, r + R, D] at flat slots ``write`` [T] int64 (-1: not written).
+
+    The gathers read the rings as they were: no write slot may be a member slot of the step
+    (a decode step: a token's slot, position P mod (r + R), holds position P - r - R, outside
+    every group of the step)."""
+    kv = recent_group(recent_kv, new_kv, members)
+    score = recent_group(recent_score, new_score, members)
+    keep = write >= 0
+    for ring, new in ((recent_kv, new_kv), (recent_score, new_score)):
+        ring.view(-1, ring.shape[-1])[write[keep]] = new[keep]
+    return kv, score
+
+
 def pool_norm_rope_pack(kv: torch.Tensor, score: torch.Tensor | None, norm_weight: torch.Tensor,
                         index_wk: torch.Tensor, index_k_norm: torch.Tensor, eps: float,
                         rot: torch.Tensor, rows_pool: torch.Tensor, keys_pool: torch.Tensor,

@@ -417,6 +417,87 @@ def project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, *,
     return reference.project(x, wkv, wgate)
 
 
+RECENT_BLOCK_D = 128  # channels per program of _recent_kernel
+
+
+@triton.jit
+def _recent_kernel(rkv_ptr, rsc_ptr, nkv_ptr, nsc_ptr, members_ptr, write_ptr, okv_ptr,
+                   osc_ptr, N_RING, T, D, R: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """Grid (T, cdiv(D, BLOCK_D)): token t's r members' kv and score channels (from the rings
+    or this step's rows, ids clamped as reference.recent_group), then its own channels into
+    the rings at write[t] (when >= 0). Rings [N_RING, D], new [T, D], out [T, R, D]: fp32,
+    contiguous."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    j = tl.arange(0, BLOCK_R)
+    j_ok = j < R
+    m = tl.load(members_ptr + t * R + j, mask=j_ok, other=0)
+    in_ring = m < N_RING
+    ring_at = tl.minimum(m, N_RING - 1)
+    new_at = tl.minimum(tl.maximum(m - N_RING, 0), T - 1)
+    ok = j_ok[:, None] & d_ok[None, :]
+    ring_off = ring_at[:, None] * D + offs_d[None, :]
+    new_off = new_at[:, None] * D + offs_d[None, :]
+    ring_rows = ok & in_ring[:, None]
+    new_rows = ok & (m >= N_RING)[:, None]
+    out_off = (t * R + j)[:, None] * D + offs_d[None, :]
+    kv = tl.where(ring_rows, tl.load(rkv_ptr + ring_off, mask=ring_rows, other=0.0),
+                  tl.load(nkv_ptr + new_off, mask=new_rows, other=0.0))
+    sc = tl.where(ring_rows, tl.load(rsc_ptr + ring_off, mask=ring_rows, other=0.0),
+                  tl.load(nsc_ptr + new_off, mask=new_rows, other=0.0))
+    tl.store(okv_ptr + out_off, kv, mask=ok)
+    tl.store(osc_ptr + out_off, sc, mask=ok)
+    w = tl.load(write_ptr + t)
+    if w >= 0:
+        tl.store(rkv_ptr + w * D + offs_d, tl.load(nkv_ptr + t * D + offs_d, mask=d_ok),
+                 mask=d_ok)
+        tl.store(rsc_ptr + w * D + offs_d, tl.load(nsc_ptr + t * D + offs_d, mask=d_ok),
+                 mask=d_ok)
+
+
+def recent_gather_write(recent_kv: torch.Tensor, recent_score: torch.Tensor,
+                        new_kv: torch.Tensor, new_score: torch.Tensor, members: torch.Tensor,
+                        write: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.recent_gather_write`` in one launch (the same values: a copy). The rings'
+    gathers and writes run side by side, hence the reference's condition that no write slot
+    is a member slot; write slots past the rings are caller errors (not checked: a sync)."""
+    tensors = {"recent_kv": recent_kv, "recent_score": recent_score, "new_kv": new_kv,
+               "new_score": new_score, "members": members, "write": write}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    require(recent_kv.dim() == 3 and recent_kv.dtype == torch.float32
+            and recent_kv.is_contiguous(),
+            f"recent_kv must be a contiguous fp32 [B, r + R, D] ring, got "
+            f"{recent_kv.dtype} {tuple(recent_kv.shape)}")
+    require(recent_score.shape == recent_kv.shape and recent_score.dtype == torch.float32
+            and recent_score.is_contiguous(),
+            f"recent_score must be a contiguous fp32 {tuple(recent_kv.shape)} ring like "
+            f"recent_kv, got {recent_score.dtype} {tuple(recent_score.shape)}")
+    d = recent_kv.shape[2]
+    require(members.dim() == 2 and members.dtype == torch.int64,
+            f"members must be int64 [T, r], got {members.dtype} {tuple(members.shape)}")
+    t, r = members.shape
+    for name, new in (("new_kv", new_kv), ("new_score", new_score)):
+        require(new.dtype == torch.float32 and tuple(new.shape) == (t, d),
+                f"{name} must be fp32 [{t}, {d}] (T = members' rows, D = the rings'), got "
+                f"{new.dtype} {tuple(new.shape)}")
+    require(write.dtype == torch.int64 and tuple(write.shape) == (t,),
+            f"write must be int64 [{t}], got {write.dtype} {tuple(write.shape)}")
+    check_device(*tensors.values())
+    kv = torch.empty(t, r, d, dtype=torch.float32, device=new_kv.device)
+    score = torch.empty_like(kv)
+    if t and r and d:
+        _recent_kernel[(t, triton.cdiv(d, RECENT_BLOCK_D))](
+            recent_kv, recent_score, new_kv.contiguous(), new_score.contiguous(),
+            members.contiguous(), write.contiguous(), kv, score,
+            recent_kv.shape[0] * recent_kv.shape[1], t, d, R=r,
+            BLOCK_R=triton.next_power_of_2(r), BLOCK_D=RECENT_BLOCK_D, num_warps=2)
+    return kv, score
+
+
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 

@@ -15,20 +15,28 @@ from ..common.rope import apply_rope
 
 def norm_rope_pack(kv: torch.Tensor, weight: torch.Tensor, eps: float, rot: torch.Tensor,
                    ring: torch.Tensor | None = None, ring_row: torch.Tensor | None = None,
-                   ring_slot: torch.Tensor | None = None) -> torch.Tensor:
+                   ring_slot: torch.Tensor | None = None, *,
+                   positions: torch.Tensor | None = None,
+                   position: torch.Tensor | None = None) -> torch.Tensor:
     """``pack_window_rows(apply_rope(rms_norm(kv, weight, eps), rot))``, optionally into a ring.
 
     kv: [N, D] bf16, D a multiple of 32; weight: [D] bf16 (kv_norm); rot: [N, R/2] complex64
     rotations of each row's position (rope_rotations), 2 * (R/2) <= D.
     ring: optional [B, S, D + D/32] uint8 window ring, written in place: row i goes to
-    ring[ring_row[i], ring_slot[i]] (ring_row, ring_slot: [N] int64); rows with ring_slot < 0
-    are not written. At most one row per (ring_row, ring_slot) pair.
+    ring[ring_row[i], ring_slot[i]] (ring_row, ring_slot: [N] int64), or with ring_row None
+    to flat slot ring_slot[i] = row * S + slot; rows with ring_slot < 0 are not written. At
+    most one row per ring slot. positions, position (with a ring): [B] and [N] int64,
+    positions[row of i] = position[i] for every row written (at most one per sequence).
     Returns the packed rows [N, D + D/32] uint8: D e4m3 codes then D/32 ue8m0 exponents.
     """
     packed = pack_window_rows(apply_rope(rms_norm(kv, weight, eps), rot))  # [N, D + D/32]
     if ring is not None:
         keep = ring_slot >= 0
+        if ring_row is None:
+            ring_row, ring_slot = ring_slot // ring.shape[1], ring_slot % ring.shape[1]
         ring[ring_row[keep], ring_slot[keep]] = packed[keep]
+        if positions is not None:
+            positions[ring_row[keep]] = position[keep]
     return packed
 
 

@@ -29,12 +29,16 @@ __all__ = ["norm_rope_pack", "rope_heads"]  # rope_heads lives in common.triton 
 
 @triton.jit
 def _norm_rope_pack_kernel(kv_ptr, w_ptr, cs_ptr, out_ptr, ring_ptr, ring_row_ptr,
-                           ring_slot_ptr, eps, inv_max, B, S, ring_stride_b, ring_stride_s,
-                           D: tl.constexpr, R2: tl.constexpr, BLOCK_KB: tl.constexpr,
-                           HAS_RING: tl.constexpr, INTERPRET: tl.constexpr):
+                           ring_slot_ptr, pos_ptr, position_ptr, eps, inv_max, B, S,
+                           ring_stride_b, ring_stride_s, D: tl.constexpr, R2: tl.constexpr,
+                           BLOCK_KB: tl.constexpr, HAS_RING: tl.constexpr,
+                           HAS_ROW: tl.constexpr, HAS_POS: tl.constexpr,
+                           INTERPRET: tl.constexpr):
     """kv: [N, D] bf16; w: [D] bf16; cs: [N, R2, 2] fp32; out: [N, D + D/32] uint8; ring:
     [B, S, D + D/32] uint8 with strides (ring_stride_b, ring_stride_s, 1); ring_row,
-    ring_slot: [N] int64. All but the ring contiguous. Grid (N,)."""
+    ring_slot: [N] int64 (HAS_ROW), or ring_slot alone holding flat slots row * S + slot;
+    pos: [B] int64, position: [N] int64 (HAS_POS: pos[row] = position[n] for each written
+    row). All but the ring contiguous. Grid (N,)."""
     n = tl.program_id(0).to(tl.int64)
     KB: tl.constexpr = D // 32
     offs_b = tl.arange(0, BLOCK_KB)  # scale blocks of the row
@@ -73,26 +77,37 @@ def _norm_rope_pack_kernel(kv_ptr, w_ptr, cs_ptr, out_ptr, ring_ptr, ring_row_pt
     tl.store(out_row + D + offs_b, scale_byte, mask=b_mask)
     if HAS_RING:
         slot = tl.load(ring_slot_ptr + n)
-        seq = tl.load(ring_row_ptr + n)
+        if HAS_ROW:
+            seq = tl.load(ring_row_ptr + n)
+        else:  # a flat slot row * S + slot (a negative one is not written)
+            seq = tl.where(slot >= 0, slot // S, -1)
+            slot = slot % S
         # out-of-range entries are caller errors; skipping them keeps the write in bounds
         if (slot >= 0) & (slot < S) & (seq >= 0) & (seq < B):
             ring_at = ring_ptr + seq * ring_stride_b + slot * ring_stride_s
             tl.store(ring_at + 2 * pair, code_even, mask=mask)
             tl.store(ring_at + 2 * pair + 1, code_odd, mask=mask)
             tl.store(ring_at + D + offs_b, scale_byte, mask=b_mask)
+            if HAS_POS:
+                tl.store(pos_ptr + seq, tl.load(position_ptr + n))
 
 
 def norm_rope_pack(kv: torch.Tensor, weight: torch.Tensor, eps: float, rot: torch.Tensor,
                    ring: torch.Tensor | None = None, ring_row: torch.Tensor | None = None,
-                   ring_slot: torch.Tensor | None = None) -> torch.Tensor:
+                   ring_slot: torch.Tensor | None = None, *,
+                   positions: torch.Tensor | None = None,
+                   position: torch.Tensor | None = None) -> torch.Tensor:
     """``pack_window_rows(apply_rope(rms_norm(kv, weight, eps), rot))``, optionally into a ring.
 
     kv: [N, D] bf16, D a multiple of 32; weight: [D] bf16 (kv_norm); rot: [N, R/2] complex64
     rotations of each row's position (rope_rotations), 2 * (R/2) <= D.
     ring: optional [B, S, D + D/32] uint8 window ring (last dim contiguous), written in place:
-    row i goes to ring[ring_row[i], ring_slot[i]] (ring_row, ring_slot: [N] int64); rows with
-    ring_slot < 0 are not written. At most one row per (ring_row, ring_slot) pair; entries
-    outside [0, B) x [0, S) are not checked on the host (it would need a sync) and not written.
+    row i goes to ring[ring_row[i], ring_slot[i]] (ring_row, ring_slot: [N] int64), or with
+    ring_row None to flat slot ring_slot[i] = row * S + slot; rows with ring_slot < 0 are not
+    written. At most one row per ring slot; entries outside the ring are not checked on the
+    host (it would need a sync) and not written. positions, position (with a ring): [B] and
+    [N] int64, positions[row of i] = position[i] for every row written (the ring's sequence
+    positions advanced with its rows; at most one row per sequence then).
     Returns the packed rows [N, D + D/32] uint8: D e4m3 codes then D/32 ue8m0 exponents.
     Finite inputs only.
     """
@@ -117,24 +132,48 @@ def norm_rope_pack(kv: torch.Tensor, weight: torch.Tensor, eps: float, rot: torc
               and ring.shape[2] == row_bytes and ring.stride(2) == 1,
               f"ring must be a uint8 [B, S, {row_bytes}] tensor with a contiguous last dim, got "
               f"{getattr(ring, 'dtype', type(ring))} {tuple(getattr(ring, 'shape', ()))}")
-        for name, index in (("ring_row", ring_row), ("ring_slot", ring_slot)):
+        indices = (("ring_slot", ring_slot),) if ring_row is None else \
+            (("ring_row", ring_row), ("ring_slot", ring_slot))
+        for name, index in indices:
             require(isinstance(index, torch.Tensor) and index.dtype == torch.int64
                   and tuple(index.shape) == (n,),
                   f"{name} must be an int64 [{n}] tensor when a ring is given, got "
                   f"{getattr(index, 'dtype', type(index))} {tuple(getattr(index, 'shape', ()))}")
-        tensors += [ring, ring_row, ring_slot]
+        tensors += [ring, ring_slot] + ([] if ring_row is None else [ring_row])
+    if positions is None:
+        require(position is None, "position was given without positions")
+    else:
+        b = ring.shape[0] if ring is not None else None
+        require(ring is not None, "positions were given without a ring")
+        require(isinstance(positions, torch.Tensor) and positions.dtype == torch.int64
+              and tuple(positions.shape) == (b,) and positions.is_contiguous(),
+              f"positions must be a contiguous int64 [{b}] tensor (one per ring row), got "
+              f"{getattr(positions, 'dtype', type(positions))} "
+              f"{tuple(getattr(positions, 'shape', ()))}")
+        require(isinstance(position, torch.Tensor) and position.dtype == torch.int64
+              and tuple(position.shape) == (n,),
+              f"position must be an int64 [{n}] tensor with positions, got "
+              f"{getattr(position, 'dtype', type(position))} "
+              f"{tuple(getattr(position, 'shape', ()))}")
+        tensors += [positions, position]
     check_device(*tensors)
     out = torch.empty(n, row_bytes, dtype=torch.uint8, device=kv.device)
     if n == 0:
         return out
-    has_ring = ring is not None
+    has_ring, has_row, has_pos = ring is not None, ring_row is not None, positions is not None
     if not has_ring:  # placeholders: HAS_RING=False never touches them
-        ring, ring_row, ring_slot = out, out, out
+        ring, ring_slot = out, out
+    if not has_row:
+        ring_row = out
+    if not has_pos:
+        positions, position = out, out
     _norm_rope_pack_kernel[(n,)](
         kv.contiguous(), weight.contiguous(), cos_sin(rot), out, ring,
-        ring_row.contiguous(), ring_slot.contiguous(), float(eps), INV_FP8_MAX,
+        ring_row.contiguous(), ring_slot.contiguous(), positions, position.contiguous(),
+        float(eps), INV_FP8_MAX,
         ring.shape[0] if has_ring else 0, ring.shape[1] if has_ring else 0,
         ring.stride(0) if has_ring else 0, ring.stride(1) if has_ring else 0,
         D=d, R2=r2, BLOCK_KB=triton.next_power_of_2(d // FP8_BLOCK), HAS_RING=has_ring,
-        INTERPRET=interpreting(), num_warps=4, enable_fp_fusion=False)
+        HAS_ROW=has_row, HAS_POS=has_pos, INTERPRET=interpreting(), num_warps=4,
+        enable_fp_fusion=False)
     return out
