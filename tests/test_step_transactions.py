@@ -86,6 +86,39 @@ def test_a_layer_that_raises_undoes_the_whole_step(cfg, weights, backend, op_nam
             assert torch.equal(got[layer], want[layer]), (L, layer)
 
 
+@pytest.mark.parametrize("backend,op_name", [
+    ("reference", "sparse_attn_paged"), ("reference", "index_topk"),
+    pytest.param("triton", "inverse_rope_wo_a", marks=[pytest.mark.triton, pytest.mark.skipif(
+        torch.cuda.is_available(), reason="CPU tensors: runs under the interpreter only")])])
+def test_a_decode_plan_layer_that_raises_undoes_the_step(cfg, weights, backend, op_name):
+    """A decode plan writes a layer's ring rows and positions, and a ratio > 1 source's recent
+    ring, before the attention: an op raising after them (attention, indexer, output) leaves
+    the state bit for bit as before, and the plan's same step then gives what an untouched
+    state gives."""
+    stack = _stack(cfg, weights, backend)
+    base = _prepared(stack)
+    xs = {L: x.reshape(-1, cfg.dim)[:2] for L, x in make_xs(cfg, 1, 2, 5, stack.layers).items()}
+    want = stack.plan_decode(clone_state(base), steps=1).run(xs)
+    # the interpreter is slow: one layer per role (SWA, r = 2 source, r = 1 source, Reindex)
+    layers = [L for L in stack.layers if L in (0, 1, 3, 5)] if backend == "triton" else \
+        [L for L in stack.layers if op_name != "index_topk" or cfg.layer(L).is_index_source]
+    for L in layers:
+        state = clone_state(base)
+        before = snapshot(state)
+        plan = stack.plan_decode(state, steps=1)
+        good = stack.layers[L].ops
+        stack.layers[L].ops = _raising(good, op_name)
+        try:
+            with pytest.raises(Boom):
+                plan.run(xs)
+        finally:
+            stack.layers[L].ops = good
+        assert_same(before, snapshot(state))
+        got = plan.run(xs)
+        for layer in want:
+            assert torch.equal(got[layer], want[layer]), (L, layer)
+
+
 def test_abort_mid_step_and_release_always_work(cfg, weights):
     stack = _stack(cfg, weights)
     state = _prepared(stack)
