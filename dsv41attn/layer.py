@@ -10,6 +10,9 @@ the plan. The flow mirrors the reference ``Attention.forward``:
   query path -> window K/V -> [compressor -> indexer] -> sparse attention with sink
   -> inverse RoPE -> grouped wo_a -> wo_b -> this step's rows into the ring
 
+(A decode plan, one token per sequence, writes its rows into the ring with the window K/V
+pack instead: the slot it overwrites is one no query of the step reads.)
+
 Every op goes through the backend's ``Ops`` (reference torch or Triton, same signatures).
 """
 from __future__ import annotations
