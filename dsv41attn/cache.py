@@ -198,12 +198,9 @@ class AttentionState:
     def write_window(self, layer: int, plan, new_rows: torch.Tensor, undo) -> None:
         """The step's packed window rows [T, D + D/32] into layer ``layer``'s ring (the rows
         that survive the step: ``plan.ring_write``), and the layer's positions advanced."""
-        state = self.layers[layer]
+        state, ring = self._save_window_write(layer, plan, undo)
         tokens, flat = plan.ring_write
-        ring = state.window.view(-1, state.window.shape[-1])  # [B * S, bytes]
-        undo.save(ring, flat)
         ring[flat] = new_rows[tokens]
-        undo.save(state.positions, plan.seq_rows)
         state.positions[plan.seq_rows] = plan.seq_end
 
     def decode_window_write(self, layer: int, plan, undo) -> dict:
@@ -212,19 +209,25 @@ class AttentionState:
         returns the arguments. One token per sequence: its slot (position P mod S) holds
         position P - S, which no query of the step reads (S = window + rollback >= window), so
         the write may come before the attention; every token writes (``plan.ring_write``)."""
-        state = self.layers[layer]
-        _, flat = plan.ring_write
-        undo.save(state.window.view(-1, state.window.shape[-1]), flat)
-        undo.save(state.positions, plan.seq_rows)
-        return {"ring": state.window, "ring_row": None, "ring_slot": flat,
+        state, _ = self._save_window_write(layer, plan, undo)
+        return {"ring": state.window, "ring_row": None, "ring_slot": plan.ring_write[1],
                 "positions": state.positions, "position": plan.seq_end}
+
+    def _save_window_write(self, layer: int, plan, undo):
+        """Save the ring slots and positions a step's window write overwrites; (the layer's
+        state, its ring viewed [B * S, bytes])."""
+        state = self.layers[layer]
+        ring = state.window.view(-1, state.window.shape[-1])
+        undo.save(ring, plan.ring_write[1])
+        undo.save(state.positions, plan.seq_rows)
+        return state, ring
 
     recent_group = staticmethod(recent_group)  # the compressor op's (ops/compressor/reference)
 
-    def decode_recent_write(self, source: SourceState, writes, undo) -> torch.Tensor:
-        """A decode plan's recent-ring write, for ``recent_gather_write`` to do with its
-        gathers: saves the slots it overwrites (``writes`` = (every token, flat slots)) and
-        returns the flat slots."""
+    def save_recent_write(self, source: SourceState, writes, undo) -> torch.Tensor:
+        """Save the recent-ring slots a step's projections overwrite (``writes`` = (tokens,
+        flat slots)) and return the flat slots: for ``recent_gather_write`` to write in a
+        decode plan (every token writes), or for ``write_recent``."""
         _, flat = writes
         for recent in (source.recent_kv, source.recent_score):
             undo.save(recent.view(-1, recent.shape[-1]), flat)
@@ -234,11 +237,10 @@ class AttentionState:
                      new_score: torch.Tensor, undo) -> None:
         """This step's fp32 projections [T, D] into the source's recent ring (those that
         survive the step: ``writes`` = (tokens, flat slots))."""
-        tokens, flat = writes
+        flat = self.save_recent_write(source, writes, undo)
+        tokens = writes[0]
         for recent, new in ((source.recent_kv, new_kv), (source.recent_score, new_score)):
-            view = recent.view(-1, recent.shape[-1])
-            undo.save(view, flat)
-            view[flat] = new[tokens]
+            recent.view(-1, recent.shape[-1])[flat] = new[tokens]
 
     def before_compressed_write(self, source: SourceState, page: torch.Tensor,
                                 slot: torch.Tensor, undo) -> None:

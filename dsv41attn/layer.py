@@ -115,7 +115,8 @@ class AttentionLayer:
         # them into the ring after attention (a long chunk's rows would overwrite slots its
         # early queries read); a decode plan's one token per sequence overwrites a slot no
         # query reads, so the same launch writes it and the layer's positions.
-        ring = {} if plan.compact else state.decode_window_write(spec.layer, plan, undo)
+        decode = not plan.compact  # a decode plan: one token per sequence
+        ring = state.decode_window_write(spec.layer, plan, undo) if decode else {}
         new_rows = ops.norm_rope_pack(kv, w.kv_norm, cfg.norm_eps, rot, **ring)  # [T, D + D/32]
 
         # Compressed rows (step 3) and their selection (step 4).
@@ -124,7 +125,7 @@ class AttentionLayer:
         if spec.ratio > 0:
             facts = plan.ratios[spec.ratio]
             if spec.is_kv_source:
-                self._compress(x, state, facts, undo, semantics, decode=not plan.compact)
+                self._compress(x, state, facts, undo, semantics, decode)
             selected = self._index(x, qr, rot, state, plan, facts, board) \
                 if spec.is_index_source else board.topk(spec.index_source)
             pool = state.sources[spec.kv_source].rows
@@ -146,7 +147,7 @@ class AttentionLayer:
         else:  # this rank's fp32 partial, all-reduced in fp32, then bf16
             y = self.tp.wo_b(ops, u, w.wo_b)
 
-        if plan.compact:
+        if not decode:
             state.write_window(spec.layer, plan, new_rows, undo)
         return y
 
@@ -168,7 +169,7 @@ class AttentionLayer:
             if decode:
                 kv, score = self.ops.recent_gather_write(
                     source.recent_kv, source.recent_score, new_kv, new_score, facts.members,
-                    state.decode_recent_write(source, facts.recent_write, undo))  # [N, r, D]
+                    state.save_recent_write(source, facts.recent_write, undo))  # [N, r, D]
             else:
                 kv = state.recent_group(source.recent_kv, new_kv, facts.members)  # [N, r, D]
                 score = state.recent_group(source.recent_score, new_score, facts.members)
