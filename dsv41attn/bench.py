@@ -7,6 +7,8 @@ Three parts:
   (its source layers run untimed before it in the same step, as in the model).
 - ``sparse_attn``: the sparse-attention kernel alone (decode, V4.1-Flash heads, 640 rows).
 - ``indexer``: the lightning indexer alone (decode: scoring, candidate blocks, top-k).
+- ``gemm``: each fp8 linear of a layer alone (act_quant + the blockwise GEMM, as the layer
+  calls it) at decode and prefill row counts, against its weight bytes and FLOPs.
 
 Floor = max(FLOPs / 790 TFLOP/s, bytes / copy bandwidth measured in the same run), counted
 so: weights once as stored, activations in and out, attention rows once per query
@@ -388,6 +390,48 @@ INDEXER_CASES = [("candidate source", 64, 65536), ("candidate source", 256, 6553
                  ("Reindex", 64, 65536), ("Reindex", 1, 1 << 20)]
 
 
+GEMM_WEIGHTS = ("wq_a", "wkv", "wq_b", "indexer.wq_b", "wo_b")  # the layer's fp8_linear calls
+GEMM_ROWS = (1, 8, 64, 4096)
+
+
+def bench_gemm(copy_bw: float, rows=GEMM_ROWS, names=GEMM_WEIGHTS, layer: int = 2,
+               min_bytes: int = 512 << 20) -> list[dict]:
+    """Each fp8 weight of V4.1-Flash ``layer`` (``names``, as expected_tensors names them) at
+    ``rows`` tokens: fp8_linear (act_quant + GEMM, bf16 out) in a CUDA graph that runs it over
+    enough weight copies to pass ``min_bytes`` (so the weights stream from HBM, not L2, as in a
+    model); floor = max(FLOPs / 790 TFLOP/s, (weight + scale + x + y bytes) / copy_bw)."""
+    from .checkpoint import quantize_fp8
+    from .ops.linear.triton import fp8_linear
+
+    cfg = preset("v41-flash")
+    shapes = expected_tensors(cfg, layer)
+    out = []
+    for name in names:
+        n, k = shapes[name + ".weight"][1]
+        w = quantize_fp8(torch.randn(n, k, device="cuda") / k ** 0.5)
+        wbytes = w.weight.numel() + w.scale.numel()
+        copies = [(w.weight.clone(), w.scale.clone()) for _ in range(-(-min_bytes // wbytes))]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+
+            def call():
+                for wt, sc in copies:
+                    fp8_linear(x, wt, sc)
+
+            us = _graph_ms(call, calls=len(copies)) * 1e3
+            flops = 2.0 * m * n * k
+            nbytes = wbytes + 2 * m * (k + n)
+            floor = max(flops / BF16_FLOPS, nbytes / copy_bw)
+            out.append({"weight": name, "N": n, "K": k, "rows": m, "us": us,
+                        "floor_us": floor * 1e6, "ratio": us * 1e-6 / floor,
+                        "GB/s": nbytes / (us * 1e-6) / 1e9,
+                        "copy%": 100 * nbytes / (us * 1e-6) / copy_bw,
+                        "TFLOP/s": flops / (us * 1e-6) / 1e12})
+        del copies
+        torch.cuda.empty_cache()
+    return out
+
+
 def indexer_floor(cfg: AttentionConfig, batch: int, scored: int, copy_bw: float
                   ) -> tuple[float, float, float]:
     """(FLOPs, bytes, floor s) of the indexer alone for ``batch`` decode queries that each score
@@ -485,6 +529,18 @@ def main(args) -> int:
                   f"{r['score_us']:>9.1f}{r['select_us']:>7.1f}{r['key_GB/s']:>9.0f}"
                   f"{r['floor_us']:>8.1f}{r['ratio']:>7.1f}{ref:>9}  {r['same_as_reference']}")
         if args.part == "indexer":
+            return 0
+    if args.part in ("gemm", "all"):
+        copy_bw = measure_copy_bandwidth()
+        print(f"fp8 linears alone (act_quant + GEMM, bf16 out), V4.1-Flash; copy "
+              f"{copy_bw / 1e12:.2f} TB/s; us = CUDA-graph replay, weights streamed from HBM")
+        print(f"{'weight':<14}{'N x K':>13}{'rows':>6}{'us':>9}{'floor':>8}{'ratio':>7}"
+              f"{'GB/s':>7}{'copy%':>7}{'TFLOP/s':>9}")
+        for r in bench_gemm(copy_bw):
+            print(f"{r['weight']:<14}{r['N']:>7}x{r['K']:<5}{r['rows']:>6}{r['us']:>9.1f}"
+                  f"{r['floor_us']:>8.1f}{r['ratio']:>7.2f}{r['GB/s']:>7.0f}{r['copy%']:>6.0f}%"
+                  f"{r['TFLOP/s']:>9.0f}")
+        if args.part == "gemm":
             return 0
     if args.part in ("sparse_attn", "all"):
         copy_bw = measure_copy_bandwidth()
