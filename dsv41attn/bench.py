@@ -603,7 +603,7 @@ def main(args) -> int:
         cfg = preset("v41-flash")
         weights = _weights(cfg, sorted({L for r in roles for L in role_layers(cfg, r)}), tp)
         for role in roles:
-            for batch in (1, 64):
+            for batch in sorted({b for b, n in decode if n == 4096}) or (1, 64):
                 print(f"per-kernel GPU time, {role}, decode b={batch} 4K (one eager step):")
                 try:
                     top, facts = RoleBench(cfg, role, "triton", weights, None if tp is None

@@ -64,16 +64,6 @@ def _e4m3_value(code):
 
 
 @triton.jit
-def _quant_rows(x, inv_max):
-    """Quantise blocks of 32 (x: [R, 32] fp32 from bf16, one block a row) as act_quant does:
-    (e4m3 codes [R, 32] int32, scales [R] fp32 powers of two)."""
-    e = ue8m0_exponent(tl.max(tl.abs(x), 1), inv_max)
-    s = (e << 23).to(tl.float32, bitcast=True)
-    inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s, exact and normal
-    return e4m3_code(x * inv_s[:, None]), s  # x * (1/s) == x / s exactly
-
-
-@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, inv_max, QB: tl.constexpr,
                       F16: tl.constexpr = False):
     """x: [M, K] bf16; q: [M, K] uint8 (e4m3 bytes), or fp16 (F16: the codes' values, exact:
@@ -83,7 +73,10 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, inv_max, QB: tl.constexpr,
     b_mask = offs_b < KB
     offs = row * K + offs_b[:, None] * 32 + tl.arange(0, 32)[None, :]  # [QB, 32]
     x = tl.load(x_ptr + offs, mask=b_mask[:, None], other=0.0).to(tl.float32)
-    code, s = _quant_rows(x, inv_max)
+    e = ue8m0_exponent(tl.max(tl.abs(x), 1), inv_max)
+    s = (e << 23).to(tl.float32, bitcast=True)
+    inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s, exact and normal
+    code = e4m3_code(x * inv_s[:, None])  # x * (1/s) == x / s exactly
     if F16:
         tl.store(q_ptr + offs, _e4m3_value(code).to(tl.float16), mask=b_mask[:, None])
     else:
@@ -175,27 +168,18 @@ def _dot32(b, a, DOT_F16: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _block_scales(sa_ptrs, sb_ptrs, kb, m_mask, n_mask, QUANT: tl.constexpr = False):
-    """32-block kb's row scales [BLOCK_M] (fp32; QUANT: none to load, _block_step makes them)
-    and weight scales [BLOCK_N] (e8m0 -> fp32)."""
-    if QUANT:
-        sa = m_mask.to(tl.float32)
-    else:
-        sa = tl.load(sa_ptrs + kb, mask=m_mask, other=1.0)
+def _block_scales(sa_ptrs, sb_ptrs, kb, m_mask, n_mask):
+    """32-block kb's row scales [BLOCK_M] (fp32) and weight scales [BLOCK_N] (e8m0 -> fp32)."""
+    sa = tl.load(sa_ptrs + kb, mask=m_mask, other=1.0)
     sb = e8m0_to_fp32(tl.load(sb_ptrs + kb, mask=n_mask, other=127).to(tl.int32))
     return sa, sb
 
 
 @triton.jit
-def _block_step(acc, b, a_ptrs, sa, sb, m_mask, inv_max, DOT_F16: tl.constexpr,
-                QUANT: tl.constexpr, INTERPRET: tl.constexpr):
+def _block_step(acc, b, a_ptrs, sa, sb, m_mask, DOT_F16: tl.constexpr, INTERPRET: tl.constexpr):
     """acc + (block dot * row scale) * weight scale: one 32-block (its weight tile b already
-    loaded), the reference's order. QUANT: a_ptrs points at the bf16 token rows, quantised
-    here as act_quant does (their fp16 code values and row scales; sa is unused)."""
+    loaded), the reference's order."""
     a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-    if QUANT:
-        code, sa = _quant_rows(a.to(tl.float32), inv_max)
-        a = _e4m3_value(code).to(tl.float16)
     part = _dot32(b, a, DOT_F16, INTERPRET)
     return acc + part * sa[None, :] * sb[:, None]
 
@@ -227,11 +211,11 @@ def _store_out(ptrs, y, mask, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, M, N, K, KB,
-                       CHUNKS, RANGES, inv_max, GRANULE: tl.constexpr, BLOCK_M: tl.constexpr,
+                       CHUNKS, RANGES, GRANULE: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, KSUB: tl.constexpr, DOT_F16: tl.constexpr,
                        ALL_RANGES: tl.constexpr, PARTIALS: tl.constexpr,
-                       SPLITS: tl.constexpr, PREFETCH: tl.constexpr, QUANT: tl.constexpr,
-                       OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+                       SPLITS: tl.constexpr, PREFETCH: tl.constexpr, OUT_BF16: tl.constexpr,
+                       INTERPRET: tl.constexpr):
     """_fp8_gemm_kernel for decode-sized M with the operands swapped: each 32-block's tl.dot is
     w [BLOCK_N, 32] . x^T [32, BLOCK_M] (weight rows on the MMA's 64-row side, the few token
     rows its narrow side), so a BLOCK_N x BLOCK_M tile of y^T per program; every output element
@@ -248,14 +232,10 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, M,
     counter to 0 (one launch, not two; 16-row tiles: a 64-row tile's sum would spill). PREFETCH
     (16-row tiles) loads the block scales one K iteration ahead, off the dot's critical path,
     and issues the iteration's KSUB weight tiles together before its dots (64-row tiles load
-    scales and tiles in each block's step: their [64] row scales, twice over, would spill).
-    QUANT (with PREFETCH): a is the bf16 token rows x [M, K] themselves and sa is unused: each
-    program quantises its 32-blocks of x as act_quant does (the same code values and row
-    scales, so the same bits) instead of a launch before it. Bit-identical
+    scales and tiles in each block's step: their [64] row scales, twice over, would spill). Bit-identical
     to _fp8_gemm_kernel at every M, on an H200 too (the same wgmma instruction, f16 or e4m3
     operands; only its 64-row side now holds the weight)."""
     tl.static_assert(KSUB == 1 or KSUB == 2 or KSUB == 4)
-    tl.static_assert(PREFETCH or not QUANT)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -281,7 +261,7 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, M,
     sb_ptrs = sb_ptr + (offs_n // 32) * KB
     acc = tl.full([BLOCK_N, BLOCK_M], -0.0, tl.float32)
     if PREFETCH:
-        sa0, sb0 = _block_scales(sa_ptrs, sb_ptrs, kb_lo, m_mask, n_mask, QUANT)
+        sa0, sb0 = _block_scales(sa_ptrs, sb_ptrs, kb_lo, m_mask, n_mask)
         sa1 = sa0
         sb1 = sb0
         sa2 = sa0
@@ -289,16 +269,16 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, M,
         sa3 = sa0
         sb3 = sb0
         if KSUB > 1:
-            sa1, sb1 = _block_scales(sa_ptrs, sb_ptrs, kb_lo + 1, m_mask, n_mask, QUANT)
+            sa1, sb1 = _block_scales(sa_ptrs, sb_ptrs, kb_lo + 1, m_mask, n_mask)
         if KSUB > 2:
-            sa2, sb2 = _block_scales(sa_ptrs, sb_ptrs, kb_lo + 2, m_mask, n_mask, QUANT)
-            sa3, sb3 = _block_scales(sa_ptrs, sb_ptrs, kb_lo + 3, m_mask, n_mask, QUANT)
+            sa2, sb2 = _block_scales(sa_ptrs, sb_ptrs, kb_lo + 2, m_mask, n_mask)
+            sa3, sb3 = _block_scales(sa_ptrs, sb_ptrs, kb_lo + 3, m_mask, n_mask)
         for kb0 in range(kb_lo, kb_hi, KSUB):  # KSUB consecutive 32-blocks, in K order
             nxt = kb0 + KSUB  # the next iteration's scales, loaded now (masked past the end)
             more_m = m_mask & (tl.zeros([BLOCK_M], tl.int32) + nxt < kb_hi)
             more_n = n_mask & (tl.zeros([BLOCK_N], tl.int32) + nxt < kb_hi)
             w0, w1, w2, w3 = _weight_tiles(b_ptrs, n_mask[:, None], KSUB)  # this iteration's
-            na0, nb0 = _block_scales(sa_ptrs, sb_ptrs, nxt, more_m, more_n, QUANT)
+            na0, nb0 = _block_scales(sa_ptrs, sb_ptrs, nxt, more_m, more_n)
             na1 = na0
             nb1 = nb0
             na2 = na0
@@ -306,23 +286,16 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, M,
             na3 = na0
             nb3 = nb0
             if KSUB > 1:
-                na1, nb1 = _block_scales(sa_ptrs, sb_ptrs, nxt + 1, more_m, more_n,
-                                          QUANT)
+                na1, nb1 = _block_scales(sa_ptrs, sb_ptrs, nxt + 1, more_m, more_n)
             if KSUB > 2:
-                na2, nb2 = _block_scales(sa_ptrs, sb_ptrs, nxt + 2, more_m, more_n,
-                                          QUANT)
-                na3, nb3 = _block_scales(sa_ptrs, sb_ptrs, nxt + 3, more_m, more_n,
-                                          QUANT)
-            acc = _block_step(acc, w0, a_ptrs, sa0, sb0, m_mask, inv_max, DOT_F16, QUANT,
-                              INTERPRET)
+                na2, nb2 = _block_scales(sa_ptrs, sb_ptrs, nxt + 2, more_m, more_n)
+                na3, nb3 = _block_scales(sa_ptrs, sb_ptrs, nxt + 3, more_m, more_n)
+            acc = _block_step(acc, w0, a_ptrs, sa0, sb0, m_mask, DOT_F16, INTERPRET)
             if KSUB > 1:
-                acc = _block_step(acc, w1, a_ptrs + 32, sa1, sb1, m_mask, inv_max, DOT_F16,
-                                  QUANT, INTERPRET)
+                acc = _block_step(acc, w1, a_ptrs + 32, sa1, sb1, m_mask, DOT_F16, INTERPRET)
             if KSUB > 2:
-                acc = _block_step(acc, w2, a_ptrs + 64, sa2, sb2, m_mask, inv_max, DOT_F16,
-                                  QUANT, INTERPRET)
-                acc = _block_step(acc, w3, a_ptrs + 96, sa3, sb3, m_mask, inv_max, DOT_F16,
-                                  QUANT, INTERPRET)
+                acc = _block_step(acc, w2, a_ptrs + 64, sa2, sb2, m_mask, DOT_F16, INTERPRET)
+                acc = _block_step(acc, w3, a_ptrs + 96, sa3, sb3, m_mask, DOT_F16, INTERPRET)
             sa0 = na0
             sb0 = nb0
             sa1 = na1
@@ -543,23 +516,18 @@ def act_quant(x: torch.Tensor, *, f16: bool = False) -> tuple[torch.Tensor, torc
 
 
 def _check_gemm(x_codes, x_scales, weight, weight_scale, num_splits, precise_dot):
-    """fp8_gemm's argument checks; returns (M, N, K/32). x_scales None: x_codes is the bf16 x
-    itself, for the decode GEMM that quantises it (fp8_linear at <= 16 rows)."""
-    quant = x_scales is None
-    if x_codes.dim() != 2 or weight.dim() != 2 or weight_scale.dim() != 2 \
-            or not (quant or x_scales.dim() == 2):
+    """fp8_gemm's argument checks; returns (M, N, K/32)."""
+    if x_codes.dim() != 2 or weight.dim() != 2 or x_scales.dim() != 2 or weight_scale.dim() != 2:
         raise ValueError("fp8_gemm wants 2-D x_codes, x_scales, weight, weight_scale")
-    x_types = (torch.bfloat16,) if quant else (torch.float8_e4m3fn, torch.float16)
-    if x_codes.dtype not in x_types or weight.dtype != torch.float8_e4m3fn:
+    if x_codes.dtype not in (torch.float8_e4m3fn, torch.float16) \
+            or weight.dtype != torch.float8_e4m3fn:
         raise TypeError(f"x_codes and weight must be float8_e4m3fn (x_codes: or act_quant's "
-                        f"fp16 values; bf16 x to quantise in the GEMM), got {x_codes.dtype}, "
-                        f"{weight.dtype}")
+                        f"fp16 values), got {x_codes.dtype}, {weight.dtype}")
     if x_codes.dtype == torch.float16 and not precise_dot:
         raise ValueError("fp16 x_codes (act_quant(f16=True)) need precise_dot=True")
-    if (not quant and x_scales.dtype != torch.float32) \
-            or weight_scale.dtype != torch.float8_e8m0fnu:
+    if x_scales.dtype != torch.float32 or weight_scale.dtype != torch.float8_e8m0fnu:
         raise TypeError(f"x_scales must be fp32 and weight_scale float8_e8m0fnu, got "
-                        f"{None if quant else x_scales.dtype}, {weight_scale.dtype}")
+                        f"{x_scales.dtype}, {weight_scale.dtype}")
     m, k = x_codes.shape
     n = weight.shape[0]
     if k % FP8_BLOCK:
@@ -567,18 +535,14 @@ def _check_gemm(x_codes, x_scales, weight, weight_scale, num_splits, precise_dot
     kb = k // FP8_BLOCK
     if weight.shape[1] != k:
         raise ValueError(f"weight {tuple(weight.shape)} does not match K = {k}")
-    if quant and not _quant_in_gemm(m, precise_dot):
-        raise ValueError(f"bf16 x (x_scales None) is quantised in the GEMM only at <= "
-                         f"{_FP8_DECODE_TILES[0][0]} rows with precise_dot; got M = {m}, "
-                         f"precise_dot = {precise_dot}: pass act_quant's codes and scales")
-    if not quant and tuple(x_scales.shape) != (m, kb):
+    if tuple(x_scales.shape) != (m, kb):
         raise ValueError(f"x_scales {tuple(x_scales.shape)} != {(m, kb)}")
     if tuple(weight_scale.shape) != (triton.cdiv(n, FP8_BLOCK), kb):
         raise ValueError(f"weight_scale {tuple(weight_scale.shape)} != "
                          f"{(triton.cdiv(n, FP8_BLOCK), kb)}")
     if num_splits is not None and not 1 <= num_splits <= max(kb, 1):
         raise ValueError(f"num_splits = {num_splits} is not in [1, K/32 = {kb}]")
-    check_device(*(t for t in (x_codes, x_scales, weight, weight_scale) if t is not None))
+    check_device(x_codes, x_scales, weight, weight_scale)
     return m, n, kb
 
 
@@ -589,8 +553,7 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
     """Blockwise-scaled fp8 GEMM: y[m, n] = sum_kb (x[m, kb] . w[n, kb]) sx[m, kb] sw[n//32, kb].
 
     x_codes: [M, K] float8_e4m3fn (or their fp16 values, act_quant(f16=True): the same
-    result; or bf16 x itself with x_scales None, at M <= 16 with precise_dot: the kernel
-    quantises it as act_quant would); x_scales: [M, K/32] fp32; weight: [N, K] float8_e4m3fn;
+    result); x_scales: [M, K/32] fp32; weight: [N, K] float8_e4m3fn;
     weight_scale: [ceil(N/32), K/32] float8_e8m0fnu; out: optional contiguous [M, N] fp32
     buffer. Returns [M, N] fp32. K must be a multiple of 32.
 
@@ -646,17 +609,13 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out):
-    """Launch ``plan`` on checked operands (fp8_gemm's; x_codes e4m3 or fp16 values, or bf16
-    x with x_scales None: quantised in the decode kernel, plan.prefetch), into ``out`` ([M,
-    N] fp32, or bf16 for the decode kernel: its fp32 result rounded once)."""
+    """Launch ``plan`` on checked operands (fp8_gemm's; x_codes e4m3 or fp16 values), into
+    ``out`` ([M, N] fp32, or bf16 for the decode kernel: its fp32 result rounded once)."""
     m, k = x_codes.shape
     n, kb = weight.shape[0], k // FP8_BLOCK
     s = plan.splits
     order = plan.order
-    quant = x_scales is None
-    assert not quant or (plan.swap and plan.prefetch)
-    x_codes = x_codes.contiguous()
-    args = (x_codes, x_codes if quant else x_scales.contiguous(), weight.contiguous(),
+    args = (x_codes.contiguous(), x_scales.contiguous(), weight.contiguous(),
             weight_scale.contiguous().view(torch.uint8))
     partials = out if s == 1 else torch.empty(s, m, n, dtype=torch.float32, device=out.device)
     all_ranges = order.ranges > 1 and not plan.workspace
@@ -665,12 +624,10 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out)
         fused = s > 1 and plan.block_m <= 16  # 16-row tiles: the split-K sum in the kernel
         counters = _tile_counters(out.device, grid[0] * grid[2]) if fused else partials
         _fp8_decode_kernel[grid](*args, partials, out, counters, m, n, k, kb, order.chunks,
-                                 order.ranges, INV_FP8_MAX, GRANULE=order.granule,
-                                 BLOCK_M=plan.block_m,
+                                 order.ranges, GRANULE=order.granule, BLOCK_M=plan.block_m,
                                  BLOCK_N=plan.block_n, KSUB=plan.ksub, DOT_F16=plan.dot_f16,
                                  ALL_RANGES=all_ranges, PARTIALS=s > 1, SPLITS=s if fused else 1,
-                                 PREFETCH=plan.prefetch, QUANT=quant,
-                                 OUT_BF16=out.dtype == torch.bfloat16,
+                                 PREFETCH=bool(plan.prefetch), OUT_BF16=out.dtype == torch.bfloat16,
                                  INTERPRET=interpreting(), num_warps=plan.num_warps,
                                  num_stages=plan.num_stages)
         if s > 1 and not fused:
@@ -696,30 +653,16 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
         raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
 
 
-def _quant_in_gemm(m: int, precise_dot: bool) -> bool:
-    """The decode kernel's 16-row tiles quantise x themselves (to fp16 code values: no
-    per-block widening of the token rows; no act_quant launch before the GEMM). 64-row tiles
-    take act_quant's e4m3 codes (their fp16 tile spilled more)."""
+def _f16_rows(m: int, precise_dot: bool) -> bool:
+    """Quantise to fp16 values for the decode kernel's 16-row tiles (no per-block widening of
+    the token rows there; 64-row tiles keep the e4m3 codes: their fp16 tile spilled more)."""
     return precise_dot and m <= _FP8_DECODE_TILES[0][0]
 
 
-def _quantised(x2: torch.Tensor, precise_dot: bool):
-    """(x_codes, x_scales) for _linear_from_quant: x2 itself and None where the GEMM quantises
-    it (_quant_in_gemm), else act_quant's codes and scales."""
-    if _quant_in_gemm(x2.shape[0], precise_dot) and x2.dtype == torch.bfloat16 \
-            and x2.shape[-1] % FP8_BLOCK == 0:
-        check_device(x2)
-        return x2, None
-    return act_quant(x2)
-
-
 def _linear_from_quant(x_q, s, weight, weight_scale, num_splits, precise_dot, out_dtype):
-    """fp8_gemm on act_quant's output (or on bf16 x with s None, quantised in the decode
-    kernel), [M, N] in out_dtype: at decode sizes the kernel writes bf16 (or fp32) itself, the
-    one rounding torch's cast would do."""
+    """fp8_gemm on act_quant's output, [M, N] in out_dtype: at decode sizes the kernel writes
+    bf16 (or fp32) itself, the one rounding torch's cast would do."""
     m, n, kb = _check_gemm(x_q, s, weight, weight_scale, num_splits, precise_dot)
-    if s is None and not (m * n and kb):  # nothing to quantise or multiply
-        x_q, s = act_quant(x_q)
     if m * n and kb and m <= SPLIT_MAX_M and out_dtype in (torch.bfloat16, torch.float32):
         plan = _gemm_plan(m, n, kb, sm_count(x_q.device), num_splits, precise_dot)
         out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
@@ -739,14 +682,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     (default True: fp16 operands to the GPU's tl.dot). Returns [..., N] in ``out_dtype``
     (bf16, or torch.float32: the GEMM's fp32 result, as a tensor-parallel wo_b partial needs).
     Decode sizes (M <= SPLIT_MAX_M) have the GEMM write out_dtype itself (no cast launch);
-    M <= 16 (precise_dot) also has each GEMM program quantise its blocks of x (act_quant's
-    code values and scales) and the split-K partials summed in the GEMM's last program: one
-    launch in all, the same bits.
+    M <= 16 (precise_dot) also quantises x to fp16 values and sums the split-K partials in the
+    GEMM's last program: two launches in all (act_quant, the GEMM), the same bits.
     """
     _check_linear(x, weight, weight_scale)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    x_q, s = _quantised(x2, precise_dot)
+    x_q, s = act_quant(x2, f16=_f16_rows(x2.shape[0], precise_dot))
     y = _linear_from_quant(x_q, s, weight, weight_scale, num_splits, precise_dot, out_dtype)
     return y.reshape(*lead, weight.shape[0])
 
@@ -755,13 +697,12 @@ def fp8_linear_pair(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
                     s2: torch.Tensor, *, precise_dot: bool = True,
                     out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8_linear(x, w1, s1), fp8_linear(x, w2, s2)) with one act_quant of x (wq_a and wkv
-    share the layer input): the same bits as the two calls, one launch fewer (at <= 16 rows
-    each GEMM quantises x itself, as fp8_linear: two launches)."""
+    share the layer input): the same bits as the two calls, one launch fewer."""
     _check_linear(x, w1, s1)
     _check_linear(x, w2, s2)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    x_q, s = _quantised(x2, precise_dot)
+    x_q, s = act_quant(x2, f16=_f16_rows(x2.shape[0], precise_dot))
     y1 = _linear_from_quant(x_q, s, w1, s1, None, precise_dot, out_dtype)
     y2 = _linear_from_quant(x_q, s, w2, s2, None, precise_dot, out_dtype)
     return y1.reshape(*lead, w1.shape[0]), y2.reshape(*lead, w2.shape[0])
