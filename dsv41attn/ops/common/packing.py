@@ -61,9 +61,23 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     return nib[..., 0] | (nib[..., 1] << 4)
 
 
+_E2M1_PAIRS: dict[torch.device, torch.Tensor] = {}
+
+
+def _e2m1_pairs(device: torch.device) -> torch.Tensor:
+    """[256, 2] fp32: the two e2m1 values of every byte, low nibble first (``_e2m1_values`` of
+    each nibble, so the same values, signed zeros included), built once per device on the
+    device itself (no host-to-device copy)."""
+    table = _E2M1_PAIRS.get(device)
+    if table is None:
+        b = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
+        table = _E2M1_PAIRS[device] = torch.stack([_e2m1_values(b & 0xF), _e2m1_values(b >> 4)], -1)
+    return table
+
+
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """[..., K/2] uint8 -> [..., K] fp32 e2m1 values."""
-    return torch.stack([_e2m1_values(packed & 0xF), _e2m1_values(packed >> 4)], -1).flatten(-2)
+    """[..., K/2] uint8 -> [..., K] fp32 e2m1 values (one table gather per byte)."""
+    return _e2m1_pairs(packed.device)[packed.long()].flatten(-2)
 
 
 def pack_window_rows(kv: torch.Tensor) -> torch.Tensor:

@@ -81,18 +81,30 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     out = torch.empty_like(q)
     ring = window_ring.reshape(-1, window_ring.shape[-1])
     n_ring, k = ring.shape[0], compressed_idx.shape[-1]
+    # Unpacking is row by row, so a row unpacked before or after its gather has the same bits:
+    # when the step's lists read more rows than the ring and new rows (or the compressed pool)
+    # hold, each of those is unpacked once here rather than once per read.
+    window_once = t_all * window_ids.shape[-1] > n_ring + t_all
+    if window_once:
+        ring, new_rows = unpack_window_rows(ring), unpack_window_rows(new_rows)
+    pool_once = k and t_all * k > compressed_pool.shape[0] * compressed_pool.shape[1]
+    if pool_once:
+        compressed_pool = unpack_compressed_rows(compressed_pool)
     for t0 in range(0, t_all, max_queries):
         t = slice(t0, t0 + max_queries)
         ids = window_ids[t].long()  # [t, Ww]
         from_ring = ids < n_ring
-        packed = torch.where(from_ring.unsqueeze(-1), ring[ids.clamp(0, n_ring - 1)],
-                             new_rows[(ids - n_ring).clamp(0, t_all - 1)])
-        kv = unpack_window_rows(packed)  # [t, Ww, D]
+        kv = torch.where(from_ring.unsqueeze(-1), ring[ids.clamp(0, n_ring - 1)],
+                         new_rows[(ids - n_ring).clamp(0, t_all - 1)])
+        if not window_once:
+            kv = unpack_window_rows(kv)  # [t, Ww, D]
         idx = torch.where(ids >= 0, torch.arange(ids.shape[1], device=q.device), -1)
         if k:
             g = compressed_idx[t].long()  # [t, K]
             rows = paged_rows(compressed_pool, block_table[token_row[t]], g.clamp_min(0))
-            kv = torch.cat([kv, unpack_compressed_rows(rows)], dim=1)  # [t, Ww + K, D]
+            if not pool_once:
+                rows = unpack_compressed_rows(rows)
+            kv = torch.cat([kv, rows], dim=1)  # [t, Ww + K, D]
             own = ids.shape[1] + torch.arange(k, device=q.device)
             idx = torch.cat([idx, torch.where(g >= 0, own, -1)], dim=1)
         out[t] = sparse_attn(q[t].unsqueeze(1), kv, sink, idx.unsqueeze(1).to(torch.int32),
