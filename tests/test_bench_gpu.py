@@ -28,3 +28,15 @@ def test_decode_graph_time_of_every_role(weights, role):
     layer_us, facts_us = RoleBench(cfg, role, "triton", w).decode_graph_us(2, 640, 3)
     assert math.isfinite(layer_us) and layer_us > 0, (role, layer_us)
     assert math.isfinite(facts_us) and facts_us > 0, (role, facts_us)
+
+
+def test_gemm_part_times_every_weight_of_the_layer():
+    """bench --part gemm: each fp8 linear the layer calls, at a decode and a prefill row count,
+    gives a finite time at or above its floor (the floor counts the bytes every call must
+    move, so a time under it would mean the weights were not read from HBM)."""
+    from dsv41attn.bench import GEMM_WEIGHTS, bench_gemm, measure_copy_bandwidth
+    rows = bench_gemm(measure_copy_bandwidth(256 << 20), rows=(1, 128), min_bytes=128 << 20)
+    assert [(r["weight"], r["rows"]) for r in rows] == [(w, m) for w in GEMM_WEIGHTS
+                                                        for m in (1, 128)]
+    for r in rows:
+        assert math.isfinite(r["us"]) and r["ratio"] >= 0.9, r
