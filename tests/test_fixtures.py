@@ -100,16 +100,18 @@ def test_replay_cli_contract(tmp_path):
     assert not any(k.startswith("topk") and k.endswith(("l0", "l2", "l4", "l6")) for k in got)
 
 
-def test_triton_backend_replays_a_fixture(tmp_path):
-    """The whole stack with the Triton backend (CPU interpreter here, compiled on a GPU)."""
+def test_triton_backend_replays_a_fixture(tmp_path, capsys):
+    """The whole stack with the Triton backend (CPU interpreter here, compiled on a GPU), through
+    the CLI's replay run in-process (test_replay_cli_contract runs `python -m dsv41attn`)."""
     pytest.importorskip("triton")
     import os
+
+    from dsv41attn.cli import main
     path = next(f for f in FILES if f.stem == "tiny_long_prefill")
     out = tmp_path / "t.safetensors"
     device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # the session's mode
-    subprocess.run([sys.executable, "-m", "dsv41attn", "replay", str(path), "--out", str(out),
-                    "--backend", "triton", "--device", device], check=True, cwd=ROOT,
-                   env=dict(os.environ), capture_output=True)
+    code = main(["replay", str(path), "--out", str(out), "--backend", "triton", "--device", device])
+    assert code == 0, capsys.readouterr().err
     fx = Fixture.load(str(path))
     got = load_file(str(out))
     c = compare(fx, {k: v for k, v in got.items()}, "fixed")

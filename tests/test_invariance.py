@@ -1,5 +1,5 @@
 """A sequence gets the same bits in any call (docs/numerics.md §9): on the triton backend with
-batch_invariant=True its outputs, every layer and role, are bit-identical alone, inside a
+batch_invariant=True its outputs, at a layer of every role, are bit-identical alone, inside a
 ragged batch of 8, in two chunks and token by token, and every index source selects the same
 rows for it.
 
@@ -17,10 +17,10 @@ pytest.importorskip("triton")
 from dsv41attn import AttentionStack, preset, random_layer_weights
 
 CFG = preset("tiny").replace(dim=128)
-LAYERS = list(range(6))  # SWA 0; r=2 source 1 and its reuser 2; r=1 candidate source 3,
-# its reuser 4 and the re-indexing layer 5
+LAYERS = [0, 1, 2, 3, 5]  # one of every role: SWA 0; r=2 source 1 and its reuser 2; r=1
+# candidate source 3 and the re-indexing layer 5 (the interpreter is slow: no second reuser)
 P, D, TARGET = 10, 2, 3
-OTHERS = [10, 9, 10, None, 8, 10, 9, 10]  # the batch's other prompts (76 tokens in all)
+OTHERS = [8, 7, 10, None, 6, 8, 7, 9]  # the batch's other prompts (55 tokens: a prefill of 65)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def run():
     return go
 
 
-@pytest.mark.slow  # ~5 minutes of interpreter on 2 cores
+@pytest.mark.slow  # ~2 minutes of interpreter on 2 cores
 def test_alone_batched_chunked_and_token_by_token_give_the_same_bits(run):
     tail = [1] * D
     alone, top = run([[P] + tail])

@@ -57,6 +57,18 @@ def _prepared(stack):
     return state
 
 
+def _stack_and_base(cfg, weights, backend):
+    """The stack under test and a prepared state for it. Every layer on the reference backend;
+    under the interpreter (slow) layers 0-5, one of every role (SWA, the r = 2 source and its
+    reuser, the r = 1 candidate source and its reuser, Reindex), on a state the reference
+    prepared (the state's layout does not depend on the backend: any valid state serves)."""
+    if backend == "reference":
+        stack = _stack(cfg, weights)
+        return stack, _prepared(stack)
+    layers = range(6)
+    return _stack(cfg, weights, backend, layers), _prepared(_stack(cfg, weights, layers=layers))
+
+
 @pytest.mark.parametrize("backend,op_name", [
     ("reference", "sparse_attn_paged"), ("reference", "inverse_rope_wo_a"),
     pytest.param("triton", "inverse_rope_wo_a", marks=[pytest.mark.triton, pytest.mark.skipif(
@@ -65,10 +77,9 @@ def test_a_layer_that_raises_undoes_the_whole_step(cfg, weights, backend, op_nam
     """At every layer of a mixed step (a chunk across a group and page boundary, and a decode):
     the state is bit for bit as before, and the same step then gives what an untouched state
     gives."""
-    stack = _stack(cfg, weights, backend)
+    stack, base = _stack_and_base(cfg, weights, backend)
     # the interpreter is slow: failing at 5 undoes the writes of every role before it
     layers = list(stack.layers) if backend == "reference" else [5]
-    base = _prepared(stack)
     want = _run(stack, clone_state(base), [5, 1], [0, 1], seed=2)
     for L in layers:
         state = clone_state(base)
@@ -95,8 +106,7 @@ def test_a_decode_plan_layer_that_raises_undoes_the_step(cfg, weights, backend, 
     ring, before the attention: an op raising after them (attention, indexer, output) leaves
     the state bit for bit as before, and the plan's same step then gives what an untouched
     state gives."""
-    stack = _stack(cfg, weights, backend)
-    base = _prepared(stack)
+    stack, base = _stack_and_base(cfg, weights, backend)
     xs = {L: x.reshape(-1, cfg.dim)[:2] for L, x in make_xs(cfg, 1, 2, 5, stack.layers).items()}
     want = stack.plan_decode(clone_state(base), steps=1).run(xs)
     # the interpreter is slow: failing at 5 (Reindex) undoes the early writes of every role
