@@ -427,7 +427,7 @@ def bench_gemm(copy_bw: float, rows=GEMM_ROWS, names=GEMM_WEIGHTS, layer: int = 
                         "GB/s": nbytes / (us * 1e-6) / 1e9,
                         "copy%": 100 * nbytes / (us * 1e-6) / copy_bw,
                         "TFLOP/s": flops / (us * 1e-6) / 1e12})
-        del copies
+        copies.clear()  # this weight's copies go before the next weight's are made
         torch.cuda.empty_cache()
     return out
 

@@ -232,9 +232,9 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, M,
     counter to 0 (one launch, not two; 16-row tiles: a 64-row tile's sum would spill). PREFETCH
     (16-row tiles) loads the block scales one K iteration ahead, off the dot's critical path,
     and issues the iteration's KSUB weight tiles together before its dots (64-row tiles load
-    scales and tiles in each block's step: their [64] row scales, twice over, would spill). Bit-identical
-    to _fp8_gemm_kernel at every M, on an H200 too (the same wgmma instruction, f16 or e4m3
-    operands; only its 64-row side now holds the weight)."""
+    scales and tiles in each block's step: their [64] row scales, twice over, would spill).
+    Bit-identical to _fp8_gemm_kernel at every M, on an H200 too (the same wgmma instruction,
+    f16 or e4m3 operands; only its 64-row side now holds the weight)."""
     tl.static_assert(KSUB == 1 or KSUB == 2 or KSUB == 4)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -417,7 +417,6 @@ class _GemmPlan:
     order: KOrder
     workspace: bool  # the ranges run as separate programs into fp32 partials (split-K)
     swap: bool = False  # _fp8_decode_kernel (weight rows on the MMA's 64-row side)
-    prefetch: int = 0  # _fp8_decode_kernel's PREFETCH (0 for _fp8_gemm_kernel)
 
     @property
     def splits(self) -> int:
@@ -429,12 +428,12 @@ class _GemmPlan:
         return self.order.granule
 
 
-# (largest M, BLOCK_M, BLOCK_N, warps, stages, most 32-blocks per K iteration, 0), by M, for
+# (largest M, BLOCK_M, BLOCK_N, warps, stages, most 32-blocks per K iteration), by M, for
 # _fp8_gemm_kernel (M > SPLIT_MAX_M). Every tile has >= 64 rows per warp group, so tl.dot is
 # the Hopper wgmma at every M: an H200's mma.sync (16- or 32-row tiles) sums the fp16 products
 # of a 32-block differently from wgmma (0.3% to 40% of outputs, by the data, an fp32 ulp or so
 # apart), which would make a decode row differ from its prefill.
-_FP8_TILES = ((None, 128, 128, 8, 3, 1, 0),)
+_FP8_TILES = ((None, 128, 128, 8, 3, 1),)
 # Decode (M <= SPLIT_MAX_M): _fp8_decode_kernel, whose 64-row MMA side is BLOCK_N weight rows
 # and whose narrow side is BLOCK_M (>= 16) token rows: the same wgmma, the same bits (checked on
 # an H200 against _fp8_gemm_kernel at M = 1, 2, 7, 8, 64 on the V4.1 shapes, f16 and e4m3
@@ -442,11 +441,11 @@ _FP8_TILES = ((None, 128, 128, 8, 3, 1, 0),)
 # fastest of the tables timed there (CUDA-graph replay; more stages or KSUB 2 were slower at
 # M <= 16, 2 stages ~10% faster at M = 64; with the scales prefetched, BLOCK_N 64 beat 128 at
 # M = 1 on wq_b 20.9 / 22.9 us and wo_b 29.2 / 30.4, 256 rows and 8 warps lost; same bits).
-# Last column: _fp8_decode_kernel's PREFETCH (1: the next K iteration's block scales loaded
-# ahead and each iteration's KSUB weight tiles issued together before its dots: H200, M = 1,
-# wq_b 24.5 -> 21.4 us, wo_b 30.6 -> 28.4, wq_a 11.9 -> 10.9; loading the next iteration's
-# weight tiles ahead as well was slower at every M, 64-row tiles 2-4x: bench --part gemm).
-_FP8_DECODE_TILES = ((16, 16, 64, 4, 3, 4, 1), (SPLIT_MAX_M, 64, 128, 4, 2, 4, 0))
+# The 16-row tiles run PREFETCH (the next K iteration's block scales loaded ahead, and each
+# iteration's KSUB weight tiles issued together before its dots: H200, M = 1, wq_b 24.5 ->
+# 21.4 us, wo_b 30.6 -> 28.4, wq_a 11.9 -> 10.9; loading the next iteration's weight tiles
+# ahead as well was slower at every M, 64-row tiles 2-4x: bench --part gemm).
+_FP8_DECODE_TILES = ((16, 16, 64, 4, 3, 4), (SPLIT_MAX_M, 64, 128, 4, 2, 4))
 
 def _tile_row(table, m: int):
     return next(row[1:] for row in table if row[0] is None or m <= row[0])
@@ -474,8 +473,7 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
     either way. sms: the device's SM count (sm_count); precise_dot: see fp8_gemm."""
     order = k_order(triton.cdiv(n, 64), kb, sms, ranges=num_splits)
     swap = m <= SPLIT_MAX_M
-    bm, bn, warps, stages, ksub_max, prefetch = _tile_row(
-        _FP8_DECODE_TILES if swap else _FP8_TILES, m)
+    bm, bn, warps, stages, ksub_max = _tile_row(_FP8_DECODE_TILES if swap else _FP8_TILES, m)
     ksub = next(d for d in (8, 4, 2, 1) if d <= ksub_max and order.granule % d == 0)
     if workspace is None:
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
@@ -484,8 +482,7 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
         workspace = order.ranges > 1 and tiles < sms if swap else \
             _use_workspace(order, tiles, m, n, n * kb * FP8_BLOCK, sms)
     workspace = bool(workspace) and order.ranges > 1
-    return _GemmPlan(bm, bn, warps, stages, ksub, bool(precise_dot), order, workspace, swap,
-                     prefetch)
+    return _GemmPlan(bm, bn, warps, stages, ksub, bool(precise_dot), order, workspace, swap)
 
 
 def act_quant(x: torch.Tensor, *, f16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -621,13 +618,14 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out)
     all_ranges = order.ranges > 1 and not plan.workspace
     if plan.swap:
         grid = (triton.cdiv(n, plan.block_n), s, triton.cdiv(m, plan.block_m))
-        fused = s > 1 and plan.block_m <= 16  # 16-row tiles: the split-K sum in the kernel
+        narrow = plan.block_m <= 16  # 16-row tiles: PREFETCH, the split-K sum in the kernel
+        fused = s > 1 and narrow
         counters = _tile_counters(out.device, grid[0] * grid[2]) if fused else partials
         _fp8_decode_kernel[grid](*args, partials, out, counters, m, n, k, kb, order.chunks,
                                  order.ranges, GRANULE=order.granule, BLOCK_M=plan.block_m,
                                  BLOCK_N=plan.block_n, KSUB=plan.ksub, DOT_F16=plan.dot_f16,
                                  ALL_RANGES=all_ranges, PARTIALS=s > 1, SPLITS=s if fused else 1,
-                                 PREFETCH=bool(plan.prefetch), OUT_BF16=out.dtype == torch.bfloat16,
+                                 PREFETCH=narrow, OUT_BF16=out.dtype == torch.bfloat16,
                                  INTERPRET=interpreting(), num_warps=plan.num_warps,
                                  num_stages=plan.num_stages)
         if s > 1 and not fused:

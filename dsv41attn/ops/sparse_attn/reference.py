@@ -82,12 +82,14 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     ring = window_ring.reshape(-1, window_ring.shape[-1])
     n_ring, k = ring.shape[0], compressed_idx.shape[-1]
     # Unpacking is row by row, so a row unpacked before or after its gather has the same bits:
-    # when the step's lists read more rows than the ring and new rows (or the compressed pool)
-    # hold, each of those is unpacked once here rather than once per read.
-    window_once = t_all * window_ids.shape[-1] > n_ring + t_all
+    # where the ring and new rows (or the compressed pool) hold fewer rows than one chunk of
+    # queries reads, each is unpacked once here rather than once per read (fewer unpacks, and
+    # never more unpacked rows alive than one chunk's).
+    chunk = min(t_all, max_queries)
+    window_once = n_ring + t_all < chunk * window_ids.shape[-1]
     if window_once:
         ring, new_rows = unpack_window_rows(ring), unpack_window_rows(new_rows)
-    pool_once = k and t_all * k > compressed_pool.shape[0] * compressed_pool.shape[1]
+    pool_once = k and compressed_pool.shape[0] * compressed_pool.shape[1] < chunk * k
     if pool_once:
         compressed_pool = unpack_compressed_rows(compressed_pool)
     for t0 in range(0, t_all, max_queries):
