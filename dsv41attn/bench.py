@@ -391,7 +391,7 @@ INDEXER_CASES = [("candidate source", 64, 65536), ("candidate source", 256, 6553
 
 
 GEMM_WEIGHTS = ("wq_a", "wkv", "wq_b", "indexer.wq_b", "wo_b")  # the layer's fp8_linear calls
-GEMM_ROWS = (1, 8, 64, 4096)
+GEMM_ROWS = (1, 8, 64, 256, 4096)
 
 
 def bench_gemm(copy_bw: float, rows=GEMM_ROWS, names=GEMM_WEIGHTS, layer: int = 2,

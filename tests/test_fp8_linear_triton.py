@@ -147,12 +147,17 @@ def test_bad_inputs():
             fp8_gemm(q, s, w, ws, num_splits=splits)
 
 
-def _split_case(m, n, k, seed):
-    """Quantised operands with a wide range across K blocks (so fp32 sums round unevenly)."""
-    w, ws = _quantized(n, k, seed)
+def _split_x(m, k, seed):
+    """bf16 activations with a wide range across K blocks (so fp32 sums round unevenly)."""
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k // 32).repeat_interleave(32)
-    q, s = act_quant(x.bfloat16().to(DEV))
+    return x.bfloat16()
+
+
+def _split_case(m, n, k, seed):
+    """Quantised operands of _split_x's activations."""
+    w, ws = _quantized(n, k, seed)
+    q, s = act_quant(_split_x(m, k, seed).to(DEV))
     return q, s, w, ws
 
 
@@ -246,9 +251,11 @@ def test_rows_alone_equal_rows_in_any_batch():
     plans = {m: T._gemm_plan(m, n, k // 32, sms) for m in (1, 5, 40, 130)}
     assert len({p.order for p in plans.values()}) == 1 and plans[1].order.ranges > 1
     assert all(plans[m].swap and plans[m].workspace for m in (1, 5, 40))
-    assert not plans[130].swap and not plans[130].workspace
+    assert not plans[130].swap and plans[130].workspace  # 2 tiles: the ranges as programs
     assert plans[130].block_m > plans[40].block_m > plans[5].block_m
     full = fp8_gemm(q, s, w, ws).cpu()
+    in_tile = fp8_gemm(q, s, w, ws, workspace=False).cpu()  # each program sums its ranges
+    assert torch.equal(in_tile.view(torch.int32), full.view(torch.int32))
     for m in (1, 5, 40):
         for r0 in (0, 130 - m):
             part = fp8_gemm(q[r0:r0 + m], s[r0:r0 + m], w, ws).cpu()
@@ -276,8 +283,10 @@ def test_k_order_at_v41_shapes():
             assert plan.swap == (m <= T.SPLIT_MAX_M), (name, m)
             if plan.swap:  # decode: split whenever there is more than one range
                 assert plan.workspace == (order.ranges > 1), (name, m)
-            elif plan.workspace:  # fp32 partials written + read: a small share of the weights
-                assert order.ranges * m * n * 8 * T.SPLIT_TRAFFIC_SHARE <= n * k, (name, m)
+            elif plan.workspace:  # fp32 partials written + read: a small share of the
+                traffic = order.ranges * m * n * 8  # weights, or a few tens of us at most
+                assert traffic * T.SPLIT_TRAFFIC_SHARE <= n * k \
+                    or traffic <= T.SPLIT_PARTIAL_BYTES, (name, m)
         if -(-n // 64) >= T.SPLIT_PROGRAMS_PER_SM * sms:  # k_order's 64-wide tiles
             assert order.ranges == 1, name  # wq_b: 512 tiles fill the SMs already
         else:
@@ -287,7 +296,9 @@ def test_k_order_at_v41_shapes():
         assert plans[1].ksub * 32 >= 128, name  # contiguous bytes per weight row in flight
         assert not plans[4096].workspace, name
     assert T._gemm_plan(1, 1280, 160, sms).splits > 1  # wq_a at M = 1, named
-    assert T._gemm_plan(128, 512, 160, sms).splits == 1  # prefill-sized M: no partials
+    wkv = T._gemm_plan(128, 512, 160, sms)  # 4 tiles of 128 rows: the ranges as programs
+    assert wkv.splits == wkv.order.ranges > 1
+    assert T._gemm_plan(8192, 512, 160, sms).splits == 1  # prefill-sized M: no partials
     assert T._gemm_plan(1, 1280, 160, sms).dot_f16  # precise_dot's default: fp16 operands
     assert not T._gemm_plan(1, 1280, 160, sms, precise_dot=False).dot_f16
 
@@ -354,6 +365,64 @@ def test_act_quant_f16_values():
     v, s16 = act_quant(x, f16=True)
     assert v.dtype == torch.float16 and torch.equal(s16, s)
     assert torch.equal(v.cpu().view(torch.int16), q.cpu().to(torch.float16).view(torch.int16))
+
+
+def test_act_quant_dequant_values():
+    """act_quant(dequant=True): each code's value times its block's scale, as bf16, exactly
+    (signed zeros, e4m3 subnormals, 448, scales from 2^-23 up), and the same scales."""
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(6, 32 * 9, generator=g) * torch.logspace(-30, 30, 6)[:, None]
+    x[0, :32] = torch.cat([_e4m3_grid()[:16], -_e4m3_grid()[:16]]) * 2.0 ** -3  # tiny codes
+    x[1, 40] = -0.0
+    x[2, 64:96] = 0.0  # amax floored: the smallest scale
+    x[3, :32] = 3.0e38
+    x = x.bfloat16().to(DEV)
+    q, s = act_quant(x)
+    v, sv = act_quant(x, dequant=True)
+    assert v.dtype == torch.bfloat16 and torch.equal(sv, s)
+    want = q.cpu().float() * s.cpu().repeat_interleave(32, 1)
+    assert torch.equal(v.cpu().float(), want)  # exact: bf16 holds every product
+    signs = q.cpu().view(torch.uint8) >= 128
+    assert torch.equal(torch.signbit(v.cpu().float()), signs)  # -0 codes stay -0
+    with pytest.raises(ValueError, match="exclusive"):
+        act_quant(x, f16=True, dequant=True)
+
+
+PRESCALED_CASES = {  # id: (M, N, K, num_splits): past SPLIT_MAX_M, N off the 128-wide tile
+    "m65-n100-kb24-auto": (65, 100, 768, None),  # k_order's ranges, summed in the tile
+    "m130-n70-kb13-s5": (130, 70, 416, 5),  # two row tiles; ragged ranges of 1-block chunks
+    "m70-n37-kb5-s1": (70, 37, 160, 1),  # one range: the reference's K order
+    "m520-n37-kb5-auto": (520, 37, 160, None),  # fp8_linear's own PRESCALED rows and tiles
+}
+
+
+@pytest.mark.parametrize("case", list(PRESCALED_CASES), ids=list(PRESCALED_CASES))
+def test_prescaled_kernel_equals_code_kernel(case):
+    """_fp8_gemm_kernel on bf16 values (x's codes times their scales, the weight's values:
+    PRESCALED, what fp8_linear runs from PRESCALE_MIN_M rows) against the same kernel on the e4m3
+    codes and scales, split-K programs or one program summing the ranges: the same bits,
+    every element written (NaN-poisoned outputs); and fp8_linear's rows alone (the decode
+    kernel) equal them."""
+    m, n, k, splits = PRESCALED_CASES[case]
+    q, s, w, ws = _split_case(m, n, k, seed=m + n)
+    w, ws = w.to(DEV), ws.to(DEV)
+    v, _ = act_quant(_split_x(m, k, seed=m + n).to(DEV), dequant=True)
+    sms = DEFAULT_SM_COUNT if DEV == "cpu" else sm_count(torch.device(DEV))
+    want = fp8_gemm(q, s, w, ws, num_splits=splits).cpu().view(torch.int32)
+    for workspace in (None, True, False):
+        plan = T._gemm_plan(m, n, k // 32, sms, splits, workspace=workspace, values=True)
+        assert plan.prescaled and not plan.swap
+        out = torch.full((m, n), float("nan"), device=DEV)
+        T._run_fp8_gemm(plan, v, s, w.to(torch.bfloat16), ws, out)
+        assert torch.equal(out.cpu().view(torch.int32), want), workspace
+    assert not T._gemm_plan(m, n, k // 32, sms, splits, values=True, precise_dot=False).prescaled
+    assert not T._gemm_plan(64, n, k // 32, sms, splits, values=True).prescaled  # decode
+    x = _split_x(m, k, seed=m + n).to(DEV)
+    y = fp8_linear(x, w, ws, num_splits=splits, out_dtype=torch.float32).cpu().view(torch.int32)
+    assert torch.equal(y, want)
+    for r0, rows in ((0, 1), (m - 17, 17)):  # the decode kernel's 16- and 64-row tiles
+        alone = fp8_linear(x[r0:r0 + rows], w, ws, num_splits=splits, out_dtype=torch.float32)
+        assert torch.equal(alone.cpu().view(torch.int32), want[r0:r0 + rows]), rows
 
 
 PAIR_CASES = {"m1": 1, "m7": 7, "m16": 16, "m17": 17, "m70": 70}

@@ -23,10 +23,12 @@ sizes (M <= SPLIT_MAX_M) run _fp8_decode_kernel, the same K walk with the operan
 no longer pay for a 64-row tile), and split whenever the tiles leave SMs idle (at <= 16 rows
 the last program of a tile adds the partials in range order itself: no split-sum launch;
 fp8_linear then also feeds it fp16 token values and takes its bf16 output); larger M runs
-_fp8_gemm_kernel's square tiles. Tile sizes and operand roles change with M; the K walk, the
-mma instruction (wgmma: every tile has >= 64 rows on its weight or token side) and every
-rounding do not (bit-identical on an H200 at every M tried). One range keeps the reference's
-order (num_splits=1).
+_fp8_gemm_kernel's MMA tiles, from PRESCALE_MIN_M rows (fp8_linear) on bf16 values: x's codes
+times their power-of-two scales and the weight's codes, so each block's dot comes out already
+scaled by the row scale, exactly, and no fp8 tile is widened in registers. Tile sizes and
+operand roles change with M; the K walk, the mma instruction (wgmma: every tile has >= 64 rows
+on its weight or token side) and every rounding do not (bit-identical on an H200 at every M
+tried). One range keeps the reference's order (num_splits=1).
 
 dense_linear: the same scheme for a bf16 weight (bf16 tl.dot, fp32 accumulator chained through
 the K steps in order, bf16 out) and for an fp32 weight (each 32-wide K step an fp32 FMA chain
@@ -49,8 +51,15 @@ from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, check_device, e4m3_code, e8
 QUANT_BLOCKS = 16  # act_quant: scale blocks per program (512 elements of a row)
 SPLIT_MAX_M = 64  # decode-sized M: narrow tiles, long K steps (weight-bandwidth bound)
 SPLIT_PROGRAMS_PER_SM = 3  # K ranges: ~2 resident programs per SM at M = 1, plus slack
-SPLIT_TRAFFIC_SHARE = 4  # split-K partials (written + read) <= 1/4 of the weight bytes
+SPLIT_TRAFFIC_SHARE = 4  # split-K partials (written + read) <= 1/4 of the weight bytes,
+# or for fp8 weights at most SPLIT_PARTIAL_BYTES (H200, fp8_linear on the five V4.1 fp8 weights
+# together, e4m3 codes: M = 65 629 -> 240 us, 128: 797 -> 282, 256: 849 -> 497)
+SPLIT_PARTIAL_BYTES = 64 << 20
 SPLIT_SUM_BLOCK = 256  # outputs per program of the split-sum kernel (2 warps, 16 B each)
+# fp8_linear: bf16 values into _fp8_gemm_kernel from this many rows (H200, the five V4.1 fp8
+# weights together: 1029 us against 1277 with e4m3 codes at M = 512, 653 against 497 at 256)
+PRESCALE_MIN_M = 512
+GEMM_GROUP = tl.constexpr(8)  # _fp8_gemm_kernel: row tiles per group of programs along N
 
 
 @triton.jit
@@ -65,9 +74,11 @@ def _e4m3_value(code):
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, inv_max, QB: tl.constexpr,
-                      F16: tl.constexpr = False):
+                      F16: tl.constexpr = False, DEQUANT: tl.constexpr = False,
+                      INTERPRET: tl.constexpr = False):
     """x: [M, K] bf16; q: [M, K] uint8 (e4m3 bytes), or fp16 (F16: the codes' values, exact:
-    the decode GEMM's fp16 token operand); s: [M, KB] fp32. Grid (M, cdiv(KB, QB))."""
+    the decode GEMM's fp16 token operand), or bf16 (DEQUANT: the codes' values times their
+    scale, exact: the large-M GEMM's operand); s: [M, KB] fp32. Grid (M, cdiv(KB, QB))."""
     row = tl.program_id(0).to(tl.int64)
     offs_b = tl.program_id(1) * QB + tl.arange(0, QB)  # scale blocks of this program
     b_mask = offs_b < KB
@@ -79,6 +90,9 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, inv_max, QB: tl.constexpr,
     code = e4m3_code(x * inv_s[:, None])  # x * (1/s) == x / s exactly
     if F16:
         tl.store(q_ptr + offs, _e4m3_value(code).to(tl.float16), mask=b_mask[:, None])
+    elif DEQUANT:  # 4 significant bits times a power of two >= 2^-23: exact in bf16
+        v = _e4m3_value(code) * s[:, None]
+        tl.store(q_ptr + offs, to_bf16(v, INTERPRET).to(tl.bfloat16), mask=b_mask[:, None])
     else:
         tl.store(q_ptr + offs, code.to(tl.uint8), mask=b_mask[:, None])
     tl.store(s_ptr + row * KB + offs_b, s, mask=b_mask)
@@ -88,20 +102,37 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, inv_max, QB: tl.constexpr,
 def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS, RANGES,
                      GRANULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      KSUB: tl.constexpr, DOT_F16: tl.constexpr, ALL_RANGES: tl.constexpr,
-                     INTERPRET: tl.constexpr):
+                     PRESCALED: tl.constexpr, INTERPRET: tl.constexpr):
     """a: [M, K] e4m3; sa: [M, KB] fp32; b: [N, K] e4m3; sb: [cdiv(N, 32), KB] uint8 (e8m0
     bytes); c: [S, M, N] fp32 (S = 1: the output). All contiguous.
+    PRESCALED: a holds the activations' values (codes times their power-of-two row scales,
+    act_quant(dequant=True)) and b the weight's values, both bf16 (exact), and sa is not read:
+    each 32-block's bf16 dot is then the e4m3 dot times the row scale, exactly (the same
+    products scaled by one power of two, far from the subnormals: act_quant's scales are >=
+    2^-23), so ``part * sb`` is the reference's ``part * sa * sb`` bit for bit (an H200's bf16
+    wgmma sums them as its fp16 one: 0 differing outputs of 580M, V4.1 shapes, wide-range
+    data), with no conversion of fp8 tiles in registers and one multiply fewer per element
+    (H200, M = 4096, wq_b: 2317 -> 1574 us).
     K is CHUNKS = KB / GRANULE chunks of GRANULE 32-blocks cut into RANGES ranges: range r is
     chunks [r * CHUNKS // RANGES, (r + 1) * CHUNKS // RANGES), summed in K order from -0 (KSUB
-    divides GRANULE, so no K step straddles two ranges). Grid (cdiv(M, BLOCK_M), cdiv(N,
-    BLOCK_N), S): ALL_RANGES (S = 1) sums every range in turn and adds them in range order into
-    a second accumulator; otherwise program z sums range z alone (S = RANGES partials for
-    _split_sum_kernel, which adds them in the same order; S = RANGES = 1: all of K in order).
-    INTERPRET (CPU only) sums each 32-block in fp64, exactly, then rounds once, as the reference.
+    divides GRANULE, so no K step straddles two ranges). Grid (cdiv(M, BLOCK_M) * cdiv(N,
+    BLOCK_N), S), the tiles taken GEMM_GROUP row tiles at a time along N (a group shares its
+    weight tiles in L2): ALL_RANGES (S = 1) sums every range in turn and adds them in range
+    order into a second accumulator; otherwise program z sums range z alone (S = RANGES
+    partials for _split_sum_kernel, which adds them in the same order; S = RANGES = 1: all of K
+    in order). INTERPRET (CPU only) sums each 32-block in fp64, exactly, then rounds once, as
+    the reference.
     """
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(2)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    width = GEMM_GROUP * tl.cdiv(N, BLOCK_N)  # programs per group of GEMM_GROUP row tiles
+    pid = tl.program_id(0)
+    first_m = pid // width * GEMM_GROUP
+    rows = tl.minimum(tiles_m - first_m, GEMM_GROUP)
+    pid_m = first_m + (pid % width) % rows
+    pid_n = (pid % width) // rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
     if ALL_RANGES:
         kb_lo = 0
         kb_hi = KB
@@ -129,14 +160,17 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS, R
                 a64 = a.to(tl.float32).to(tl.float64)  # its fp8 -> fp64 cast breaks on zeros
                 b64 = b.to(tl.float32).to(tl.float64)
                 part = tl.dot(a64, b64, out_dtype=tl.float64).to(tl.float32)  # numpy: RNE
-            elif DOT_F16:  # e4m3 -> fp16 is exact; fp16 mma accumulates more precisely
+            elif DOT_F16 and not PRESCALED:  # e4m3 -> fp16 is exact; fp16 mma: more precise
                 part = tl.dot(a.to(tl.float16), b.to(tl.float16), out_dtype=tl.float32)
-            else:
+            else:  # e4m3 codes, or PRESCALED's bf16 values
                 part = tl.dot(a, b, out_dtype=tl.float32)
-            sa = tl.load(sa_ptrs + kb0 + j, mask=m_mask, other=1.0)
             e = tl.load(sb_ptrs + kb0 + j, mask=n_mask, other=127).to(tl.int32)
             sb = e8m0_to_fp32(e)  # 2^(e-127); 0 -> 2^-127, 255 -> NaN
-            acc += part * sa[:, None] * sb[None, :]  # powers of two: exact, reference order
+            if PRESCALED:  # part is already the block dot times the row scale
+                acc += part * sb[None, :]
+            else:
+                sa = tl.load(sa_ptrs + kb0 + j, mask=m_mask, other=1.0)
+                acc += part * sa[:, None] * sb[None, :]  # powers of two: exact, reference order
         a_ptrs += 32 * KSUB
         b_ptrs += 32 * KSUB
         if ALL_RANGES:
@@ -417,6 +451,7 @@ class _GemmPlan:
     order: KOrder
     workspace: bool  # the ranges run as separate programs into fp32 partials (split-K)
     swap: bool = False  # _fp8_decode_kernel (weight rows on the MMA's 64-row side)
+    prescaled: bool = False  # _fp8_gemm_kernel's PRESCALED: bf16 values of x and the weight
 
     @property
     def splits(self) -> int:
@@ -433,7 +468,12 @@ class _GemmPlan:
 # the Hopper wgmma at every M: an H200's mma.sync (16- or 32-row tiles) sums the fp16 products
 # of a 32-block differently from wgmma (0.3% to 40% of outputs, by the data, an fp32 ulp or so
 # apart), which would make a decode row differ from its prefill.
-_FP8_TILES = ((None, 128, 128, 8, 3, 1),)
+# The e4m3-code rows (fp8_linear below PRESCALE_MIN_M) 128 x 128, 8 warps; PRESCALED 128 x 64,
+# 4 warps (several programs per SM, so one's block sums overlap another's MMAs): H200, fp8_linear
+# at M = 4096, wq_a / wq_b / wo_b 335 / 1841 / 1532 us at 128 x 128 -> 314 / 1473 / 1417 (64 x
+# 128: 303 / 1615 / 1370; 2 blocks per K iteration, 64 x 256: slower). 4 stages and the tiles
+# in groups of GEMM_GROUP row tiles: wq_b 1782 -> 1574 us, wo_b 1703 -> 1312 (128 x 128).
+_FP8_TILES = ((PRESCALE_MIN_M - 1, 128, 128, 8, 4, 1), (None, 128, 64, 4, 4, 1))
 # Decode (M <= SPLIT_MAX_M): _fp8_decode_kernel, whose 64-row MMA side is BLOCK_N weight rows
 # and whose narrow side is BLOCK_M (>= 16) token rows: the same wgmma, the same bits (checked on
 # an H200 against _fp8_gemm_kernel at M = 1, 2, 7, 8, 64 on the V4.1 shapes, f16 and e4m3
@@ -452,17 +492,19 @@ def _tile_row(table, m: int):
 
 
 def _use_workspace(order: KOrder, tiles: int, m: int, n: int, weight_bytes: int, sms: int,
-                   partial_bytes: int = 8) -> bool:
+                   partial_bytes: int = 8, budget: int = 0) -> bool:
     """Run the ranges as separate programs (fp32 partials written and read back, 8 B per
     output and range) when the tiles alone leave SMs idle and the partials stay within
-    ``weight_bytes`` / SPLIT_TRAFFIC_SHARE (decode-sized M); otherwise every tile's program
-    sums its ranges itself. Either way the same bits."""
+    ``weight_bytes`` / SPLIT_TRAFFIC_SHARE or ``budget`` bytes; otherwise every tile's
+    program sums its ranges itself. Either way the same bits."""
+    traffic = order.ranges * m * n * partial_bytes
     return order.ranges > 1 and tiles < sms and \
-        order.ranges * m * n * partial_bytes * SPLIT_TRAFFIC_SHARE <= weight_bytes
+        traffic <= max(weight_bytes // SPLIT_TRAFFIC_SHARE, budget)
 
 
 def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
-               precise_dot: bool = True, workspace: bool | None = None) -> _GemmPlan:
+               precise_dot: bool = True, workspace: bool | None = None,
+               values: bool = False) -> _GemmPlan:
     """The K order from (N, KB, SM count) (``k_order``; num_splits, 1 <= it <= KB, forces the
     range count), then the kernel and tiles by M: decode (M <= SPLIT_MAX_M) is
     weight-bandwidth bound: _fp8_decode_kernel, BLOCK_N weight rows by 16-64 token rows,
@@ -470,7 +512,9 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
     flight); larger M square MMA tiles (_fp8_gemm_kernel). The ranges run as separate programs
     (_split_sum_kernel adds their partials): at decode sizes whenever the tiles leave SMs idle,
     otherwise while that costs little traffic (``_use_workspace``); ``workspace`` forces it
-    either way. sms: the device's SM count (sm_count); precise_dot: see fp8_gemm."""
+    either way. sms: the device's SM count (sm_count); precise_dot: see fp8_gemm. values:
+    the caller has act_quant's bf16 values of x (dequant) and the weight's: _fp8_gemm_kernel
+    reads those (PRESCALED) where it runs and precise_dot holds (the same bits)."""
     order = k_order(triton.cdiv(n, 64), kb, sms, ranges=num_splits)
     swap = m <= SPLIT_MAX_M
     bm, bn, warps, stages, ksub_max = _tile_row(_FP8_DECODE_TILES if swap else _FP8_TILES, m)
@@ -480,19 +524,25 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
         # decode: split whenever the tiles leave SMs idle (the partials, <= 64 rows, stay in
         # L2; one program per tile summing 20-40 ranges would stream at a tenth of the rate)
         workspace = order.ranges > 1 and tiles < sms if swap else \
-            _use_workspace(order, tiles, m, n, n * kb * FP8_BLOCK, sms)
+            _use_workspace(order, tiles, m, n, n * kb * FP8_BLOCK, sms,
+                           budget=SPLIT_PARTIAL_BYTES)
     workspace = bool(workspace) and order.ranges > 1
-    return _GemmPlan(bm, bn, warps, stages, ksub, bool(precise_dot), order, workspace, swap)
+    return _GemmPlan(bm, bn, warps, stages, ksub, bool(precise_dot), order, workspace, swap,
+                     prescaled=bool(values and precise_dot and not swap))
 
 
-def act_quant(x: torch.Tensor, *, f16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant(x: torch.Tensor, *, f16: bool = False,
+              dequant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 activation quantisation (docs/numerics.md §2), bit-exact with common.quant.act_quant.
 
     x: [M, K] bf16, K a multiple of 32. Returns (codes [M, K] float8_e4m3fn, scales [M, K/32]
     fp32 powers of two) with x ~= codes * scales per block of 32. Finite inputs only. f16: the
     codes' values as fp16 instead (exact: what the decode GEMM's wgmma reads, so it skips the
-    widening; fp8_gemm takes either).
+    widening; fp8_gemm takes either). dequant: the codes' values times their scales, as bf16
+    (exact: x fake-quantised; what fp8_linear's large-M GEMM reads).
     """
+    if f16 and dequant:
+        raise ValueError("act_quant: f16 and dequant are exclusive (fp16 codes or bf16 values)")
     if x.dim() != 2:
         raise ValueError(f"act_quant wants a 2-D [M, K] tensor, got shape {tuple(x.shape)}")
     if x.dtype != torch.bfloat16:
@@ -502,21 +552,25 @@ def act_quant(x: torch.Tensor, *, f16: bool = False) -> tuple[torch.Tensor, torc
     if k % FP8_BLOCK:
         raise ValueError(f"K = {k} is not a multiple of the quant block {FP8_BLOCK}")
     kb = k // FP8_BLOCK
-    q = torch.empty(m, k, dtype=torch.float16 if f16 else torch.float8_e4m3fn, device=x.device)
+    dtype = torch.float16 if f16 else torch.bfloat16 if dequant else torch.float8_e4m3fn
+    q = torch.empty(m, k, dtype=dtype, device=x.device)
     s = torch.empty(m, kb, dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return q, s
     grid = (m, triton.cdiv(kb, QUANT_BLOCKS))
-    _act_quant_kernel[grid](x.contiguous(), q if f16 else q.view(torch.uint8), s, k, kb,
-                            INV_FP8_MAX, QB=QUANT_BLOCKS, F16=f16, num_warps=4)
+    _act_quant_kernel[grid](x.contiguous(), q if f16 or dequant else q.view(torch.uint8), s, k,
+                            kb, INV_FP8_MAX, QB=QUANT_BLOCKS, F16=f16, DEQUANT=dequant,
+                            INTERPRET=interpreting(), num_warps=4)
     return q, s
 
 
-def _check_gemm(x_codes, x_scales, weight, weight_scale, num_splits, precise_dot):
-    """fp8_gemm's argument checks; returns (M, N, K/32)."""
+def _check_gemm(x_codes, x_scales, weight, weight_scale, num_splits, precise_dot,
+                values=False):
+    """fp8_gemm's argument checks (values: x_codes may also be act_quant's bf16 values);
+    returns (M, N, K/32)."""
     if x_codes.dim() != 2 or weight.dim() != 2 or x_scales.dim() != 2 or weight_scale.dim() != 2:
         raise ValueError("fp8_gemm wants 2-D x_codes, x_scales, weight, weight_scale")
-    if x_codes.dtype not in (torch.float8_e4m3fn, torch.float16) \
+    if x_codes.dtype not in (torch.float8_e4m3fn, torch.float16) + ((torch.bfloat16,) * values) \
             or weight.dtype != torch.float8_e4m3fn:
         raise TypeError(f"x_codes and weight must be float8_e4m3fn (x_codes: or act_quant's "
                         f"fp16 values), got {x_codes.dtype}, {weight.dtype}")
@@ -606,8 +660,9 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out):
-    """Launch ``plan`` on checked operands (fp8_gemm's; x_codes e4m3 or fp16 values), into
-    ``out`` ([M, N] fp32, or bf16 for the decode kernel: its fp32 result rounded once)."""
+    """Launch ``plan`` on checked operands (fp8_gemm's; x_codes e4m3 or fp16 values; for a
+    ``prescaled`` plan x's and the weight's bf16 values), into ``out`` ([M, N] fp32, or bf16
+    for the decode kernel: its fp32 result rounded once)."""
     m, k = x_codes.shape
     n, kb = weight.shape[0], k // FP8_BLOCK
     s = plan.splits
@@ -634,12 +689,14 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out)
                 OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interpreting(), num_warps=2)
         return out
     assert out.dtype == torch.float32
-    grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), s)
+    assert (x_codes.dtype == torch.bfloat16) == plan.prescaled == (weight.dtype == torch.bfloat16)
+    grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n), s)
     _fp8_gemm_kernel[grid](*args, partials, m, n, k, kb, order.chunks, order.ranges,
                            GRANULE=order.granule, BLOCK_M=plan.block_m,
                            BLOCK_N=plan.block_n, KSUB=plan.ksub, DOT_F16=plan.dot_f16,
-                           ALL_RANGES=all_ranges, INTERPRET=interpreting(),
-                           num_warps=plan.num_warps, num_stages=plan.num_stages)
+                           ALL_RANGES=all_ranges, PRESCALED=plan.prescaled,
+                           INTERPRET=interpreting(), num_warps=plan.num_warps,
+                           num_stages=plan.num_stages)
     if s > 1:
         _split_sum_kernel[(triton.cdiv(m * n, SPLIT_SUM_BLOCK),)](
             partials, out, m * n, SPLITS=s, BLOCK=SPLIT_SUM_BLOCK, num_warps=2)
@@ -651,15 +708,34 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
         raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
 
 
-def _f16_rows(m: int, precise_dot: bool) -> bool:
-    """Quantise to fp16 values for the decode kernel's 16-row tiles (no per-block widening of
-    the token rows there; 64-row tiles keep the e4m3 codes: their fp16 tile spilled more)."""
-    return precise_dot and m <= _FP8_DECODE_TILES[0][0]
+def _act_operand(x2: torch.Tensor, precise_dot: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """act_quant of fp8_linear's rows in the form its GEMM reads at this M: fp16 values for
+    the decode kernel's 16-row tiles (no per-block widening of the token rows there), e4m3
+    codes for its 64-row tiles (their fp16 tile spilled more) and up to PRESCALE_MIN_M, bf16 values
+    from there
+    (_fp8_gemm_kernel's PRESCALED: no fp8 tile converted in registers). The same bits."""
+    m = x2.shape[0]
+    return act_quant(x2, f16=precise_dot and m <= _FP8_DECODE_TILES[0][0],
+                     dequant=precise_dot and m >= PRESCALE_MIN_M)
 
 
 def _linear_from_quant(x_q, s, weight, weight_scale, num_splits, precise_dot, out_dtype):
-    """fp8_gemm on act_quant's output, [M, N] in out_dtype: at decode sizes the kernel writes
-    bf16 (or fp32) itself, the one rounding torch's cast would do."""
+    """fp8_gemm on _act_operand's output, [M, N] in out_dtype: at decode sizes the kernel
+    writes bf16 (or fp32) itself, the one rounding torch's cast would do; bf16 values (large
+    M) run the PRESCALED kernel on the weight's bf16 values (exact; made here, one pass over
+    the weight: ~1% of the GEMM at these M)."""
+    if x_q.dtype == torch.bfloat16:
+        m, n, kb = _check_gemm(x_q, s, weight, weight_scale, num_splits, precise_dot,
+                               values=True)
+        plan = _gemm_plan(m, n, kb, sm_count(x_q.device), num_splits, precise_dot, values=True)
+        assert plan.prescaled
+        out = torch.empty(m, n, dtype=torch.float32, device=x_q.device)
+        if out.numel() == 0:
+            return out.to(out_dtype)
+        if kb == 0:
+            return out.zero_().to(out_dtype)
+        return _run_fp8_gemm(plan, x_q, s, weight.to(torch.bfloat16), weight_scale,
+                             out).to(out_dtype)
     m, n, kb = _check_gemm(x_q, s, weight, weight_scale, num_splits, precise_dot)
     if m * n and kb and m <= SPLIT_MAX_M and out_dtype in (torch.bfloat16, torch.float32):
         plan = _gemm_plan(m, n, kb, sm_count(x_q.device), num_splits, precise_dot)
@@ -681,12 +757,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     (bf16, or torch.float32: the GEMM's fp32 result, as a tensor-parallel wo_b partial needs).
     Decode sizes (M <= SPLIT_MAX_M) have the GEMM write out_dtype itself (no cast launch);
     M <= 16 (precise_dot) also quantises x to fp16 values and sums the split-K partials in the
-    GEMM's last program: two launches in all (act_quant, the GEMM), the same bits.
+    GEMM's last program: two launches in all (act_quant, the GEMM), the same bits. From
+    PRESCALE_MIN_M rows (precise_dot) act_quant writes x's bf16 values and the GEMM reads them
+    and the weight's bf16 values (a copy made per call), the same bits again.
     """
     _check_linear(x, weight, weight_scale)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    x_q, s = act_quant(x2, f16=_f16_rows(x2.shape[0], precise_dot))
+    x_q, s = _act_operand(x2, precise_dot)
     y = _linear_from_quant(x_q, s, weight, weight_scale, num_splits, precise_dot, out_dtype)
     return y.reshape(*lead, weight.shape[0])
 
@@ -700,7 +778,7 @@ def fp8_linear_pair(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
     _check_linear(x, w2, s2)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    x_q, s = act_quant(x2, f16=_f16_rows(x2.shape[0], precise_dot))
+    x_q, s = _act_operand(x2, precise_dot)
     y1 = _linear_from_quant(x_q, s, w1, s1, None, precise_dot, out_dtype)
     y2 = _linear_from_quant(x_q, s, w2, s2, None, precise_dot, out_dtype)
     return y1.reshape(*lead, w1.shape[0]), y2.reshape(*lead, w2.shape[0])
