@@ -97,6 +97,147 @@ def _interpreter_helpers_reuse_the_launchs_patch() -> None:
 
 _interpreter_helpers_reuse_the_launchs_patch()
 
+_TRITON_BLOCK_TYPE_INIT = """
+    def __init__(self, element_ty: dtype, shape: List):
+        self.element_ty = element_ty
+
+        # Note that block_type's shape is a list of int
+        # while tensor's shape is a list of constexpr.
+        assert (isinstance(shape, (list, tuple)))
+
+        # shape can be empty ([]) when an input is a 0D tensor.
+        self.shape = tuple(_unwrap_shape(shape))
+        if not self.shape:
+            raise TypeError('0d block_type is forbidden')
+
+        self.numel = validate_block_shape(self.shape)
+        self.name = f'<{self.shape}, {self.element_ty}>'
+"""
+
+_TRITON_TENSOR_INIT = '''
+    def __init__(self, handle, type: dtype):
+        """Not called by user code."""
+        super().__init__()
+        # IR handle
+        self.handle = handle
+        # Block shape
+        self.shape = type.shape if type.is_block() else ()
+        self.numel = constexpr(math.prod(self.shape))
+        self.type = type  # Tensor type (can be block_type)
+        # Following the practice in pytorch, dtype is scalar type
+        self.dtype = type.scalar
+        self.shape = tuple([constexpr(s) for s in self.shape])
+'''
+
+_TRITON_UNWRAP = """
+def _unwrap_if_constexpr(o):
+    if isinstance(o, list):
+        return [_unwrap_if_constexpr(x) for x in o]
+    if isinstance(o, builtins.tuple):
+        return _tuple_create(o, [_unwrap_if_constexpr(x) for x in o])
+    if isinstance(o, tuple):
+        return tuple([_unwrap_if_constexpr(x) for x in o], o.type)
+    return o.value if isinstance(o, constexpr) else o
+"""
+
+
+def _interpreter_shapes_are_typed_once_per_shape() -> None:
+    """Under the interpreter every op builds a tl.tensor and most build a tl.block_type, and
+    each of those rebuilds the same shape facts from scratch: a tl.tuple of the dimensions with
+    a tuple_type of one constexpr_type per dimension, its string, its validated element count.
+    The facts depend on the dimensions only, so they are now built once per shape (by Triton's
+    own __init__, the first time) and reused: each object still gets its own tl.tuple holding
+    equal values under an equal type, the same numel and the same name. A shape that is not
+    plain ints (or constexpr ints) takes Triton's own path, as does every error. Only Python
+    bookkeeping changes: every kernel runs the same interpreted operations. Applied only to the
+    Triton source it was written for (3.9's)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import builtins
+        import inspect
+
+        import triton.language.core as core
+        block_init, tensor_init = core.block_type.__init__, core.tensor.__init__
+        block_src, tensor_src = inspect.getsource(block_init), inspect.getsource(tensor_init)
+        unwrap = core._unwrap_if_constexpr
+        unwrap_src = inspect.getsource(unwrap)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return
+    if (block_src.strip() != _TRITON_BLOCK_TYPE_INIT.strip()
+            or tensor_src.strip() != _TRITON_TENSOR_INIT.strip()
+            or unwrap_src.strip() != _TRITON_UNWRAP.strip()):
+        return
+    TT, CX = core.tuple, core.constexpr
+    blocks: dict = {}   # dims -> (tuple_type of the int dims, str of that tl.tuple, numel)
+    tensors: dict = {}  # dims -> (numel constexpr, [constexpr per dim], their tuple_type)
+
+    def int_dims(vals):
+        dims = []
+        for s in vals:
+            if type(s) is int:
+                dims.append(s)
+            elif type(s) is CX and type(s.value) is int:
+                dims.append(s.value)
+            else:
+                return None
+        return builtins.tuple(dims)
+
+    def block_type_init(self, element_ty, shape):
+        kind = type(shape)
+        dims = int_dims(shape if kind is list else shape.values) if kind in (list, TT) else None
+        facts = blocks.get(dims) if dims else None
+        if facts is None:
+            block_init(self, element_ty, shape)
+            if dims:
+                blocks[dims] = (self.shape.type, str(self.shape), self.numel)
+            return
+        tt, text, numel = facts
+        self.element_ty = element_ty
+        self.shape = TT(list(dims), tt)
+        self.numel = numel
+        self.name = f'<{text}, {element_ty}>'
+
+    def tensor_init_per_shape(self, handle, type):
+        if type.is_block():
+            shape = type.shape
+            dims = builtins.tuple(shape.values) if builtins.type(shape) is TT else None
+            if dims is not None and any(builtins.type(d) is not int for d in dims):
+                dims = None
+        else:
+            dims = ()
+        facts = tensors.get(dims) if dims is not None else None
+        if facts is None:
+            tensor_init(self, handle, type)
+            if dims is not None:
+                tensors[dims] = (self.numel, self.shape.values, self.shape.type)
+            return
+        numel, consts, tt = facts
+        self.handle = handle
+        self.numel = numel
+        self.type = type
+        self.dtype = type.scalar
+        self.shape = TT(consts, tt)
+
+    # _unwrap_if_constexpr (called ~10 times per interpreted op) answers a constexpr or a value
+    # of a type it returns as it is without walking its isinstance chain; the rest, Triton's.
+    as_is = frozenset({int, float, bool, type(None), core.tensor})
+
+    def unwrap_if_constexpr(o):
+        kind = type(o)
+        if kind is CX:
+            return o.value
+        if kind in as_is:
+            return o
+        return unwrap(o)
+
+    core._unwrap_if_constexpr = unwrap_if_constexpr
+    core.block_type.__init__ = block_type_init
+    core.tensor.__init__ = tensor_init_per_shape
+
+
+_interpreter_shapes_are_typed_once_per_shape()
+
 
 def fixture_files() -> list[Path]:
     """Every golden fixture: $DSV41ATTN_FIXTURES, then ../shared/fixtures beside the checkout,
