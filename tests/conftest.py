@@ -239,6 +239,63 @@ def _interpreter_shapes_are_typed_once_per_shape() -> None:
 _interpreter_shapes_are_typed_once_per_shape()
 
 
+def _interpreter_same_shape_and_type_answer_at_once() -> None:
+    """Three answers the interpreter asks for at almost every op, given without Triton's walk
+    when the question is the trivial one: TritonSemantic.broadcast_impl_value of two blocks of
+    the same dims returns both as they are (Triton builds the common shape and compares it with
+    each through tl.tuple normalisation to find nothing to do); cast to the scalar type the value
+    already has returns it (Triton's first test, reached after unwrapping); tl.dtype == tl.dtype
+    compares the names (Triton's test after its unwrap and isinstance). Every other case runs
+    Triton's code. Only on the interpreter's own TritonSemantic instance (and tl.dtype.__eq__ in
+    an interpreter session), only for the Triton 3.9 source these were read from (sha256 of
+    each function's text)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import hashlib
+        import inspect
+        import types
+
+        import triton.language.core as core
+        from triton.runtime import interpreter as interp
+        sem = interp.interpreter_semantic
+        broadcast, cast, dtype_eq = type(sem).broadcast_impl_value, type(sem).cast, \
+            core.dtype.__eq__
+        digests = [hashlib.sha256(inspect.getsource(f).encode()).hexdigest()[:16]
+                   for f in (broadcast, cast, dtype_eq)]
+    except (ImportError, AttributeError, OSError, TypeError):
+        return
+    if digests != ["90c3a175f67942b0", "b69dba3389e69c97", "b0fd419d9dbeadef"]:
+        return
+    BT, DT = core.block_type, core.dtype
+
+    def broadcast_impl_value(self, lhs, rhs):
+        lt, rt = lhs.type, rhs.type
+        if type(lt) is BT and type(rt) is BT and lt.shape.values == rt.shape.values:
+            return lhs, rhs
+        return broadcast(self, lhs, rhs)
+
+    def cast_to(self, input, dst_ty, fp_downcast_rounding=None):
+        src = input.type
+        s = src.element_ty if type(src) is BT else src
+        d = dst_ty.element_ty if type(dst_ty) is BT else dst_ty
+        if type(s) is DT and type(d) is DT and s.name == d.name:
+            return input
+        return cast(self, input, dst_ty, fp_downcast_rounding)
+
+    def dtype_equal(self, other):
+        if type(other) is DT:
+            return self.name == other.name
+        return dtype_eq(self, other)
+
+    sem.broadcast_impl_value = types.MethodType(broadcast_impl_value, sem)
+    sem.cast = types.MethodType(cast_to, sem)
+    core.dtype.__eq__ = dtype_equal
+
+
+_interpreter_same_shape_and_type_answer_at_once()
+
+
 def fixture_files() -> list[Path]:
     """Every golden fixture: $DSV41ATTN_FIXTURES, then ../shared/fixtures beside the checkout,
     then the copies committed in tests/fixtures (by file name, the first found wins)."""
