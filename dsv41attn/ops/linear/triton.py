@@ -468,12 +468,15 @@ class _GemmPlan:
 # the Hopper wgmma at every M: an H200's mma.sync (16- or 32-row tiles) sums the fp16 products
 # of a 32-block differently from wgmma (0.3% to 40% of outputs, by the data, an fp32 ulp or so
 # apart), which would make a decode row differ from its prefill.
-# The e4m3-code rows (fp8_linear below PRESCALE_MIN_M) 128 x 128, 8 warps; PRESCALED 128 x 64,
-# 4 warps (several programs per SM, so one's block sums overlap another's MMAs): H200, fp8_linear
-# at M = 4096, wq_a / wq_b / wo_b 335 / 1841 / 1532 us at 128 x 128 -> 314 / 1473 / 1417 (64 x
-# 128: 303 / 1615 / 1370; 2 blocks per K iteration, 64 x 256: slower). 4 stages and the tiles
-# in groups of GEMM_GROUP row tiles: wq_b 1782 -> 1574 us, wo_b 1703 -> 1312 (128 x 128).
-_FP8_TILES = ((PRESCALE_MIN_M - 1, 128, 128, 8, 4, 1), (None, 128, 64, 4, 4, 1))
+# e4m3 codes (fp8_gemm; fp8_linear below PRESCALE_MIN_M): 128 x 128, 8 warps; 4 stages and
+# the tiles in groups of GEMM_GROUP row tiles (H200, M = 4096, wq_b: 2007 -> 1975 us).
+_FP8_TILES = ((None, 128, 128, 8, 4, 1),)
+# PRESCALED (fp8_linear from PRESCALE_MIN_M rows): 128 x 64, 4 warps (several programs per SM,
+# so one's block sums overlap another's MMAs): H200, fp8_linear at M = 4096, wq_a / wq_b / wo_b
+# 335 / 1841 / 1532 us at 128 x 128 -> 314 / 1473 / 1417 (64 x 128: 303 / 1615 / 1370; 2
+# blocks per K iteration, 64 x 256: slower); 4 stages and the groups: wq_b 1782 -> 1574 us,
+# wo_b 1703 -> 1312 (128 x 128).
+_FP8_VALUE_TILES = ((None, 128, 64, 4, 4, 1),)
 # Decode (M <= SPLIT_MAX_M): _fp8_decode_kernel, whose 64-row MMA side is BLOCK_N weight rows
 # and whose narrow side is BLOCK_M (>= 16) token rows: the same wgmma, the same bits (checked on
 # an H200 against _fp8_gemm_kernel at M = 1, 2, 7, 8, 64 on the V4.1 shapes, f16 and e4m3
@@ -517,7 +520,9 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
     reads those (PRESCALED) where it runs and precise_dot holds (the same bits)."""
     order = k_order(triton.cdiv(n, 64), kb, sms, ranges=num_splits)
     swap = m <= SPLIT_MAX_M
-    bm, bn, warps, stages, ksub_max = _tile_row(_FP8_DECODE_TILES if swap else _FP8_TILES, m)
+    prescaled = bool(values and precise_dot and not swap)
+    bm, bn, warps, stages, ksub_max = _tile_row(
+        _FP8_DECODE_TILES if swap else _FP8_VALUE_TILES if prescaled else _FP8_TILES, m)
     ksub = next(d for d in (8, 4, 2, 1) if d <= ksub_max and order.granule % d == 0)
     if workspace is None:
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
@@ -528,7 +533,7 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
                            budget=SPLIT_PARTIAL_BYTES)
     workspace = bool(workspace) and order.ranges > 1
     return _GemmPlan(bm, bn, warps, stages, ksub, bool(precise_dot), order, workspace, swap,
-                     prescaled=bool(values and precise_dot and not swap))
+                     prescaled=prescaled)
 
 
 def act_quant(x: torch.Tensor, *, f16: bool = False,
@@ -622,7 +627,8 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
     fp32 block sums, ~1e-7 with fp16) but is ~1.4x faster at large M; small M is ~1e-7 either
     way. With the fp8 sums the index q/k flip fp4 roundings and v41_geometry's top-k rows drift
     past the fixture tolerance (194 of 3312 rows on an H200, limit 1%), hence the default.
-    Either way every tile runs wgmma, so either is M-invariant (_FP8_TILES, _FP8_DECODE_TILES).
+    Either way every tile runs wgmma, so either is M-invariant (_FP8_TILES,
+    _FP8_VALUE_TILES, _FP8_DECODE_TILES).
     """
     m, n, kb = _check_gemm(x_codes, x_scales, weight, weight_scale, num_splits, precise_dot)
     if out is None:
