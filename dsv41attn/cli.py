@@ -875,8 +875,8 @@ def build_parser() -> argparse.ArgumentParser:
     sk.add_argument("--minutes", type=float, default=1.0, help="how long to run (default: 1)")
     sk.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     sk.add_argument("--backend", choices=BACKENDS, default="reference",
-                    help="ops backend of the state under test; the oracle runs the reference "
-                         "(default: reference)")
+                    help="ops backend of the state under test and of the oracle (default: "
+                         "reference)")
     sk.set_defaults(func=soak_cmd, parser=sk)
     return p
 
