@@ -110,8 +110,8 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS, R
     each 32-block's bf16 dot is then the e4m3 dot times the row scale, exactly (the same
     products scaled by one power of two, far from the subnormals: act_quant's scales are >=
     2^-23), so ``part * sb`` is the reference's ``part * sa * sb`` bit for bit (an H200's bf16
-    wgmma sums them as its fp16 one: 0 differing outputs of 580M, V4.1 shapes, wide-range
-    data), with no conversion of fp8 tiles in registers and one multiply fewer per element
+    wgmma sums them as its fp16 one: 0 differing outputs on the V4.1 shapes at M = 65-8192,
+    wide-range data too), with no conversion of fp8 tiles in registers and one multiply fewer per element
     (H200, M = 4096, wq_b: 2317 -> 1574 us).
     K is CHUNKS = KB / GRANULE chunks of GRANULE 32-blocks cut into RANGES ranges: range r is
     chunks [r * CHUNKS // RANGES, (r + 1) * CHUNKS // RANGES), summed in K order from -0 (KSUB
