@@ -636,12 +636,25 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
     elif tuple(out.shape) != (m, n) or out.dtype != torch.float32 \
             or out.device != x_codes.device or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous fp32 [{m}, {n}] tensor on x's device")
+    return _gemm_into(out, kb, x_codes, x_scales, weight, weight_scale, num_splits,
+                      precise_dot, workspace)
+
+
+def _gemm_into(out, kb, x, x_scales, weight, weight_scale, num_splits, precise_dot,
+               workspace=None, values=False):
+    """fp8_gemm's work on checked operands into ``out`` ([M, N] fp32): nothing to compute
+    (M or N zero), zeros (K zero), else the plan launched. values: x holds act_quant's bf16
+    values; the weight's bf16 values are made here, only when there is work."""
     if out.numel() == 0:
         return out
     if kb == 0:
         return out.zero_()
-    plan = _gemm_plan(m, n, kb, sm_count(out.device), num_splits, precise_dot, workspace)
-    return _run_fp8_gemm(plan, x_codes, x_scales, weight, weight_scale, out)
+    plan = _gemm_plan(out.shape[0], out.shape[1], kb, sm_count(out.device), num_splits,
+                      precise_dot, workspace, values=values)
+    assert plan.prescaled == values
+    if values:
+        weight = weight.to(torch.bfloat16)  # exact
+    return _run_fp8_gemm(plan, x, x_scales, weight, weight_scale, out)
 
 
 _COUNTERS: dict = {}  # (device, stream) -> int32 tile counters of the fused split-K sum
@@ -717,9 +730,9 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 def _act_operand(x2: torch.Tensor, precise_dot: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """act_quant of fp8_linear's rows in the form its GEMM reads at this M: fp16 values for
     the decode kernel's 16-row tiles (no per-block widening of the token rows there), e4m3
-    codes for its 64-row tiles (their fp16 tile spilled more) and up to PRESCALE_MIN_M, bf16 values
-    from there
-    (_fp8_gemm_kernel's PRESCALED: no fp8 tile converted in registers). The same bits."""
+    codes for its 64-row tiles (their fp16 tile spilled more) and below PRESCALE_MIN_M, bf16
+    values from there (_fp8_gemm_kernel's PRESCALED: no fp8 tile widened in registers). The
+    same bits."""
     m = x2.shape[0]
     return act_quant(x2, f16=precise_dot and m <= _FP8_DECODE_TILES[0][0],
                      dequant=precise_dot and m >= PRESCALE_MIN_M)
@@ -733,15 +746,9 @@ def _linear_from_quant(x_q, s, weight, weight_scale, num_splits, precise_dot, ou
     if x_q.dtype == torch.bfloat16:
         m, n, kb = _check_gemm(x_q, s, weight, weight_scale, num_splits, precise_dot,
                                values=True)
-        plan = _gemm_plan(m, n, kb, sm_count(x_q.device), num_splits, precise_dot, values=True)
-        assert plan.prescaled
         out = torch.empty(m, n, dtype=torch.float32, device=x_q.device)
-        if out.numel() == 0:
-            return out.to(out_dtype)
-        if kb == 0:
-            return out.zero_().to(out_dtype)
-        return _run_fp8_gemm(plan, x_q, s, weight.to(torch.bfloat16), weight_scale,
-                             out).to(out_dtype)
+        return _gemm_into(out, kb, x_q, s, weight, weight_scale, num_splits, precise_dot,
+                          values=True).to(out_dtype)
     m, n, kb = _check_gemm(x_q, s, weight, weight_scale, num_splits, precise_dot)
     if m * n and kb and m <= SPLIT_MAX_M and out_dtype in (torch.bfloat16, torch.float32):
         plan = _gemm_plan(m, n, kb, sm_count(x_q.device), num_splits, precise_dot)
