@@ -315,18 +315,22 @@ DECODE_CASES = {  # id: (M, N, K, num_splits); N off BLOCK_N, M at the tile-row 
 @pytest.mark.parametrize("case", list(DECODE_CASES), ids=list(DECODE_CASES))
 def test_decode_kernel_equals_tile_kernel(case):
     """_fp8_decode_kernel (swapped operands) against _fp8_gemm_kernel on the same K order,
-    split-K programs or one program summing the ranges: the same bits, every element written
-    (NaN-poisoned outputs). On an H200 both run wgmma; under the interpreter both are exact."""
+    split-K programs or one program summing the ranges, the weight through TMA descriptors or
+    plain loads: the same bits, every element written (NaN-poisoned outputs). On an H200 both
+    run wgmma; under the interpreter both are exact."""
     m, n, k, splits = DECODE_CASES[case]
     q, s, w, ws = _split_case(m, n, k, seed=m * 7 + n)
     w, ws = w.to(DEV), ws.to(DEV)
     sms = DEFAULT_SM_COUNT if DEV == "cpu" else sm_count(torch.device(DEV))
     outs = []
-    for workspace in (None, True, False):
-        plan = T._gemm_plan(m, n, k // 32, sms, splits, workspace=workspace)
+    for workspace, tma in ((None, False), (True, False), (False, False), (None, True),
+                           (True, True), (False, True)):
+        plan = T._gemm_plan(m, n, k // 32, sms, splits, workspace=workspace, tma=tma)
         assert plan.swap and plan.block_m == (16 if m <= 16 else 64)
+        assert plan.tma == (tma and m <= 16)  # TMA weight loads: the 16-row tiles only
+        assert T._tma_weight(w)  # so the kernel takes the descriptor path
         tile = dataclasses.replace(plan, swap=False, block_m=64, block_n=64, num_warps=4,
-                                   num_stages=3)
+                                   num_stages=3, tma=False)
         for p in (plan, tile):
             out = torch.full((m, n), float("nan"), device=DEV)
             T._run_fp8_gemm(p, q, s, w, ws, out)
@@ -337,6 +341,23 @@ def test_decode_kernel_equals_tile_kernel(case):
     if splits == 1 and interpreting():
         assert torch.equal(outs[0].view(torch.float32), ref_gemm(q.cpu().float(), s.cpu(),
                                                                   w.cpu(), ws.cpu()))
+
+
+def test_decode_weight_without_tma_alignment():
+    """A weight whose address is not 16-byte aligned cannot have a TMA descriptor: the decode
+    kernel reads it with plain loads, same bits as the aligned copy (which takes TMA)."""
+    n, k = 96, 32 * 12
+    w, ws = _quantized(n, k, seed=5)
+    buf = torch.empty(n * k + 1, dtype=torch.uint8, device=DEV)
+    odd = buf[1:].view(torch.float8_e4m3fn).view(n, k)
+    odd.copy_(w.to(DEV))
+    w, ws = w.to(DEV), ws.to(DEV)
+    assert T._tma_weight(w) and not T._tma_weight(odd)
+    assert not T._tma_weight(w.t().contiguous().t())  # not contiguous
+    for m in (1, 5, 16):
+        x = torch.randn(m, k, device=DEV).bfloat16()
+        want = fp8_linear(x, w, ws).view(torch.int16)
+        assert torch.equal(fp8_linear(x, odd, ws).view(torch.int16), want), m
 
 
 def test_decode_boundary_rows_alone():

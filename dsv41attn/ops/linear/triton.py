@@ -45,6 +45,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # Triton >= 3.4 (the decode kernel's TMA weight loads)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: plain loads
+    TensorDescriptor = None
+
 from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, check_device, e4m3_code, e8m0_to_fp32,
                              interpreting, require, sm_count, to_bf16, ue8m0_exponent)
 
@@ -210,27 +215,30 @@ def _block_scales(sa_ptrs, sb_ptrs, kb, m_mask, n_mask):
 
 
 @triton.jit
-def _block_step(acc, b, a_ptrs, sa, sb, m_mask, DOT_F16: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc + (block dot * row scale) * weight scale: one 32-block (its weight tile b already
-    loaded), the reference's order."""
-    a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-    part = _dot32(b, a, DOT_F16, INTERPRET)
-    return acc + part * sa[None, :] * sb[:, None]
-
-
-@triton.jit
-def _weight_tiles(b_ptrs, mask, KSUB: tl.constexpr):
+def _weight_tiles(b_ptrs, mask, w_desc, n0, k0, KSUB: tl.constexpr, TMA: tl.constexpr):
     """The KSUB consecutive [BLOCK_N, 32] weight tiles at b_ptrs (masked rows 0), issued
-    together; unused slots repeat the first (KSUB < 4)."""
-    w0 = tl.load(b_ptrs, mask=mask, other=0.0)
+    together; unused slots repeat the first (KSUB < 4). TMA: read instead through the tensor
+    descriptor w_desc at rows n0.., K columns k0.. (rows past N read as 0): bulk copies into
+    shared memory that the loop's software pipeline issues num_stages - 1 iterations ahead."""
+    if TMA:
+        w0 = w_desc.load([n0, k0])
+    else:
+        w0 = tl.load(b_ptrs, mask=mask, other=0.0)
     w1 = w0
     w2 = w0
     w3 = w0
     if KSUB > 1:
-        w1 = tl.load(b_ptrs + 32, mask=mask, other=0.0)
+        if TMA:
+            w1 = w_desc.load([n0, k0 + 32])
+        else:
+            w1 = tl.load(b_ptrs + 32, mask=mask, other=0.0)
     if KSUB > 2:
-        w2 = tl.load(b_ptrs + 64, mask=mask, other=0.0)
-        w3 = tl.load(b_ptrs + 96, mask=mask, other=0.0)
+        if TMA:
+            w2 = w_desc.load([n0, k0 + 64])
+            w3 = w_desc.load([n0, k0 + 96])
+        else:
+            w2 = tl.load(b_ptrs + 64, mask=mask, other=0.0)
+            w3 = tl.load(b_ptrs + 96, mask=mask, other=0.0)
     return w0, w1, w2, w3
 
 
@@ -244,12 +252,12 @@ def _store_out(ptrs, y, mask, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, M, N, K, KB,
-                       CHUNKS, RANGES, GRANULE: tl.constexpr, BLOCK_M: tl.constexpr,
+def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_desc, M, N, K,
+                       KB, CHUNKS, RANGES, GRANULE: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, KSUB: tl.constexpr, DOT_F16: tl.constexpr,
                        ALL_RANGES: tl.constexpr, PARTIALS: tl.constexpr,
-                       SPLITS: tl.constexpr, PREFETCH: tl.constexpr, OUT_BF16: tl.constexpr,
-                       INTERPRET: tl.constexpr):
+                       SPLITS: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr,
+                       OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """_fp8_gemm_kernel for decode-sized M with the operands swapped: each 32-block's tl.dot is
     w [BLOCK_N, 32] . x^T [32, BLOCK_M] (weight rows on the MMA's 64-row side, the few token
     rows its narrow side), so a BLOCK_N x BLOCK_M tile of y^T per program; every output element
@@ -265,11 +273,15 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, M,
     adds the partials in range order, as _split_sum_kernel would, writes out and resets the
     counter to 0 (one launch, not two; 16-row tiles: a 64-row tile's sum would spill). PREFETCH
     (16-row tiles) loads the block scales one K iteration ahead, off the dot's critical path,
-    and issues the iteration's KSUB weight tiles together before its dots (64-row tiles load
-    scales and tiles in each block's step: their [64] row scales, twice over, would spill).
-    Bit-identical to _fp8_gemm_kernel at every M, on an H200 too (the same wgmma instruction,
+    and issues the iteration's KSUB weight tiles and token rows together before its dots, then
+    adds the dots in K order (64-row tiles load scales and tiles in each block's step: their
+    [64] row scales, twice over, would spill). TMA (with PREFETCH): the weight tiles come
+    through w_desc, a tensor descriptor of b with [BLOCK_N, 32] boxes (else w_desc is unused),
+    so the loop's software pipeline keeps num_stages - 1 iterations of weight bytes in flight
+    per program instead of one. Bit-identical to _fp8_gemm_kernel at every M, on an H200 too (the same wgmma instruction,
     f16 or e4m3 operands; only its 64-row side now holds the weight)."""
     tl.static_assert(KSUB == 1 or KSUB == 2 or KSUB == 4)
+    tl.static_assert(PREFETCH or not TMA)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -311,7 +323,18 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, M,
             nxt = kb0 + KSUB  # the next iteration's scales, loaded now (masked past the end)
             more_m = m_mask & (tl.zeros([BLOCK_M], tl.int32) + nxt < kb_hi)
             more_n = n_mask & (tl.zeros([BLOCK_N], tl.int32) + nxt < kb_hi)
-            w0, w1, w2, w3 = _weight_tiles(b_ptrs, n_mask[:, None], KSUB)  # this iteration's
+            # this iteration's weight tiles and token rows
+            w0, w1, w2, w3 = _weight_tiles(b_ptrs, n_mask[:, None], w_desc, pid_n * BLOCK_N,
+                                           kb0 * 32, KSUB, TMA)
+            x0 = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+            x1 = x0
+            x2 = x0
+            x3 = x0
+            if KSUB > 1:
+                x1 = tl.load(a_ptrs + 32, mask=m_mask[:, None], other=0.0)
+            if KSUB > 2:
+                x2 = tl.load(a_ptrs + 64, mask=m_mask[:, None], other=0.0)
+                x3 = tl.load(a_ptrs + 96, mask=m_mask[:, None], other=0.0)
             na0, nb0 = _block_scales(sa_ptrs, sb_ptrs, nxt, more_m, more_n)
             na1 = na0
             nb1 = nb0
@@ -324,12 +347,22 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, M,
             if KSUB > 2:
                 na2, nb2 = _block_scales(sa_ptrs, sb_ptrs, nxt + 2, more_m, more_n)
                 na3, nb3 = _block_scales(sa_ptrs, sb_ptrs, nxt + 3, more_m, more_n)
-            acc = _block_step(acc, w0, a_ptrs, sa0, sb0, m_mask, DOT_F16, INTERPRET)
+            # the block dots, then each added in K order (reference order per block)
+            p0 = _dot32(w0, x0, DOT_F16, INTERPRET)
+            p1 = p0
+            p2 = p0
+            p3 = p0
             if KSUB > 1:
-                acc = _block_step(acc, w1, a_ptrs + 32, sa1, sb1, m_mask, DOT_F16, INTERPRET)
+                p1 = _dot32(w1, x1, DOT_F16, INTERPRET)
             if KSUB > 2:
-                acc = _block_step(acc, w2, a_ptrs + 64, sa2, sb2, m_mask, DOT_F16, INTERPRET)
-                acc = _block_step(acc, w3, a_ptrs + 96, sa3, sb3, m_mask, DOT_F16, INTERPRET)
+                p2 = _dot32(w2, x2, DOT_F16, INTERPRET)
+                p3 = _dot32(w3, x3, DOT_F16, INTERPRET)
+            acc = acc + p0 * sa0[None, :] * sb0[:, None]
+            if KSUB > 1:
+                acc = acc + p1 * sa1[None, :] * sb1[:, None]
+            if KSUB > 2:
+                acc = acc + p2 * sa2[None, :] * sb2[:, None]
+                acc = acc + p3 * sa3[None, :] * sb3[:, None]
             sa0 = na0
             sb0 = nb0
             sa1 = na1
@@ -452,6 +485,7 @@ class _GemmPlan:
     workspace: bool  # the ranges run as separate programs into fp32 partials (split-K)
     swap: bool = False  # _fp8_decode_kernel (weight rows on the MMA's 64-row side)
     prescaled: bool = False  # _fp8_gemm_kernel's PRESCALED: bf16 values of x and the weight
+    tma: bool = False  # _fp8_decode_kernel's TMA: the 16-row tiles read the weight by descriptor
 
     @property
     def splits(self) -> int:
@@ -489,6 +523,12 @@ _FP8_VALUE_TILES = ((None, 128, 64, 4, 4, 1),)
 # 21.4 us, wo_b 30.6 -> 28.4, wq_a 11.9 -> 10.9; loading the next iteration's weight tiles
 # ahead as well was slower at every M, 64-row tiles 2-4x: bench --part gemm).
 _FP8_DECODE_TILES = ((16, 16, 64, 4, 3, 4), (SPLIT_MAX_M, 64, 128, 4, 2, 4))
+# The same with the 16-row tiles' weight read through TMA (_tma_weight): 128 weight rows, 3
+# stages (H200, the five V4.1 fp8 weights at M = 1 / 8 / 16, act_quant and GEMM: 80.1 / 93.6 /
+# 102.1 us -> 70.2 / 78.3 / 85.8; 64 rows: 69.2 / 82.6 / 89.0; 4 or 6 stages slower; TMA
+# without the scales one iteration ahead: 1-2 us per weight; TMA at 64-row tiles: 7-45%
+# slower than their plain loads, so those keep them).
+_FP8_DECODE_TMA_TILES = ((16, 16, 128, 4, 3, 4),) + _FP8_DECODE_TILES[1:]
 
 def _tile_row(table, m: int):
     return next(row[1:] for row in table if row[0] is None or m <= row[0])
@@ -507,7 +547,7 @@ def _use_workspace(order: KOrder, tiles: int, m: int, n: int, weight_bytes: int,
 
 def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
                precise_dot: bool = True, workspace: bool | None = None,
-               values: bool = False) -> _GemmPlan:
+               values: bool = False, tma: bool = False) -> _GemmPlan:
     """The K order from (N, KB, SM count) (``k_order``; num_splits, 1 <= it <= KB, forces the
     range count), then the kernel and tiles by M: decode (M <= SPLIT_MAX_M) is
     weight-bandwidth bound: _fp8_decode_kernel, BLOCK_N weight rows by 16-64 token rows,
@@ -517,12 +557,16 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
     otherwise while that costs little traffic (``_use_workspace``); ``workspace`` forces it
     either way. sms: the device's SM count (sm_count); precise_dot: see fp8_gemm. values:
     the caller has act_quant's bf16 values of x (dequant) and the weight's: _fp8_gemm_kernel
-    reads those (PRESCALED) where it runs and precise_dot holds (the same bits)."""
+    reads those (PRESCALED) where it runs and precise_dot holds (the same bits). tma: the
+    weight may be read through a TMA descriptor (``_tma_weight``): the 16-row decode tiles
+    then do (the same bits again)."""
     order = k_order(triton.cdiv(n, 64), kb, sms, ranges=num_splits)
     swap = m <= SPLIT_MAX_M
     prescaled = bool(values and precise_dot and not swap)
+    tma = bool(tma and swap and m <= _FP8_DECODE_TMA_TILES[0][0])
     bm, bn, warps, stages, ksub_max = _tile_row(
-        _FP8_DECODE_TILES if swap else _FP8_VALUE_TILES if prescaled else _FP8_TILES, m)
+        (_FP8_DECODE_TMA_TILES if tma else _FP8_DECODE_TILES) if swap
+        else _FP8_VALUE_TILES if prescaled else _FP8_TILES, m)
     ksub = next(d for d in (8, 4, 2, 1) if d <= ksub_max and order.granule % d == 0)
     if workspace is None:
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
@@ -533,7 +577,18 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
                            budget=SPLIT_PARTIAL_BYTES)
     workspace = bool(workspace) and order.ranges > 1
     return _GemmPlan(bm, bn, warps, stages, ksub, bool(precise_dot), order, workspace, swap,
-                     prescaled=prescaled)
+                     prescaled=prescaled, tma=tma)
+
+
+def _tma_weight(weight: torch.Tensor) -> bool:
+    """Whether the decode kernel may read ``weight`` ([N, K] e4m3, K a multiple of 32) through
+    a TMA descriptor: this Triton has them, the tensor is contiguous from a 16-byte-aligned
+    address (TMA's rule), and it lives on a Hopper or newer GPU (or the interpreter runs)."""
+    if TensorDescriptor is None or not weight.is_contiguous() or weight.data_ptr() % 16:
+        return False
+    if weight.is_cuda:
+        return torch.cuda.get_device_capability(weight.device)[0] >= 9
+    return interpreting()
 
 
 def act_quant(x: torch.Tensor, *, f16: bool = False,
@@ -650,7 +705,7 @@ def _gemm_into(out, kb, x, x_scales, weight, weight_scale, num_splits, precise_d
     if kb == 0:
         return out.zero_()
     plan = _gemm_plan(out.shape[0], out.shape[1], kb, sm_count(out.device), num_splits,
-                      precise_dot, workspace, values=values)
+                      precise_dot, workspace, values=values, tma=_tma_weight(weight))
     assert plan.prescaled == values
     if values:
         weight = weight.to(torch.bfloat16)  # exact
@@ -695,11 +750,15 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out)
         narrow = plan.block_m <= 16  # 16-row tiles: PREFETCH, the split-K sum in the kernel
         fused = s > 1 and narrow
         counters = _tile_counters(out.device, grid[0] * grid[2]) if fused else partials
-        _fp8_decode_kernel[grid](*args, partials, out, counters, m, n, k, kb, order.chunks,
-                                 order.ranges, GRANULE=order.granule, BLOCK_M=plan.block_m,
-                                 BLOCK_N=plan.block_n, KSUB=plan.ksub, DOT_F16=plan.dot_f16,
-                                 ALL_RANGES=all_ranges, PARTIALS=s > 1, SPLITS=s if fused else 1,
-                                 PREFETCH=narrow, OUT_BF16=out.dtype == torch.bfloat16,
+        tma = plan.tma and narrow and _tma_weight(args[2])
+        # the weight's descriptor (TMA), else its pointer again (the argument is not read)
+        w_desc = TensorDescriptor.from_tensor(args[2], [plan.block_n, 32]) if tma else args[2]
+        _fp8_decode_kernel[grid](*args, partials, out, counters, w_desc, m, n, k, kb,
+                                 order.chunks, order.ranges, GRANULE=order.granule,
+                                 BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, KSUB=plan.ksub,
+                                 DOT_F16=plan.dot_f16, ALL_RANGES=all_ranges, PARTIALS=s > 1,
+                                 SPLITS=s if fused else 1, PREFETCH=narrow, TMA=tma,
+                                 OUT_BF16=out.dtype == torch.bfloat16,
                                  INTERPRET=interpreting(), num_warps=plan.num_warps,
                                  num_stages=plan.num_stages)
         if s > 1 and not fused:
@@ -751,7 +810,8 @@ def _linear_from_quant(x_q, s, weight, weight_scale, num_splits, precise_dot, ou
                           values=True).to(out_dtype)
     m, n, kb = _check_gemm(x_q, s, weight, weight_scale, num_splits, precise_dot)
     if m * n and kb and m <= SPLIT_MAX_M and out_dtype in (torch.bfloat16, torch.float32):
-        plan = _gemm_plan(m, n, kb, sm_count(x_q.device), num_splits, precise_dot)
+        plan = _gemm_plan(m, n, kb, sm_count(x_q.device), num_splits, precise_dot,
+                          tma=_tma_weight(weight))
         out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
         return _run_fp8_gemm(plan, x_q, s, weight, weight_scale, out)
     return fp8_gemm(x_q, s, weight, weight_scale, num_splits=num_splits,
