@@ -205,6 +205,9 @@ def _tp_start(args: argparse.Namespace, world: int,
                distributed.get_world_size(), backend), device
 
 
+TP_ERROR_GRACE_S = 15  # how long a rank other than 0 waits for rank 0 to report a user error
+
+
 def _not_rank0(args: argparse.Namespace) -> bool:
     """A rank other than 0 of a ``--tp`` command under torchrun: it prints nothing."""
     return getattr(args, "tp", 1) > 1 and os.environ.get("RANK", "0") != "0"
@@ -908,7 +911,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         message = _one_line(e)
     if quiet and not getattr(args, "tp_joined", False):
-        raise SystemExit(2)  # every rank checked the same options; rank 0 says what is wrong
+        # Every rank checked the same options, so rank 0 says what is wrong. torchrun stops
+        # every rank once one exits: leaving first could stop rank 0 before it printed (seen
+        # on a loaded 2-core machine: no message at all). So wait; if rank 0 has not exited
+        # by then, the error is this rank's own (its GPU, say): say it, with the rank.
+        time.sleep(TP_ERROR_GRACE_S)
     if quiet:
         message = f"rank {os.environ.get('RANK')}: {message}"
     sys.stderr.write(f"{args.parser.prog}: error: {message}\n")

@@ -22,7 +22,9 @@ sizes (M <= SPLIT_MAX_M) run _fp8_decode_kernel, the same K walk with the operan
 (weight rows on the wgmma's 64-row side, 16 or 64 token rows on its narrow side, so 1-16 rows
 no longer pay for a 64-row tile), and split whenever the tiles leave SMs idle (at <= 16 rows
 the last program of a tile adds the partials in range order itself: no split-sum launch;
-fp8_linear then also feeds it fp16 token values and takes its bf16 output); larger M runs
+fp8_linear then also feeds it fp16 token values and takes its bf16 output; and the weight
+tiles come through TMA descriptors, several K iterations in flight per program, wherever the
+weight allows one: _tma_weight); larger M runs
 _fp8_gemm_kernel's MMA tiles, from PRESCALE_MIN_M rows (fp8_linear) on bf16 values: x's codes
 times their power-of-two scales and the weight's codes, so each block's dot comes out already
 scaled by the row scale, exactly, and no fp8 tile is widened in registers. Tile sizes and
