@@ -526,10 +526,11 @@ _FP8_VALUE_TILES = ((None, 128, 64, 4, 4, 1),)
 # ahead as well was slower at every M, 64-row tiles 2-4x: bench --part gemm).
 _FP8_DECODE_TILES = ((16, 16, 64, 4, 3, 4), (SPLIT_MAX_M, 64, 128, 4, 2, 4))
 # The same with the 16-row tiles' weight read through TMA (_tma_weight): 128 weight rows, 3
-# stages (H200, the five V4.1 fp8 weights at M = 1 / 8 / 16, act_quant and GEMM: 80.1 / 93.6 /
-# 102.1 us -> 70.2 / 78.3 / 85.8; 64 rows: 69.2 / 82.6 / 89.0; 4 or 6 stages slower; TMA
-# without the scales one iteration ahead: 1-2 us per weight; TMA at 64-row tiles: 7-45%
-# slower than their plain loads, so those keep them).
+# stages. H200, the five V4.1 fp8 weights at M = 1 / 8 / 16, act_quant and GEMM, CUDA graphs:
+# 80.1 / 93.6 / 102.1 us -> 70.2 / 78.3 / 85.8 (64 weight rows: 69.2 / 85.5 / 92.8; 4 stages
+# slower; the scales loaded in each block's step instead of an iteration ahead: wq_b and wo_b
+# 2-3 us slower). At 32 and 64 rows TMA was 1.1-2.1x slower on four of the five weights
+# (wo_b 0.94-1.02x), so the 64-row tiles keep plain loads.
 _FP8_DECODE_TMA_TILES = ((16, 16, 128, 4, 3, 4),) + _FP8_DECODE_TILES[1:]
 
 def _tile_row(table, m: int):
