@@ -209,7 +209,8 @@ TP_ERROR_GRACE_S = 15  # how long a rank other than 0 waits for rank 0 to report
 
 
 def _not_rank0(args: argparse.Namespace) -> bool:
-    """A rank other than 0 of a ``--tp`` command under torchrun: it prints nothing."""
+    """A rank other than 0 of a ``--tp`` command under torchrun: it prints nothing (a user
+    error only after TP_ERROR_GRACE_S, if rank 0 has not been stopped by then: see main)."""
     return getattr(args, "tp", 1) > 1 and os.environ.get("RANK", "0") != "0"
 
 

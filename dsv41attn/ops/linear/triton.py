@@ -280,8 +280,9 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
     [64] row scales, twice over, would spill). TMA (with PREFETCH): the weight tiles come
     through w_desc, a tensor descriptor of b with [BLOCK_N, 32] boxes (else w_desc is unused),
     so the loop's software pipeline keeps num_stages - 1 iterations of weight bytes in flight
-    per program instead of one. Bit-identical to _fp8_gemm_kernel at every M, on an H200 too (the same wgmma instruction,
-    f16 or e4m3 operands; only its 64-row side now holds the weight)."""
+    per program instead of one. Bit-identical to _fp8_gemm_kernel at every M, on an H200 too
+    (the same wgmma instruction, f16 or e4m3 operands; only its 64-row side now holds the
+    weight)."""
     tl.static_assert(KSUB == 1 or KSUB == 2 or KSUB == 4)
     tl.static_assert(PREFETCH or not TMA)
     pid_n = tl.program_id(0)
