@@ -393,7 +393,9 @@ class AttentionState:
         """Roll a sequence back to ``position`` (it will continue from there), e.g. after
         rejected draft tokens: at most ``rollback`` tokens behind the furthest position its
         rings have held (two rollbacks in a row count together). A step opened on the
-        sequence and not yet run is aborted."""
+        sequence and not yet run is aborted. Rolling back to inside a page shared with a fork
+        gives the sequence its own copy of that page, taken from the pages the rollback
+        frees or the free pool; with none to take, it is refused and nothing changes."""
         row = self.check_row(row)
         self.check_active([row])
         position = _int_arg("position", position)
@@ -410,8 +412,17 @@ class AttentionState:
         keep = -(-position // self.page_size)
         cow = keep and position % self.page_size and \
             self.page_refs[int(self.block_table[row, keep - 1])] > 1
-        if cow and self.free_pages < 1:
-            raise StateError("out of cache pages for a copy-on-write of a shared page")
+        # the pages past ``keep`` that only this sequence holds are free again once dropped,
+        # before the copy takes one
+        freed = sum(1 for k in range(keep, self.block_table.shape[1])
+                    if int(self.block_table[row, k]) >= 0
+                    and self.page_refs[int(self.block_table[row, k])] == 1)
+        if cow and self.free_pages + freed < 1:
+            raise StateError(
+                f"cannot roll sequence {row} back to {position}: out of cache pages for the "
+                f"copy-on-write of its page {int(self.block_table[row, keep - 1])} (shared "
+                f"with a fork, and written again from position {position}); the pool has no "
+                "free page: release a sequence or allocate more pages")
         self._drop_unstarted_steps([row])
         self.generation[row] += 1
         self._drop_pages(row, keep)

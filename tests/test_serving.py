@@ -191,6 +191,53 @@ def test_fork_shares_prefix_and_copies_on_write():
             assert torch.equal(b[L], ref_b[L][:, 8:24]), (share, L)
 
 
+def test_rollback_into_a_shared_page_with_the_pool_full():
+    """Rolling back into a page shared with a fork needs a page for the copy. The pages the
+    rollback itself frees count (before, it was refused whenever the pool was empty); with
+    none at all it is refused, naming the sequence and page, and nothing changes."""
+    stack = _stack("tiny")
+    cfg = stack.cfg
+    xs = _inputs(cfg, 2, 24, seed=14)
+    # 10 tokens: pages [0-3], [4-7] shared by the fork, [8-11] copied; 5 pages in all
+    state = stack.new_state(2, capacity=64, page_size=4, rollback=8, num_pages=5)
+    stack.forward({L: xs[L][0:1, :10] for L in stack.layers}, state, rows=[0])
+    state.release(1)
+    assert state.fork(0, share=True) == 1
+    stack.forward({L: xs[L][1:2, 10:13] for L in stack.layers}, state, rows=[1])  # + [12-15]
+    assert state.free_pages == 0
+    state.truncate(1, 6)  # drops its own 2 pages, copies [4-7] into one of them
+    assert state.free_pages == 1
+    b = stack.forward({L: xs[L][1:2, 6:12] for L in stack.layers}, state, rows=[1])
+    ref_in = {L: torch.cat([xs[L][0:1, :6], xs[L][1:2, 6:12]], 1) for L in stack.layers}
+    ref, _, _ = _run(stack, ref_in, [[6, 6]])
+    for L in stack.layers:
+        assert torch.equal(b[L], ref[L][:, 6:12]), L
+    a = stack.forward({L: xs[L][0:1, 10:12] for L in stack.layers}, state, rows=[0])
+    ref, _, _ = _run(stack, {L: v[0:1, :12] for L, v in xs.items()}, [[10, 2]])
+    for L in stack.layers:  # the fork's source kept its own [4-7]
+        assert torch.equal(a[L], ref[L][:, 10:12]), L
+
+    # nothing to free: a fork at a page boundary shares every page; the pool is then filled
+    state = stack.new_state(2, capacity=64, page_size=4, rollback=8, num_pages=4)
+    stack.forward({L: xs[L][0:1, :8] for L in stack.layers}, state, rows=[0])
+    state.release(1)
+    assert state.fork(0, share=True) == 1
+    stack.forward({L: xs[L][0:1, 8:16] for L in stack.layers}, state, rows=[0])
+    assert state.free_pages == 0
+    snap = _snapshot(state)
+    with pytest.raises(StateError, match=r"roll sequence 1 back to 6: out of cache pages for "
+                                         r"the copy-on-write of its page \d+"):
+        state.truncate(1, 6)
+    _assert_unchanged(state, snap)
+    state.release(0)  # its pages past the shared ones go back to the pool
+    state.truncate(1, 6)
+    b = stack.forward({L: xs[L][1:2, 6:12] for L in stack.layers}, state, rows=[1])
+    ref_in = {L: torch.cat([xs[L][0:1, :6], xs[L][1:2, 6:12]], 1) for L in stack.layers}
+    ref, _, _ = _run(stack, ref_in, [[6, 6]])
+    for L in stack.layers:
+        assert torch.equal(b[L], ref[L][:, 6:12]), L
+
+
 def test_bad_serving_calls_change_nothing():
     stack = _stack("tiny")
     cfg = stack.cfg
