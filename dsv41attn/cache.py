@@ -414,9 +414,8 @@ class AttentionState:
             self.page_refs[int(self.block_table[row, keep - 1])] > 1
         # the pages past ``keep`` that only this sequence holds are free again once dropped,
         # before the copy takes one
-        freed = sum(1 for k in range(keep, self.block_table.shape[1])
-                    if int(self.block_table[row, k]) >= 0
-                    and self.page_refs[int(self.block_table[row, k])] == 1)
+        freed = sum(1 for page in self.block_table[row, keep:].tolist()
+                    if page >= 0 and self.page_refs[page] == 1)
         if cow and self.free_pages + freed < 1:
             raise StateError(
                 f"cannot roll sequence {row} back to {position}: out of cache pages for the "
