@@ -217,31 +217,37 @@ def _block_scales(sa_ptrs, sb_ptrs, kb, m_mask, n_mask):
 
 
 @triton.jit
-def _weight_tiles(b_ptrs, mask, w_desc, n0, k0, KSUB: tl.constexpr, TMA: tl.constexpr):
-    """The KSUB consecutive [BLOCK_N, 32] weight tiles at b_ptrs (masked rows 0), issued
-    together; unused slots repeat the first (KSUB < 4). TMA: read instead through the tensor
-    descriptor w_desc at rows n0.., K columns k0.. (rows past N read as 0): bulk copies into
-    shared memory that the loop's software pipeline issues num_stages - 1 iterations ahead."""
-    if TMA:
-        w0 = w_desc.load([n0, k0])
-    else:
-        w0 = tl.load(b_ptrs, mask=mask, other=0.0)
-    w1 = w0
-    w2 = w0
-    w3 = w0
+def _tiles(ptrs, mask, KSUB: tl.constexpr):
+    """The KSUB consecutive [rows, 32] tiles at ptrs, ptrs + 32, .. (masked rows 0), issued
+    together; unused slots repeat the first (KSUB < 4): an iteration's weight tiles or token
+    rows."""
+    t0 = tl.load(ptrs, mask=mask, other=0.0)
+    t1 = t0
+    t2 = t0
+    t3 = t0
     if KSUB > 1:
-        if TMA:
-            w1 = w_desc.load([n0, k0 + 32])
-        else:
-            w1 = tl.load(b_ptrs + 32, mask=mask, other=0.0)
+        t1 = tl.load(ptrs + 32, mask=mask, other=0.0)
     if KSUB > 2:
-        if TMA:
-            w2 = w_desc.load([n0, k0 + 64])
-            w3 = w_desc.load([n0, k0 + 96])
-        else:
-            w2 = tl.load(b_ptrs + 64, mask=mask, other=0.0)
-            w3 = tl.load(b_ptrs + 96, mask=mask, other=0.0)
-    return w0, w1, w2, w3
+        t2 = tl.load(ptrs + 64, mask=mask, other=0.0)
+        t3 = tl.load(ptrs + 96, mask=mask, other=0.0)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _desc_tiles(w_desc, n0, k0, KSUB: tl.constexpr):
+    """_tiles through the tensor descriptor w_desc: rows n0.., K columns k0, k0 + 32, .. (rows
+    past N read as 0); bulk copies into shared memory that the loop's software pipeline issues
+    num_stages - 1 iterations ahead."""
+    t0 = w_desc.load([n0, k0])
+    t1 = t0
+    t2 = t0
+    t3 = t0
+    if KSUB > 1:
+        t1 = w_desc.load([n0, k0 + 32])
+    if KSUB > 2:
+        t2 = w_desc.load([n0, k0 + 64])
+        t3 = w_desc.load([n0, k0 + 96])
+    return t0, t1, t2, t3
 
 
 @triton.jit
@@ -327,17 +333,11 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
             more_m = m_mask & (tl.zeros([BLOCK_M], tl.int32) + nxt < kb_hi)
             more_n = n_mask & (tl.zeros([BLOCK_N], tl.int32) + nxt < kb_hi)
             # this iteration's weight tiles and token rows
-            w0, w1, w2, w3 = _weight_tiles(b_ptrs, n_mask[:, None], w_desc, pid_n * BLOCK_N,
-                                           kb0 * 32, KSUB, TMA)
-            x0 = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-            x1 = x0
-            x2 = x0
-            x3 = x0
-            if KSUB > 1:
-                x1 = tl.load(a_ptrs + 32, mask=m_mask[:, None], other=0.0)
-            if KSUB > 2:
-                x2 = tl.load(a_ptrs + 64, mask=m_mask[:, None], other=0.0)
-                x3 = tl.load(a_ptrs + 96, mask=m_mask[:, None], other=0.0)
+            if TMA:
+                w0, w1, w2, w3 = _desc_tiles(w_desc, pid_n * BLOCK_N, kb0 * 32, KSUB)
+            else:
+                w0, w1, w2, w3 = _tiles(b_ptrs, n_mask[:, None], KSUB)
+            x0, x1, x2, x3 = _tiles(a_ptrs, m_mask[:, None], KSUB)
             na0, nb0 = _block_scales(sa_ptrs, sb_ptrs, nxt, more_m, more_n)
             na1 = na0
             nb1 = nb0
@@ -488,7 +488,8 @@ class _GemmPlan:
     workspace: bool  # the ranges run as separate programs into fp32 partials (split-K)
     swap: bool = False  # _fp8_decode_kernel (weight rows on the MMA's 64-row side)
     prescaled: bool = False  # _fp8_gemm_kernel's PRESCALED: bf16 values of x and the weight
-    tma: bool = False  # _fp8_decode_kernel's TMA: the 16-row tiles read the weight by descriptor
+    tma: bool = False  # _fp8_decode_kernel's TMA: the 16-row tiles read the weight by
+    # descriptor (only for a weight _tma_weight accepts: the plan's maker checks it)
 
     @property
     def splits(self) -> int:
@@ -754,7 +755,7 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out)
         narrow = plan.block_m <= 16  # 16-row tiles: PREFETCH, the split-K sum in the kernel
         fused = s > 1 and narrow
         counters = _tile_counters(out.device, grid[0] * grid[2]) if fused else partials
-        tma = plan.tma and narrow and _tma_weight(args[2])
+        tma = plan.tma  # the planner's caller checked the weight (_tma_weight); 16-row tiles
         # the weight's descriptor (TMA), else its pointer again (the argument is not read)
         w_desc = TensorDescriptor.from_tensor(args[2], [plan.block_n, 32]) if tma else args[2]
         _fp8_decode_kernel[grid](*args, partials, out, counters, w_desc, m, n, k, kb,
