@@ -106,10 +106,16 @@ class AttentionLayer:
         # wq_a (query path) and wkv (window K/V) read the same x: one act-quant for both.
         qa, kv = ops.fp8_linear_pair(x, w.wq_a.weight, w.wq_a.scale, w.wkv.weight, w.wkv.scale)
 
-        # Query path (docs/numerics.md §5, step 1).
+        # Query path (docs/numerics.md §5, step 1). An index source with rows to score this
+        # step projects the indexer's query from the same qr: one act-quant for both.
         qr = ops.rms_norm(qa, w.q_norm, cfg.norm_eps)
-        q = ops.fp8_linear(qr, w.wq_b.weight, w.wq_b.scale).view(t, self.heads, cfg.head_dim)
-        q = ops.rope_heads(q, rot)  # [T, H, D]
+        q_index = None
+        if spec.ratio > 0 and spec.is_index_source and plan.ratios[spec.ratio].scan > 0:
+            q, q_index = ops.fp8_linear_pair(qr, w.wq_b.weight, w.wq_b.scale,
+                                             w.index_wq_b.weight, w.index_wq_b.scale)
+        else:
+            q = ops.fp8_linear(qr, w.wq_b.weight, w.wq_b.scale)
+        q = ops.rope_heads(q.view(t, self.heads, cfg.head_dim), rot)  # [T, H, D]
 
         # Window K/V (step 2): norm, RoPE, fp8, packed rows of this step. A step plan writes
         # them into the ring after attention (a long chunk's rows would overwrite slots its
@@ -126,7 +132,7 @@ class AttentionLayer:
             facts = plan.ratios[spec.ratio]
             if spec.is_kv_source:
                 self._compress(x, state, facts, undo, semantics, decode)
-            selected = self._index(x, qr, rot, state, plan, facts, board) \
+            selected = self._index(x, q_index, rot, state, plan, facts, board) \
                 if spec.is_index_source else board.topk(spec.index_source)
             pool = state.sources[spec.kv_source].rows
 
@@ -182,12 +188,13 @@ class AttentionLayer:
         if publishes_index_keys(semantics, facts.produced):
             state.set_index_key_slot(spec.layer, undo)
 
-    def _index(self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor,
+    def _index(self, x: torch.Tensor, q_index: torch.Tensor | None, rot: torch.Tensor,
                state: AttentionState, plan: StepPlan, facts: RatioFacts,
                board: Board) -> torch.Tensor:
         """The lightning indexer of an index source (docs/numerics.md §5, step 4): top-k [T, k]
         int32 (-1 pad), published for the layers that reuse them (and, for the candidate
-        source, the kept candidate blocks)."""
+        source, the kept candidate blocks). q_index: the indexer's query projection [T, index
+        heads * index head dim] bf16 (None when there is nothing to score: facts.scan == 0)."""
         cfg, spec, w = self.cfg, self.spec, self.weights
         t = x.shape[0]
         keep = None
@@ -196,7 +203,6 @@ class AttentionLayer:
             if spec.is_candidate_source:
                 keep = torch.empty(t, 0, dtype=torch.bool, device=x.device)
         else:
-            q_index = self.ops.fp8_linear(qr, w.index_wq_b.weight, w.index_wq_b.scale)
             q_index = self.ops.rope_fp4_heads(q_index.view(t, self.index_heads,
                                                            cfg.index_head_dim), rot)
             head_weights = self.ops.linear(x, w.index_weights_proj) * cfg.index_weight_scale
