@@ -300,19 +300,6 @@ def test_k_order_at_v41_shapes():
     assert wkv.splits == wkv.order.ranges > 1
     assert T._gemm_plan(8192, 512, 160, sms).splits == 1  # prefill-sized M: no partials
     assert T._gemm_plan(1, 1280, 160, sms).dot_f16  # precise_dot's default: fp16 operands
-    # 65-511 rows with a TMA-readable weight: the decode kernel's 128-row TMA tiles for wq_b
-    # and wo_b, for wq_a / wkv once the square tiles could not split K (the H200's timings)
-    for name, (n, k) in V41_GEMMS.items():
-        wide = {m for m in (64, 65, 128, 256, 384, 511, 512)
-                if T._gemm_plan(m, n, k // 32, sms, tma=True).tma}
-        assert wide == {"wq_b": {65, 128, 256, 384, 511}, "wo_b": {65, 128, 256, 384, 511},
-                        "wq_a": {384, 511}, "wkv": {511}, "index_wq_b": set()}[name], name
-        for m in wide:
-            plan = T._gemm_plan(m, n, k // 32, sms, tma=True)
-            assert plan.swap and plan.block_m == 128 and plan.order == \
-                T._gemm_plan(m, n, k // 32, sms).order  # the same K order: the same bits
-            assert plan.workspace == (plan.order.ranges > 1), (name, m)
-        assert not T._gemm_plan(256, n, k // 32, sms, precise_dot=False, tma=True).tma
     assert not T._gemm_plan(1, 1280, 160, sms, precise_dot=False).dot_f16
 
 
@@ -354,69 +341,6 @@ def test_decode_kernel_equals_tile_kernel(case):
     if splits == 1 and interpreting():
         assert torch.equal(outs[0].view(torch.float32), ref_gemm(q.cpu().float(), s.cpu(),
                                                                   w.cpu(), ws.cpu()))
-
-
-WIDE_CASES = {  # id: (M, N, K, num_splits): two token tiles of 128, N off the 64-row tiles
-    "m130-n100-kb12-s3": (130, 100, 384, 3),
-    "m70-n64-kb8-s1": (70, 64, 256, 1),
-}
-
-
-@pytest.mark.parametrize("case", list(WIDE_CASES), ids=list(WIDE_CASES))
-def test_wide_tma_tiles_equal_tile_kernel(case):
-    """The decode kernel's TMA tiles of 128 token rows (65-511 rows, _wide_swap's plan: split-K
-    programs with the in-kernel sum, or one program summing the ranges; e4m3 codes or fp16
-    values) against _fp8_gemm_kernel's square tiles on the same K order: the same bits, every
-    element written."""
-    m, n, k, splits = WIDE_CASES[case]
-    q, s, w, ws = _split_case(m, n, k, seed=m + n)
-    w, ws = w.to(DEV), ws.to(DEV)
-    v, _ = act_quant(_split_x(m, k, m + n).to(DEV), f16=True)
-    sms = DEFAULT_SM_COUNT if DEV == "cpu" else sm_count(torch.device(DEV))
-    square = T._gemm_plan(m, n, k // 32, sms, splits)
-    assert not square.swap and not square.tma
-    want = torch.full((m, n), float("nan"), device=DEV)
-    T._run_fp8_gemm(square, q, s, w, ws, want)
-    bm, bn, warps, stages, ksub = T._FP8_WIDE_TMA_TILES
-    for workspace in (True, False):
-        wide = dataclasses.replace(square, block_m=bm, block_n=bn, num_warps=warps,
-                                   num_stages=stages, ksub=min(ksub, square.ksub), swap=True,
-                                   tma=True, workspace=workspace and square.order.ranges > 1)
-        for x in (q, v):
-            out = torch.full((m, n), float("nan"), device=DEV)
-            T._run_fp8_gemm(wide, x, s, w, ws, out)
-            assert torch.equal(out.cpu().view(torch.int32), want.cpu().view(torch.int32)), \
-                (workspace, x.dtype)
-    for buf in T._COUNTERS.values():
-        assert not buf.any()
-
-
-def test_wide_tma_tiles_through_fp8_linear(monkeypatch):
-    """fp8_linear and fp8_linear_pair at 65-511 rows where _wide_swap picks the TMA tiles
-    (here: every weight, its size threshold lowered): fp16 token values, bf16 or fp32 written
-    by the kernel, the bits of the square tiles; a pair whose second weight keeps the square
-    tiles reads the same fp16 values."""
-    m, k = 97, 32 * 12
-    w1, s1 = _quantized(100, k, seed=3)
-    w2, s2 = _quantized(40, k, seed=4)
-    g = torch.Generator().manual_seed(9)
-    x = (torch.randn(m, k, generator=g) * 2).bfloat16().to(DEV)
-    w1, s1, w2, s2 = w1.to(DEV), s1.to(DEV), w2.to(DEV), s2.to(DEV)
-    want = {dt: (fp8_linear(x, w1, s1, out_dtype=dt), fp8_linear(x, w2, s2, out_dtype=dt))
-            for dt in (torch.bfloat16, torch.float32)}
-    sms = DEFAULT_SM_COUNT if DEV == "cpu" else sm_count(torch.device(DEV))
-    assert not T._gemm_plan(m, 100, k // 32, sms, tma=True).tma
-    monkeypatch.setattr(T, "WIDE_SWAP_MIN_BYTES", 100 * k)  # w1 only
-    assert T._gemm_plan(m, 100, k // 32, sms, tma=True).tma
-    assert not T._gemm_plan(m, 40, k // 32, sms, tma=True).tma
-    assert T._act_operand(x, True, (w1, None))[0].dtype == torch.float16
-    assert T._act_operand(x, True, (w2, None))[0].dtype == torch.float8_e4m3fn
-    for dt, (r1, r2) in want.items():
-        y1 = fp8_linear(x, w1, s1, out_dtype=dt)
-        p1, p2 = T.fp8_linear_pair(x, w1, s1, w2, s2, out_dtype=dt)
-        for got, ref in ((y1, r1), (p1, r1), (p2, r2)):
-            assert got.dtype == dt
-            assert torch.equal(got.cpu().float(), ref.cpu().float()), dt
 
 
 def test_decode_weight_without_tma_alignment():

@@ -24,9 +24,7 @@ no longer pay for a 64-row tile), and split whenever the tiles leave SMs idle (a
 the last program of a tile adds the partials in range order itself: no split-sum launch;
 fp8_linear then also feeds it fp16 token values and takes its bf16 output; and the weight
 tiles come through TMA descriptors, several K iterations in flight per program, wherever the
-weight allows one: _tma_weight). 65 to PRESCALE_MIN_M - 1 rows of a large weight, or of one
-whose square tiles would leave most SMs idle, run the same kernel with those TMA weight
-tiles, 128 token rows and the in-kernel split-K sum (_wide_swap). Larger M runs
+weight allows one: _tma_weight); larger M runs
 _fp8_gemm_kernel's MMA tiles, from PRESCALE_MIN_M rows (fp8_linear) on bf16 values: x's codes
 times their power-of-two scales and the weight's codes, so each block's dot comes out already
 scaled by the row scale, exactly, and no fp8 tile is widened in registers. Tile sizes and
@@ -536,17 +534,6 @@ _FP8_DECODE_TILES = ((16, 16, 64, 4, 3, 4), (SPLIT_MAX_M, 64, 128, 4, 2, 4))
 # 2-3 us slower). At 32 and 64 rows TMA was 1.1-2.1x slower on four of the five weights
 # (wo_b 0.94-1.02x), so the 64-row tiles keep plain loads.
 _FP8_DECODE_TMA_TILES = ((16, 16, 128, 4, 3, 4),) + _FP8_DECODE_TILES[1:]
-# Past decode sizes and below PRESCALE_MIN_M, _fp8_decode_kernel with the TMA weight tiles and
-# 128 token rows (BLOCK_M, BLOCK_N, warps, stages, most 32-blocks per K iteration) where it
-# beats _fp8_gemm_kernel's square tiles (_wide_swap): H200, act_quant and GEMM, CUDA graphs,
-# us at M = 96 / 128 / 256 / 511: wq_b 81.9 / 86.5 / 165.5 / 345.2 -> 65.1 / 69.7 / 131.9 /
-# 257.4, wo_b 107.2 / 113.8 / 199.6 / 543.2 -> 89.2 / 102.3 / 163.8 / 296.2; wq_a at 384 / 511
-# 185.4 / 178.5 -> 86.7 / 102.0 and wkv at 511 198.0 -> 113.4 (where the square tiles could
-# not split K); elsewhere the square tiles won (wq_a 26.5 against 42.4 at M = 96, index wq_b
-# 44.0 against 46.8 at 256). The same bits in every case. 128 weight rows or 256 token rows
-# were 1.4-6x slower (registers spilled).
-_FP8_WIDE_TMA_TILES = (128, 64, 4, 3, 4)
-WIDE_SWAP_MIN_BYTES = 16 << 20  # fp8 weights this large take _FP8_WIDE_TMA_TILES at 65-511 rows
 
 def _tile_row(table, m: int):
     return next(row[1:] for row in table if row[0] is None or m <= row[0])
@@ -579,14 +566,6 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
     weight may be read through a TMA descriptor (``_tma_weight``): the 16-row decode tiles
     then do (the same bits again)."""
     order = k_order(triton.cdiv(n, 64), kb, sms, ranges=num_splits)
-    if tma and precise_dot and SPLIT_MAX_M < m < PRESCALE_MIN_M \
-            and _wide_swap(m, n, kb, sms, order):
-        bm, bn, warps, stages, ksub_max = _FP8_WIDE_TMA_TILES
-        ksub = next(d for d in (8, 4, 2, 1) if d <= ksub_max and order.granule % d == 0)
-        if workspace is None:  # split-K programs whenever the weight tiles leave SMs idle
-            workspace = triton.cdiv(n, bn) < sms
-        return _GemmPlan(bm, bn, warps, stages, ksub, True, order,
-                         bool(workspace) and order.ranges > 1, swap=True, tma=True)
     swap = m <= SPLIT_MAX_M
     prescaled = bool(values and precise_dot and not swap)
     tma = bool(tma and swap and m <= _FP8_DECODE_TMA_TILES[0][0])
@@ -604,23 +583,6 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
     workspace = bool(workspace) and order.ranges > 1
     return _GemmPlan(bm, bn, warps, stages, ksub, bool(precise_dot), order, workspace, swap,
                      prescaled=prescaled, tma=tma)
-
-
-def _wide_swap(m: int, n: int, kb: int, sms: int, order: KOrder) -> bool:
-    """Whether M (65 .. PRESCALE_MIN_M - 1) rows of an [N, 32 KB] fp8 weight run
-    _fp8_decode_kernel's TMA tiles of 128 token rows (_FP8_WIDE_TMA_TILES) rather than
-    _fp8_gemm_kernel's square ones: for a large weight (WIDE_SWAP_MIN_BYTES; wq_b and wo_b at
-    V4.1-Flash), or where the square tiles would leave over half the SMs idle and could not
-    run K's ranges as programs (their partials past the traffic cap: wq_a from 384 rows, wkv
-    at 511). The rule reproduces the faster of the two in each of the 30 cases timed (the five
-    V4.1 weights at M = 96-511, H200)."""
-    bm, bn = _FP8_TILES[0][1:3]
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    if n * kb * FP8_BLOCK >= WIDE_SWAP_MIN_BYTES:
-        return True
-    split = _use_workspace(order, tiles, m, n, n * kb * FP8_BLOCK, sms,
-                           budget=SPLIT_PARTIAL_BYTES)
-    return order.ranges > 1 and not split and 2 * tiles < sms
 
 
 def _tma_weight(weight: torch.Tensor) -> bool:
@@ -790,9 +752,8 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out)
     all_ranges = order.ranges > 1 and not plan.workspace
     if plan.swap:
         grid = (triton.cdiv(n, plan.block_n), s, triton.cdiv(m, plan.block_m))
-        # 16-row and TMA tiles: PREFETCH, the split-K sum in the kernel
-        prefetch = plan.block_m <= 16 or plan.tma
-        fused = s > 1 and prefetch
+        narrow = plan.block_m <= 16  # 16-row tiles: PREFETCH, the split-K sum in the kernel
+        fused = s > 1 and narrow
         counters = _tile_counters(out.device, grid[0] * grid[2]) if fused else partials
         tma = plan.tma  # the planner's caller checked the weight (_tma_weight); 16-row tiles
         # the weight's descriptor (TMA), else its pointer again (the argument is not read)
@@ -801,7 +762,7 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out)
                                  order.chunks, order.ranges, GRANULE=order.granule,
                                  BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, KSUB=plan.ksub,
                                  DOT_F16=plan.dot_f16, ALL_RANGES=all_ranges, PARTIALS=s > 1,
-                                 SPLITS=s if fused else 1, PREFETCH=prefetch, TMA=tma,
+                                 SPLITS=s if fused else 1, PREFETCH=narrow, TMA=tma,
                                  OUT_BF16=out.dtype == torch.bfloat16,
                                  INTERPRET=interpreting(), num_warps=plan.num_warps,
                                  num_stages=plan.num_stages)
@@ -830,33 +791,22 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
         raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
 
 
-def _linear_plan(m: int, weight: torch.Tensor, num_splits, precise_dot, device) -> _GemmPlan:
-    """The plan fp8_linear's GEMM runs for M rows of ``weight`` (codes, not bf16 values)."""
-    n, kb = weight.shape[0], weight.shape[1] // FP8_BLOCK
-    return _gemm_plan(m, n, kb, sm_count(device), num_splits, precise_dot,
-                      tma=_tma_weight(weight))
-
-
-def _act_operand(x2: torch.Tensor, precise_dot: bool,
-                 *weights: tuple[torch.Tensor, int | None]) -> tuple[torch.Tensor, torch.Tensor]:
-    """act_quant of fp8_linear's rows in the form its GEMMs (``weights``: (weight,
-    num_splits) each) read at this M: fp16 values for the decode kernel's 16-row and TMA tiles
-    (no per-block widening of the token rows there), e4m3 codes for its 64-row tiles (their
-    fp16 tile spilled more) and _fp8_gemm_kernel's below PRESCALE_MIN_M (which reads either),
-    bf16 values from there (_fp8_gemm_kernel's PRESCALED: no fp8 tile widened in registers).
-    The same bits."""
+def _act_operand(x2: torch.Tensor, precise_dot: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """act_quant of fp8_linear's rows in the form its GEMM reads at this M: fp16 values for
+    the decode kernel's 16-row tiles (no per-block widening of the token rows there), e4m3
+    codes for its 64-row tiles (their fp16 tile spilled more) and below PRESCALE_MIN_M, bf16
+    values from there (_fp8_gemm_kernel's PRESCALED: no fp8 tile widened in registers). The
+    same bits."""
     m = x2.shape[0]
-    f16 = precise_dot and (m <= _FP8_DECODE_TILES[0][0] or SPLIT_MAX_M < m < PRESCALE_MIN_M and any(
-        _linear_plan(m, w, splits, precise_dot, x2.device).tma for w, splits in weights))
-    return act_quant(x2, f16=f16, dequant=precise_dot and m >= PRESCALE_MIN_M)
+    return act_quant(x2, f16=precise_dot and m <= _FP8_DECODE_TILES[0][0],
+                     dequant=precise_dot and m >= PRESCALE_MIN_M)
 
 
 def _linear_from_quant(x_q, s, weight, weight_scale, num_splits, precise_dot, out_dtype):
-    """fp8_gemm on _act_operand's output, [M, N] in out_dtype: where the decode kernel runs
-    (decode sizes, and the TMA tiles past them) it writes bf16 (or fp32) itself, the one
-    rounding torch's cast would do; bf16 values (large M) run the PRESCALED kernel on the
-    weight's bf16 values (exact; made here, one pass over the weight: ~1% of the GEMM at these
-    M)."""
+    """fp8_gemm on _act_operand's output, [M, N] in out_dtype: at decode sizes the kernel
+    writes bf16 (or fp32) itself, the one rounding torch's cast would do; bf16 values (large
+    M) run the PRESCALED kernel on the weight's bf16 values (exact; made here, one pass over
+    the weight: ~1% of the GEMM at these M)."""
     if x_q.dtype == torch.bfloat16:
         m, n, kb = _check_gemm(x_q, s, weight, weight_scale, num_splits, precise_dot,
                                values=True)
@@ -864,11 +814,11 @@ def _linear_from_quant(x_q, s, weight, weight_scale, num_splits, precise_dot, ou
         return _gemm_into(out, kb, x_q, s, weight, weight_scale, num_splits, precise_dot,
                           values=True).to(out_dtype)
     m, n, kb = _check_gemm(x_q, s, weight, weight_scale, num_splits, precise_dot)
-    if m * n and kb and out_dtype in (torch.bfloat16, torch.float32):
-        plan = _linear_plan(m, weight, num_splits, precise_dot, x_q.device)
-        if plan.swap:
-            out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
-            return _run_fp8_gemm(plan, x_q, s, weight, weight_scale, out)
+    if m * n and kb and m <= SPLIT_MAX_M and out_dtype in (torch.bfloat16, torch.float32):
+        plan = _gemm_plan(m, n, kb, sm_count(x_q.device), num_splits, precise_dot,
+                          tma=_tma_weight(weight))
+        out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
+        return _run_fp8_gemm(plan, x_q, s, weight, weight_scale, out)
     return fp8_gemm(x_q, s, weight, weight_scale, num_splits=num_splits,
                     precise_dot=precise_dot).to(out_dtype)
 
@@ -885,15 +835,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     (bf16, or torch.float32: the GEMM's fp32 result, as a tensor-parallel wo_b partial needs).
     Decode sizes (M <= SPLIT_MAX_M) have the GEMM write out_dtype itself (no cast launch);
     M <= 16 (precise_dot) also quantises x to fp16 values and sums the split-K partials in the
-    GEMM's last program: two launches in all (act_quant, the GEMM), the same bits; so do
-    65-511 rows where the decode kernel's TMA tiles run (``_wide_swap``). From
+    GEMM's last program: two launches in all (act_quant, the GEMM), the same bits. From
     PRESCALE_MIN_M rows (precise_dot) act_quant writes x's bf16 values and the GEMM reads them
     and the weight's bf16 values (a copy made per call), the same bits again.
     """
     _check_linear(x, weight, weight_scale)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    x_q, s = _act_operand(x2, precise_dot, (weight, num_splits))
+    x_q, s = _act_operand(x2, precise_dot)
     y = _linear_from_quant(x_q, s, weight, weight_scale, num_splits, precise_dot, out_dtype)
     return y.reshape(*lead, weight.shape[0])
 
@@ -907,7 +856,7 @@ def fp8_linear_pair(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
     _check_linear(x, w2, s2)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    x_q, s = _act_operand(x2, precise_dot, (w1, None), (w2, None))
+    x_q, s = _act_operand(x2, precise_dot)
     y1 = _linear_from_quant(x_q, s, w1, s1, None, precise_dot, out_dtype)
     y2 = _linear_from_quant(x_q, s, w2, s2, None, precise_dot, out_dtype)
     return y1.reshape(*lead, w1.shape[0]), y2.reshape(*lead, w2.shape[0])
