@@ -437,13 +437,96 @@ def test_prescaled_kernel_equals_code_kernel(case):
         T._run_fp8_gemm(plan, v, s, w.to(torch.bfloat16), ws, out)
         assert torch.equal(out.cpu().view(torch.int32), want), workspace
     assert not T._gemm_plan(m, n, k // 32, sms, splits, values=True, precise_dot=False).prescaled
-    assert not T._gemm_plan(64, n, k // 32, sms, splits, values=True).prescaled  # decode
+    decode = T._gemm_plan(64, n, k // 32, sms, splits, values=True)  # the decode kernel's
+    assert decode.swap and decode.prescaled  # VALUES: x's values, the weight's e4m3 codes
     x = _split_x(m, k, seed=m + n).to(DEV)
     y = fp8_linear(x, w, ws, num_splits=splits, out_dtype=torch.float32).cpu().view(torch.int32)
     assert torch.equal(y, want)
     for r0, rows in ((0, 1), (m - 17, 17)):  # the decode kernel's 16- and 64-row tiles
         alone = fp8_linear(x[r0:r0 + rows], w, ws, num_splits=splits, out_dtype=torch.float32)
         assert torch.equal(alone.cpu().view(torch.int32), want[r0:r0 + rows]), rows
+
+
+VALUES_CASES = {  # id: (M, N, K, num_splits): N and M off every tile
+    "m17-n200-kb8-s2": (17, 200, 256, 2),  # the first row past the 16-row tiles
+    "m40-n70-kb13-auto": (40, 70, 416, None),  # k_order's ranges: 1-block chunks, KSUB 1
+    "m130-n100-kb12-s3": (130, 100, 384, 3),  # past SPLIT_MAX_M: two wide tiles of 64 rows
+}
+
+
+@pytest.mark.parametrize("case", list(VALUES_CASES), ids=list(VALUES_CASES))
+def test_decode_kernel_on_values(case):
+    """_fp8_decode_kernel on act_quant's bf16 values (VALUES: each block dot comes out times
+    the row scale) in each tile fp8_linear runs past 16 rows (the 64-row plain tiles, every
+    wide TMA tile), split-K programs (the last program's sum) or one program summing the
+    ranges: the bits of fp8_gemm on the e4m3 codes, every element written (NaN-poisoned);
+    and fp8_linear's own rows."""
+    m, n, k, splits = VALUES_CASES[case]
+    q, s, w, ws = _split_case(m, n, k, seed=m + 3 * n)
+    w, ws = w.to(DEV), ws.to(DEV)
+    x = _split_x(m, k, seed=m + 3 * n).to(DEV)
+    v, sv = act_quant(x, dequant=True)
+    want = fp8_gemm(q, s, w, ws, num_splits=splits).cpu().view(torch.int32)
+    sms = DEFAULT_SM_COUNT if DEV == "cpu" else sm_count(torch.device(DEV))
+    tiles = [row[1:] + (False,) for row in T._FP8_DECODE_TILES[1:]] + \
+        [row[1:] + (True,) for row in T._FP8_WIDE_TILES + T._FP8_WIDE_SMALL_TILES]
+    for workspace in (True, False):
+        base = T._gemm_plan(min(m, T.SPLIT_MAX_M), n, k // 32, sms, splits,
+                            workspace=workspace, values=True)
+        assert base.swap and base.prescaled
+        assert base.workspace == (workspace and base.order.ranges > 1)
+        for bm, bn, warps, stages, _, tma in tiles:
+            plan = dataclasses.replace(base, block_m=bm, block_n=bn, num_warps=warps,
+                                       num_stages=stages, tma=tma)
+            for dt in (torch.float32, torch.bfloat16):
+                out = torch.full((m, n), float("nan"), dtype=dt, device=DEV)
+                T._run_fp8_gemm(plan, v, sv, w, ws, out)
+                got = out.cpu()
+                if dt == torch.float32:
+                    assert torch.equal(got.view(torch.int32), want), (workspace, bm, bn, tma)
+                else:
+                    assert torch.equal(got.view(torch.int16), want.view(torch.float32).to(
+                        torch.bfloat16).view(torch.int16)), (workspace, bm, bn, tma)
+    for buf in T._COUNTERS.values():
+        assert not buf.any()
+    y = fp8_linear(x, w, ws, num_splits=splits, out_dtype=torch.float32).cpu().view(torch.int32)
+    assert torch.equal(y, want)
+
+
+def test_wide_tiles_at_v41_shapes():
+    """The plan fp8_linear takes for V4.1-Flash's fp8 weights (a TMA-readable weight; 132 SMs):
+    fp16 values into the 16-row tiles at <= 16 rows; bf16 values into the decode kernel past
+    them (the 64-row plain tiles, or the wide TMA tiles for wq_b and wo_b); at 65-511 rows the
+    wide tiles for wq_b and wo_b, and for a smaller weight only where the square tiles would
+    leave SMs idle with K unsplit; the square tiles on bf16 values from PRESCALE_MIN_M. One K
+    order per weight throughout."""
+    sms = DEFAULT_SM_COUNT
+    wide_small = {"wq_a": (384, 511), "wkv": (511,), "index_wq_b": (384, 511)}
+    for name, (n, k) in V41_GEMMS.items():
+        kb = k // 32
+        large = n * k >= T.WIDE_MIN_BYTES
+        assert large == (name in ("wq_b", "wo_b")), name
+        orders = set()
+        for m in (1, 16, 17, 32, 33, 64, 65, 128, 256, 384, 511, 512, 4096):
+            plan = T._gemm_plan(m, n, kb, sms, values=m > 16, tma=True)
+            if plan.prescaled and not plan.swap and m < T.PRESCALE_MIN_M:  # as _linear_plan
+                plan = T._gemm_plan(m, n, kb, sms, tma=True)
+            orders.add(plan.order)
+            form = T._x_form(plan)
+            if m <= 16:
+                assert plan.swap and plan.tma and form == "f16", (name, m)
+            elif m <= T.SPLIT_MAX_M:
+                assert plan.swap and form == "values" and plan.tma == large, (name, m)
+            elif m < T.PRESCALE_MIN_M:
+                wide = large or m in wide_small.get(name, ())
+                assert plan.swap == wide == plan.tma, (name, m)
+                assert form == ("values" if wide else "codes"), (name, m)
+            else:
+                assert not plan.swap and form == "values", (name, m)
+            if plan.swap and m > 16:
+                assert plan.block_m == (32 if m <= 32 and large else 128 if m > 64 and large
+                                        else 64), (name, m)
+        assert len(orders) == 1, name
 
 
 PAIR_CASES = {"m1": 1, "m7": 7, "m16": 16, "m17": 17, "m70": 70}

@@ -24,10 +24,13 @@ no longer pay for a 64-row tile), and split whenever the tiles leave SMs idle (a
 the last program of a tile adds the partials in range order itself: no split-sum launch;
 fp8_linear then also feeds it fp16 token values and takes its bf16 output; and the weight
 tiles come through TMA descriptors, several K iterations in flight per program, wherever the
-weight allows one: _tma_weight); larger M runs
-_fp8_gemm_kernel's MMA tiles, from PRESCALE_MIN_M rows (fp8_linear) on bf16 values: x's codes
-times their power-of-two scales and the weight's codes, so each block's dot comes out already
-scaled by the row scale, exactly, and no fp8 tile is widened in registers. Tile sizes and
+weight allows one: _tma_weight). Past 16 rows fp8_linear feeds the decode kernel bf16 token
+values (the row scale inside each block dot); a large weight there, and 65-511 rows of a
+smaller one whose square tiles would idle most SMs unsplit, run its wide TMA tiles
+(_FP8_WIDE_TILES, _wide_swap). Larger M runs _fp8_gemm_kernel's MMA tiles, from
+PRESCALE_MIN_M rows (fp8_linear) on bf16 values: x's codes times their power-of-two scales and
+the weight's codes, so each block's dot comes out already scaled by the row scale, exactly,
+and no fp8 tile is widened in registers. Tile sizes and
 operand roles change with M; the K walk, the mma instruction (wgmma: every tile has >= 64 rows
 on its weight or token side) and every rounding do not (bit-identical on an H200 at every M
 tried). One range keeps the reference's order (num_splits=1).
@@ -193,14 +196,16 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS, R
 
 
 @triton.jit
-def _dot32(b, a, DOT_F16: tl.constexpr, INTERPRET: tl.constexpr):
+def _dot32(b, a, DOT_F16: tl.constexpr, INTERPRET: tl.constexpr, VALUES: tl.constexpr = False):
     """One 32-block's w . x^T: b [BLOCK_N, 32] e4m3 weight, a [BLOCK_M, 32] token rows (e4m3
-    codes, or their fp16 values): [BLOCK_N, BLOCK_M] fp32, rounded once (exact fp64 under the
-    interpreter; wgmma on the GPU)."""
+    codes, their fp16 values, or VALUES: their bf16 values times the row scale): [BLOCK_N,
+    BLOCK_M] fp32, rounded once (exact fp64 under the interpreter; wgmma on the GPU)."""
     if INTERPRET:
         a64 = a.to(tl.float32).to(tl.float64)
         b64 = b.to(tl.float32).to(tl.float64)
         part = tl.dot(b64, tl.trans(a64), out_dtype=tl.float64).to(tl.float32)
+    elif VALUES:  # e4m3 -> bf16 is exact
+        part = tl.dot(b.to(tl.bfloat16), tl.trans(a), out_dtype=tl.float32)
     elif DOT_F16:  # e4m3 -> fp16 is exact (a no-op for fp16 token rows)
         part = tl.dot(b.to(tl.float16), tl.trans(a.to(tl.float16)), out_dtype=tl.float32)
     else:
@@ -209,11 +214,25 @@ def _dot32(b, a, DOT_F16: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _block_scales(sa_ptrs, sb_ptrs, kb, m_mask, n_mask):
-    """32-block kb's row scales [BLOCK_M] (fp32) and weight scales [BLOCK_N] (e8m0 -> fp32)."""
-    sa = tl.load(sa_ptrs + kb, mask=m_mask, other=1.0)
+def _block_scales(sa_ptrs, sb_ptrs, kb, m_mask, n_mask, VALUES: tl.constexpr = False):
+    """32-block kb's row scales [BLOCK_M] (fp32; VALUES: not read, a [1] placeholder) and
+    weight scales [BLOCK_N] (e8m0 -> fp32)."""
+    if VALUES:
+        sa = tl.full([1], 1.0, tl.float32)
+    else:
+        sa = tl.load(sa_ptrs + kb, mask=m_mask, other=1.0)
     sb = e8m0_to_fp32(tl.load(sb_ptrs + kb, mask=n_mask, other=127).to(tl.int32))
     return sa, sb
+
+
+@triton.jit
+def _scaled(part, sa, sb, VALUES: tl.constexpr = False):
+    """A block dot [BLOCK_N, BLOCK_M] times its row and weight scales, the reference's order
+    (powers of two: exact); VALUES: the row scale is already in the dot."""
+    if VALUES:
+        return part * sb[:, None]
+    else:
+        return part * sa[None, :] * sb[:, None]
 
 
 @triton.jit
@@ -265,7 +284,8 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
                        BLOCK_N: tl.constexpr, KSUB: tl.constexpr, DOT_F16: tl.constexpr,
                        ALL_RANGES: tl.constexpr, PARTIALS: tl.constexpr,
                        SPLITS: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr,
-                       OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+                       OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+                       VALUES: tl.constexpr = False):
     """_fp8_gemm_kernel for decode-sized M with the operands swapped: each 32-block's tl.dot is
     w [BLOCK_N, 32] . x^T [32, BLOCK_M] (weight rows on the MMA's 64-row side, the few token
     rows its narrow side), so a BLOCK_N x BLOCK_M tile of y^T per program; every output element
@@ -286,9 +306,14 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
     [64] row scales, twice over, would spill). TMA (with PREFETCH): the weight tiles come
     through w_desc, a tensor descriptor of b with [BLOCK_N, 32] boxes (else w_desc is unused),
     so the loop's software pipeline keeps num_stages - 1 iterations of weight bytes in flight
-    per program instead of one. Bit-identical to _fp8_gemm_kernel at every M, on an H200 too
-    (the same wgmma instruction, f16 or e4m3 operands; only its 64-row side now holds the
-    weight)."""
+    per program instead of one. VALUES: a holds act_quant's bf16 values (codes times their
+    power-of-two row scales, exact) and sa is not read: each block dot of the weight's values
+    (e4m3 -> bf16, exact) comes out times the row scale, exactly, as in _fp8_gemm_kernel's
+    PRESCALED, so no row scales live in registers (what lets tiles past 16 token rows hold
+    without spilling). Tiles past 16 token rows add each block dot as soon as it is made (four
+    live [BLOCK_N, BLOCK_M] dots would spill). Bit-identical to _fp8_gemm_kernel at every M, on
+    an H200 too (the same wgmma instruction, f16, bf16 or e4m3 operands; only its 64-row side
+    now holds the weight)."""
     tl.static_assert(KSUB == 1 or KSUB == 2 or KSUB == 4)
     tl.static_assert(PREFETCH or not TMA)
     pid_n = tl.program_id(0)
@@ -316,7 +341,7 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
     sb_ptrs = sb_ptr + (offs_n // 32) * KB
     acc = tl.full([BLOCK_N, BLOCK_M], -0.0, tl.float32)
     if PREFETCH:
-        sa0, sb0 = _block_scales(sa_ptrs, sb_ptrs, kb_lo, m_mask, n_mask)
+        sa0, sb0 = _block_scales(sa_ptrs, sb_ptrs, kb_lo, m_mask, n_mask, VALUES)
         sa1 = sa0
         sb1 = sb0
         sa2 = sa0
@@ -324,10 +349,10 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
         sa3 = sa0
         sb3 = sb0
         if KSUB > 1:
-            sa1, sb1 = _block_scales(sa_ptrs, sb_ptrs, kb_lo + 1, m_mask, n_mask)
+            sa1, sb1 = _block_scales(sa_ptrs, sb_ptrs, kb_lo + 1, m_mask, n_mask, VALUES)
         if KSUB > 2:
-            sa2, sb2 = _block_scales(sa_ptrs, sb_ptrs, kb_lo + 2, m_mask, n_mask)
-            sa3, sb3 = _block_scales(sa_ptrs, sb_ptrs, kb_lo + 3, m_mask, n_mask)
+            sa2, sb2 = _block_scales(sa_ptrs, sb_ptrs, kb_lo + 2, m_mask, n_mask, VALUES)
+            sa3, sb3 = _block_scales(sa_ptrs, sb_ptrs, kb_lo + 3, m_mask, n_mask, VALUES)
         for kb0 in range(kb_lo, kb_hi, KSUB):  # KSUB consecutive 32-blocks, in K order
             nxt = kb0 + KSUB  # the next iteration's scales, loaded now (masked past the end)
             more_m = m_mask & (tl.zeros([BLOCK_M], tl.int32) + nxt < kb_hi)
@@ -338,7 +363,7 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
             else:
                 w0, w1, w2, w3 = _tiles(b_ptrs, n_mask[:, None], KSUB)
             x0, x1, x2, x3 = _tiles(a_ptrs, m_mask[:, None], KSUB)
-            na0, nb0 = _block_scales(sa_ptrs, sb_ptrs, nxt, more_m, more_n)
+            na0, nb0 = _block_scales(sa_ptrs, sb_ptrs, nxt, more_m, more_n, VALUES)
             na1 = na0
             nb1 = nb0
             na2 = na0
@@ -346,26 +371,40 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
             na3 = na0
             nb3 = nb0
             if KSUB > 1:
-                na1, nb1 = _block_scales(sa_ptrs, sb_ptrs, nxt + 1, more_m, more_n)
+                na1, nb1 = _block_scales(sa_ptrs, sb_ptrs, nxt + 1, more_m, more_n,
+                                           VALUES)
             if KSUB > 2:
-                na2, nb2 = _block_scales(sa_ptrs, sb_ptrs, nxt + 2, more_m, more_n)
-                na3, nb3 = _block_scales(sa_ptrs, sb_ptrs, nxt + 3, more_m, more_n)
-            # the block dots, then each added in K order (reference order per block)
-            p0 = _dot32(w0, x0, DOT_F16, INTERPRET)
-            p1 = p0
-            p2 = p0
-            p3 = p0
-            if KSUB > 1:
-                p1 = _dot32(w1, x1, DOT_F16, INTERPRET)
-            if KSUB > 2:
-                p2 = _dot32(w2, x2, DOT_F16, INTERPRET)
-                p3 = _dot32(w3, x3, DOT_F16, INTERPRET)
-            acc = acc + p0 * sa0[None, :] * sb0[:, None]
-            if KSUB > 1:
-                acc = acc + p1 * sa1[None, :] * sb1[:, None]
-            if KSUB > 2:
-                acc = acc + p2 * sa2[None, :] * sb2[:, None]
-                acc = acc + p3 * sa3[None, :] * sb3[:, None]
+                na2, nb2 = _block_scales(sa_ptrs, sb_ptrs, nxt + 2, more_m, more_n,
+                                           VALUES)
+                na3, nb3 = _block_scales(sa_ptrs, sb_ptrs, nxt + 3, more_m, more_n,
+                                           VALUES)
+            if BLOCK_M <= 16:  # the block dots, then each added in K order
+                p0 = _dot32(w0, x0, DOT_F16, INTERPRET, VALUES)
+                p1 = p0
+                p2 = p0
+                p3 = p0
+                if KSUB > 1:
+                    p1 = _dot32(w1, x1, DOT_F16, INTERPRET, VALUES)
+                if KSUB > 2:
+                    p2 = _dot32(w2, x2, DOT_F16, INTERPRET, VALUES)
+                    p3 = _dot32(w3, x3, DOT_F16, INTERPRET, VALUES)
+                acc = acc + _scaled(p0, sa0, sb0, VALUES)
+                if KSUB > 1:
+                    acc = acc + _scaled(p1, sa1, sb1, VALUES)
+                if KSUB > 2:
+                    acc = acc + _scaled(p2, sa2, sb2, VALUES)
+                    acc = acc + _scaled(p3, sa3, sb3, VALUES)
+            else:  # wider tiles: one block dot live at a time (four would spill)
+                acc = acc + _scaled(_dot32(w0, x0, DOT_F16, INTERPRET, VALUES), sa0, sb0,
+                                        VALUES)
+                if KSUB > 1:
+                    acc = acc + _scaled(_dot32(w1, x1, DOT_F16, INTERPRET, VALUES), sa1, sb1,
+                                        VALUES)
+                if KSUB > 2:
+                    acc = acc + _scaled(_dot32(w2, x2, DOT_F16, INTERPRET, VALUES), sa2, sb2,
+                                        VALUES)
+                    acc = acc + _scaled(_dot32(w3, x3, DOT_F16, INTERPRET, VALUES), sa3, sb3,
+                                        VALUES)
             sa0 = na0
             sb0 = nb0
             sa1 = na1
@@ -388,9 +427,9 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
             for j in tl.static_range(KSUB):  # the scales after the dot (fewer live registers)
                 b = tl.load(b_ptrs + j * 32, mask=n_mask[:, None], other=0.0)
                 a = tl.load(a_ptrs + j * 32, mask=m_mask[:, None], other=0.0)
-                part = _dot32(b, a, DOT_F16, INTERPRET)
-                sa, sb = _block_scales(sa_ptrs, sb_ptrs, kb0 + j, m_mask, n_mask)
-                acc += part * sa[None, :] * sb[:, None]
+                part = _dot32(b, a, DOT_F16, INTERPRET, VALUES)
+                sa, sb = _block_scales(sa_ptrs, sb_ptrs, kb0 + j, m_mask, n_mask, VALUES)
+                acc += _scaled(part, sa, sb, VALUES)
             a_ptrs += 32 * KSUB
             b_ptrs += 32 * KSUB
             if ALL_RANGES:
@@ -534,6 +573,25 @@ _FP8_DECODE_TILES = ((16, 16, 64, 4, 3, 4), (SPLIT_MAX_M, 64, 128, 4, 2, 4))
 # 2-3 us slower). At 32 and 64 rows TMA was 1.1-2.1x slower on four of the five weights
 # (wo_b 0.94-1.02x), so the 64-row tiles keep plain loads.
 _FP8_DECODE_TMA_TILES = ((16, 16, 128, 4, 3, 4),) + _FP8_DECODE_TILES[1:]
+# Past the 16-row tiles, fp8_linear feeds the decode kernel bf16 token values (VALUES: each
+# code times its row scale, exact; each block dot then comes out times the row scale, so no
+# row scales are held in registers) and the wide tiles add one block dot at a time. H200,
+# act_quant and GEMM, CUDA graphs, us, e4m3-code kernels -> VALUES tiles, the same bits in every
+# case (wide-range data too; local A/B of the five V4.1 weights at M = 1-511):
+# - the 64-row plain tiles at 17-64 rows: wq_a 18.1 -> 16.8 at M = 64, wkv 14.3 -> 13.7,
+#   index wq_b 16.5 -> 15.1 (at 1-16 rows VALUES is slower: its e4m3 -> bf16 weight
+#   conversion costs more than the row-scale multiply saves: wq_b 18.1 -> 26.1 at M = 1);
+# - a large weight (WIDE_MIN_BYTES: wq_b, wo_b) through TMA, _FP8_WIDE_TILES: wq_b 44.2 ->
+#   28.5 at M = 32, 46.5 -> 35.9 at 64, 166.2 -> 95.6 at 256, 342.2 -> 185.7 at 511; wo_b
+#   63.9 -> 36.6, 72.7 -> 48.6, 199.7 -> 151.4, 538.5 -> 272.7 (128 weight rows by 128 token
+#   rows and 8 warps: within 10%; 64-row token tiles 1.2-1.5x slower at 65-511);
+# - a smaller weight at 65-511 rows whose square tiles would leave SMs idle with K unsplit
+#   (_wide_swap), _FP8_WIDE_SMALL_TILES: wq_a 183.3 -> 70.9 at 384, 177.8 -> 67.8 at 511; wkv
+#   193.2 -> 70.1 at 511; index wq_b 48.8 -> 37.2 at 384, 50.4 -> 37.9 at 511. Elsewhere the
+#   square tiles won (wkv 30.2 against 43.9 at 256) and keep the e4m3 codes.
+_FP8_WIDE_TILES = ((32, 32, 128, 4, 3, 4), (SPLIT_MAX_M, 64, 64, 4, 3, 4), (None, 128, 64, 4, 3, 4))
+_FP8_WIDE_SMALL_TILES = ((None, 64, 64, 4, 3, 4),)
+WIDE_MIN_BYTES = 16 << 20  # fp8 weights this large take _FP8_WIDE_TILES past 16 rows
 
 def _tile_row(table, m: int):
     return next(row[1:] for row in table if row[0] is None or m <= row[0])
@@ -557,32 +615,58 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
     range count), then the kernel and tiles by M: decode (M <= SPLIT_MAX_M) is
     weight-bandwidth bound: _fp8_decode_kernel, BLOCK_N weight rows by 16-64 token rows,
     reading 128 contiguous bytes per weight row per iteration (KSUB 32-blocks, several loads in
-    flight); larger M square MMA tiles (_fp8_gemm_kernel). The ranges run as separate programs
-    (_split_sum_kernel adds their partials): at decode sizes whenever the tiles leave SMs idle,
-    otherwise while that costs little traffic (``_use_workspace``); ``workspace`` forces it
-    either way. sms: the device's SM count (sm_count); precise_dot: see fp8_gemm. values:
-    the caller has act_quant's bf16 values of x (dequant) and the weight's: _fp8_gemm_kernel
-    reads those (PRESCALED) where it runs and precise_dot holds (the same bits). tma: the
-    weight may be read through a TMA descriptor (``_tma_weight``): the 16-row decode tiles
-    then do (the same bits again)."""
+    flight); larger M square MMA tiles (_fp8_gemm_kernel), or the decode kernel's wide tiles
+    where they win (``_FP8_WIDE_TILES``). The ranges run as separate programs (the kernel's
+    last program or _split_sum_kernel adds their partials): in the decode kernel whenever the
+    tiles leave SMs idle, in the square tiles while that costs little traffic
+    (``_use_workspace``); ``workspace`` forces it either way. sms: the device's SM count
+    (sm_count); precise_dot: see fp8_gemm. values: the caller has act_quant's bf16 values of x
+    (dequant; precise_dot only): the plan reads them (``prescaled``), the square tiles also the
+    weight's bf16 values (PRESCALED), the decode kernel its e4m3 codes (VALUES), which past 16
+    rows of a large weight, or 65 to PRESCALE_MIN_M - 1 rows where the square tiles would idle
+    most SMs unsplit (``_wide_swap``), run the wide tiles through TMA. tma: the weight may be
+    read through a TMA descriptor (``_tma_weight``): the 16-row decode tiles then do, and so do
+    the wide tiles, which need it. Every choice gives the same bits."""
     order = k_order(triton.cdiv(n, 64), kb, sms, ranges=num_splits)
-    swap = m <= SPLIT_MAX_M
-    prescaled = bool(values and precise_dot and not swap)
-    tma = bool(tma and swap and m <= _FP8_DECODE_TMA_TILES[0][0])
-    bm, bn, warps, stages, ksub_max = _tile_row(
-        (_FP8_DECODE_TMA_TILES if tma else _FP8_DECODE_TILES) if swap
-        else _FP8_VALUE_TILES if prescaled else _FP8_TILES, m)
+    prescaled = bool(values and precise_dot)
+    large = n * kb * FP8_BLOCK >= WIDE_MIN_BYTES
+    narrow = m <= _FP8_DECODE_TILES[0][0]
+    wide = bool(tma and prescaled and not narrow and m < PRESCALE_MIN_M
+                and (large or m > SPLIT_MAX_M and _wide_swap(m, n, kb, sms, order)))
+    swap = m <= SPLIT_MAX_M or wide
+    if wide:
+        table = _FP8_WIDE_TILES if large else _FP8_WIDE_SMALL_TILES
+    elif swap:
+        tma = bool(tma and narrow)
+        table = _FP8_DECODE_TMA_TILES if tma else _FP8_DECODE_TILES
+    else:
+        tma = False
+        table = _FP8_VALUE_TILES if prescaled else _FP8_TILES
+    bm, bn, warps, stages, ksub_max = _tile_row(table, m)
     ksub = next(d for d in (8, 4, 2, 1) if d <= ksub_max and order.granule % d == 0)
     if workspace is None:
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        # decode: split whenever the tiles leave SMs idle (the partials, <= 64 rows, stay in
-        # L2; one program per tile summing 20-40 ranges would stream at a tenth of the rate)
+        # the decode kernel: split whenever the tiles leave SMs idle (one program per tile
+        # summing 20-40 ranges would stream at a tenth of the rate)
         workspace = order.ranges > 1 and tiles < sms if swap else \
             _use_workspace(order, tiles, m, n, n * kb * FP8_BLOCK, sms,
                            budget=SPLIT_PARTIAL_BYTES)
     workspace = bool(workspace) and order.ranges > 1
     return _GemmPlan(bm, bn, warps, stages, ksub, bool(precise_dot), order, workspace, swap,
-                     prescaled=prescaled, tma=tma)
+                     prescaled=prescaled, tma=bool(tma))
+
+
+def _wide_swap(m: int, n: int, kb: int, sms: int, order: KOrder) -> bool:
+    """Whether 65 .. PRESCALE_MIN_M - 1 rows of a smaller [N, 32 KB] fp8 weight (below
+    WIDE_MIN_BYTES) run the decode kernel's wide tiles (_FP8_WIDE_SMALL_TILES) rather than
+    _fp8_gemm_kernel's square ones: where those would leave SMs idle and could not run K's
+    ranges as programs (their partials past the traffic cap): wq_a from 384 rows, wkv at 511,
+    the index wq_b from 384 (V4.1-Flash, 132 SMs)."""
+    bm, bn = _FP8_TILES[0][1:3]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = _use_workspace(order, tiles, m, n, n * kb * FP8_BLOCK, sms,
+                           budget=SPLIT_PARTIAL_BYTES)
+    return order.ranges > 1 and not split and tiles < sms
 
 
 def _tma_weight(weight: torch.Tensor) -> bool:
@@ -712,7 +796,7 @@ def _gemm_into(out, kb, x, x_scales, weight, weight_scale, num_splits, precise_d
     plan = _gemm_plan(out.shape[0], out.shape[1], kb, sm_count(out.device), num_splits,
                       precise_dot, workspace, values=values, tma=_tma_weight(weight))
     assert plan.prescaled == values
-    if values:
+    if values and not plan.swap:
         weight = weight.to(torch.bfloat16)  # exact
     return _run_fp8_gemm(plan, x, x_scales, weight, weight_scale, out)
 
@@ -740,8 +824,8 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out):
     """Launch ``plan`` on checked operands (fp8_gemm's; x_codes e4m3 or fp16 values; for a
-    ``prescaled`` plan x's and the weight's bf16 values), into ``out`` ([M, N] fp32, or bf16
-    for the decode kernel: its fp32 result rounded once)."""
+    ``prescaled`` plan x's bf16 values, and in the square tiles the weight's too), into
+    ``out`` ([M, N] fp32, or bf16 for the decode kernel: its fp32 result rounded once)."""
     m, k = x_codes.shape
     n, kb = weight.shape[0], k // FP8_BLOCK
     s = plan.splits
@@ -752,20 +836,23 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out)
     all_ranges = order.ranges > 1 and not plan.workspace
     if plan.swap:
         grid = (triton.cdiv(n, plan.block_n), s, triton.cdiv(m, plan.block_m))
-        narrow = plan.block_m <= 16  # 16-row tiles: PREFETCH, the split-K sum in the kernel
-        fused = s > 1 and narrow
+        # 16-row and TMA tiles: PREFETCH, the split-K sum in the kernel
+        prefetch = plan.block_m <= 16 or plan.tma
+        fused = s > 1 and prefetch
         counters = _tile_counters(out.device, grid[0] * grid[2]) if fused else partials
-        tma = plan.tma  # the planner's caller checked the weight (_tma_weight); 16-row tiles
+        assert (x_codes.dtype == torch.bfloat16) == plan.prescaled
+        assert weight.dtype == torch.float8_e4m3fn
+        tma = plan.tma  # the planner's caller checked the weight (_tma_weight)
         # the weight's descriptor (TMA), else its pointer again (the argument is not read)
         w_desc = TensorDescriptor.from_tensor(args[2], [plan.block_n, 32]) if tma else args[2]
         _fp8_decode_kernel[grid](*args, partials, out, counters, w_desc, m, n, k, kb,
                                  order.chunks, order.ranges, GRANULE=order.granule,
                                  BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, KSUB=plan.ksub,
                                  DOT_F16=plan.dot_f16, ALL_RANGES=all_ranges, PARTIALS=s > 1,
-                                 SPLITS=s if fused else 1, PREFETCH=narrow, TMA=tma,
+                                 SPLITS=s if fused else 1, PREFETCH=prefetch, TMA=tma,
                                  OUT_BF16=out.dtype == torch.bfloat16,
-                                 INTERPRET=interpreting(), num_warps=plan.num_warps,
-                                 num_stages=plan.num_stages)
+                                 INTERPRET=interpreting(), VALUES=plan.prescaled,
+                                 num_warps=plan.num_warps, num_stages=plan.num_stages)
         if s > 1 and not fused:
             _split_sum_kernel[(triton.cdiv(m * n, SPLIT_SUM_BLOCK),)](
                 partials, out, m * n, SPLITS=s, BLOCK=SPLIT_SUM_BLOCK,
@@ -791,36 +878,52 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
         raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
 
 
-def _act_operand(x2: torch.Tensor, precise_dot: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """act_quant of fp8_linear's rows in the form its GEMM reads at this M: fp16 values for
-    the decode kernel's 16-row tiles (no per-block widening of the token rows there), e4m3
-    codes for its 64-row tiles (their fp16 tile spilled more) and below PRESCALE_MIN_M, bf16
-    values from there (_fp8_gemm_kernel's PRESCALED: no fp8 tile widened in registers). The
-    same bits."""
-    m = x2.shape[0]
-    return act_quant(x2, f16=precise_dot and m <= _FP8_DECODE_TILES[0][0],
-                     dequant=precise_dot and m >= PRESCALE_MIN_M)
+def _linear_plan(m: int, weight: torch.Tensor, num_splits, precise_dot, device) -> _GemmPlan:
+    """The plan fp8_linear runs for M rows of ``weight`` (e4m3 codes): act_quant's bf16 values
+    past the 16-row tiles (_gemm_plan's ``values``) wherever the plan reads them without a
+    copy of the weight, i.e. in the decode kernel, or from PRESCALE_MIN_M rows (where the
+    square tiles' bf16 weight copy costs ~1%); else the e4m3 codes (fp16 values at <= 16
+    rows: ``_x_form``)."""
+    n, kb = weight.shape[0], weight.shape[1] // FP8_BLOCK
+    sms = sm_count(device)
+    tma = _tma_weight(weight)
+    plan = _gemm_plan(m, n, kb, sms, num_splits, precise_dot,
+                      values=m > _FP8_DECODE_TILES[0][0], tma=tma)
+    if plan.prescaled and not plan.swap and m < PRESCALE_MIN_M:
+        plan = _gemm_plan(m, n, kb, sms, num_splits, precise_dot, tma=tma)
+    return plan
 
 
-def _linear_from_quant(x_q, s, weight, weight_scale, num_splits, precise_dot, out_dtype):
-    """fp8_gemm on _act_operand's output, [M, N] in out_dtype: at decode sizes the kernel
-    writes bf16 (or fp32) itself, the one rounding torch's cast would do; bf16 values (large
-    M) run the PRESCALED kernel on the weight's bf16 values (exact; made here, one pass over
-    the weight: ~1% of the GEMM at these M)."""
-    if x_q.dtype == torch.bfloat16:
-        m, n, kb = _check_gemm(x_q, s, weight, weight_scale, num_splits, precise_dot,
-                               values=True)
-        out = torch.empty(m, n, dtype=torch.float32, device=x_q.device)
-        return _gemm_into(out, kb, x_q, s, weight, weight_scale, num_splits, precise_dot,
-                          values=True).to(out_dtype)
-    m, n, kb = _check_gemm(x_q, s, weight, weight_scale, num_splits, precise_dot)
-    if m * n and kb and m <= SPLIT_MAX_M and out_dtype in (torch.bfloat16, torch.float32):
-        plan = _gemm_plan(m, n, kb, sm_count(x_q.device), num_splits, precise_dot,
-                          tma=_tma_weight(weight))
-        out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
-        return _run_fp8_gemm(plan, x_q, s, weight, weight_scale, out)
-    return fp8_gemm(x_q, s, weight, weight_scale, num_splits=num_splits,
-                    precise_dot=precise_dot).to(out_dtype)
+def _x_form(plan: _GemmPlan) -> str:
+    """The form of x a plan reads: act_quant's bf16 ``values`` (prescaled), ``f16`` values for
+    the decode kernel's 16-row tiles (precise_dot: no per-block widening of the token rows),
+    else the e4m3 ``codes``. The same bits from each."""
+    if plan.prescaled:
+        return "values"
+    return "f16" if plan.swap and plan.dot_f16 and plan.block_m <= 16 else "codes"
+
+
+def _act_operands(x2: torch.Tensor, plans) -> dict:
+    """act_quant of fp8_linear's rows once per form its ``plans`` read: {form: (x, scales)}."""
+    return {form: act_quant(x2, f16=form == "f16", dequant=form == "values")
+            for form in dict.fromkeys(map(_x_form, plans))}
+
+
+def _linear_from_quant(x_q, s, plan, weight, weight_scale, num_splits, precise_dot, out_dtype):
+    """``plan`` on act_quant's output (its ``_x_form``), [M, N] in out_dtype: where the decode
+    kernel runs it writes bf16 (or fp32) itself, the one rounding torch's cast would do;
+    the square tiles on bf16 values (PRESCALED, from PRESCALE_MIN_M rows) read the weight's
+    bf16 values (exact; made here, one pass over the weight: ~1% of the GEMM at these M)."""
+    m, n, kb = _check_gemm(x_q, s, weight, weight_scale, num_splits, precise_dot,
+                           values=plan.prescaled)
+    if m * n == 0 or kb == 0:
+        return torch.zeros(m, n, dtype=out_dtype, device=x_q.device)
+    direct = plan.swap and out_dtype in (torch.bfloat16, torch.float32)
+    out = torch.empty(m, n, dtype=out_dtype if direct else torch.float32, device=x_q.device)
+    if plan.prescaled and not plan.swap:
+        weight = weight.to(torch.bfloat16)  # exact
+    y = _run_fp8_gemm(plan, x_q, s, weight, weight_scale, out)
+    return y if direct else y.to(out_dtype)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
@@ -842,8 +945,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     _check_linear(x, weight, weight_scale)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    x_q, s = _act_operand(x2, precise_dot)
-    y = _linear_from_quant(x_q, s, weight, weight_scale, num_splits, precise_dot, out_dtype)
+    plan = _linear_plan(x2.shape[0], weight, num_splits, precise_dot, x.device)
+    x_q, s = _act_operands(x2, [plan])[_x_form(plan)]
+    y = _linear_from_quant(x_q, s, plan, weight, weight_scale, num_splits, precise_dot,
+                           out_dtype)
     return y.reshape(*lead, weight.shape[0])
 
 
@@ -856,9 +961,10 @@ def fp8_linear_pair(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
     _check_linear(x, w2, s2)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    x_q, s = _act_operand(x2, precise_dot)
-    y1 = _linear_from_quant(x_q, s, w1, s1, None, precise_dot, out_dtype)
-    y2 = _linear_from_quant(x_q, s, w2, s2, None, precise_dot, out_dtype)
+    plans = [_linear_plan(x2.shape[0], w, None, precise_dot, x.device) for w in (w1, w2)]
+    xs = _act_operands(x2, plans)
+    y1, y2 = (_linear_from_quant(*xs[_x_form(p)], p, w, sc, None, precise_dot, out_dtype)
+              for p, w, sc in zip(plans, (w1, w2), (s1, s2)))
     return y1.reshape(*lead, w1.shape[0]), y2.reshape(*lead, w2.shape[0])
 
 
