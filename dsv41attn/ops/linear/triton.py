@@ -577,14 +577,14 @@ _FP8_DECODE_TMA_TILES = ((16, 16, 128, 4, 3, 4),) + _FP8_DECODE_TILES[1:]
 # code times its row scale, exact; each block dot then comes out times the row scale, so no
 # row scales are held in registers) and the wide tiles add one block dot at a time. H200,
 # act_quant and GEMM, CUDA graphs, us, e4m3-code kernels -> VALUES tiles, the same bits in every
-# case (wide-range data too; local A/B of the five V4.1 weights at M = 1-511):
+# case (wide-range data too; an A/B of the five V4.1 weights at M = 1-511):
 # - the 64-row plain tiles at 17-64 rows: wq_a 18.1 -> 16.8 at M = 64, wkv 14.3 -> 13.7,
 #   index wq_b 16.5 -> 15.1 (at 1-16 rows VALUES is slower: its e4m3 -> bf16 weight
 #   conversion costs more than the row-scale multiply saves: wq_b 18.1 -> 26.1 at M = 1);
 # - a large weight (WIDE_MIN_BYTES: wq_b, wo_b) through TMA, _FP8_WIDE_TILES: wq_b 44.2 ->
 #   28.5 at M = 32, 46.5 -> 35.9 at 64, 166.2 -> 95.6 at 256, 342.2 -> 185.7 at 511; wo_b
 #   63.9 -> 36.6, 72.7 -> 48.6, 199.7 -> 151.4, 538.5 -> 272.7 (128 weight rows by 128 token
-#   rows and 8 warps: within 10%; 64-row token tiles 1.2-1.5x slower at 65-511);
+#   rows and 8 warps: within 12% either way; 64-row token tiles 1.04-1.3x slower at 65-511);
 # - a smaller weight at 65-511 rows whose square tiles would leave SMs idle with K unsplit
 #   (_wide_swap), _FP8_WIDE_SMALL_TILES: wq_a 183.3 -> 70.9 at 384, 177.8 -> 67.8 at 511; wkv
 #   193.2 -> 70.1 at 511; index wq_b 48.8 -> 37.2 at 384, 50.4 -> 37.9 at 511. Elsewhere the
