@@ -508,9 +508,7 @@ def test_wide_tiles_at_v41_shapes():
         assert large == (name in ("wq_b", "wo_b")), name
         orders = set()
         for m in (1, 16, 17, 32, 33, 64, 65, 128, 256, 384, 511, 512, 4096):
-            plan = T._gemm_plan(m, n, kb, sms, values=m > 16, tma=True)
-            if plan.prescaled and not plan.swap and m < T.PRESCALE_MIN_M:  # as _linear_plan
-                plan = T._gemm_plan(m, n, kb, sms, tma=True)
+            plan = T._linear_shape_plan(m, n, kb, sms, None, True, tma=True)
             orders.add(plan.order)
             form = T._x_form(plan)
             if m <= 16:

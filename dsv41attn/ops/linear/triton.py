@@ -788,7 +788,7 @@ def _gemm_into(out, kb, x, x_scales, weight, weight_scale, num_splits, precise_d
                workspace=None, values=False):
     """fp8_gemm's work on checked operands into ``out`` ([M, N] fp32): nothing to compute
     (M or N zero), zeros (K zero), else the plan launched. values: x holds act_quant's bf16
-    values; the weight's bf16 values are made here, only when there is work."""
+    values (the square tiles' bf16 weight is made by _run_fp8_gemm, only when there is work)."""
     if out.numel() == 0:
         return out
     if kb == 0:
@@ -796,8 +796,6 @@ def _gemm_into(out, kb, x, x_scales, weight, weight_scale, num_splits, precise_d
     plan = _gemm_plan(out.shape[0], out.shape[1], kb, sm_count(out.device), num_splits,
                       precise_dot, workspace, values=values, tma=_tma_weight(weight))
     assert plan.prescaled == values
-    if values and not plan.swap:
-        weight = weight.to(torch.bfloat16)  # exact
     return _run_fp8_gemm(plan, x, x_scales, weight, weight_scale, out)
 
 
@@ -824,12 +822,16 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out):
     """Launch ``plan`` on checked operands (fp8_gemm's; x_codes e4m3 or fp16 values; for a
-    ``prescaled`` plan x's bf16 values, and in the square tiles the weight's too), into
-    ``out`` ([M, N] fp32, or bf16 for the decode kernel: its fp32 result rounded once)."""
+    ``prescaled`` plan x's bf16 values, and in the square tiles the weight's too, made here
+    from its e4m3 codes when given those: one pass over the weight, ~1% of the GEMM at those
+    M), into ``out`` ([M, N] fp32, or bf16 for the decode kernel: its fp32 result rounded
+    once)."""
     m, k = x_codes.shape
     n, kb = weight.shape[0], k // FP8_BLOCK
     s = plan.splits
     order = plan.order
+    if plan.prescaled and not plan.swap and weight.dtype == torch.float8_e4m3fn:
+        weight = weight.to(torch.bfloat16)  # the square tiles' PRESCALED operand (exact)
     args = (x_codes.contiguous(), x_scales.contiguous(), weight.contiguous(),
             weight_scale.contiguous().view(torch.uint8))
     partials = out if s == 1 else torch.empty(s, m, n, dtype=torch.float32, device=out.device)
@@ -879,14 +881,19 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 
 
 def _linear_plan(m: int, weight: torch.Tensor, num_splits, precise_dot, device) -> _GemmPlan:
-    """The plan fp8_linear runs for M rows of ``weight`` (e4m3 codes): act_quant's bf16 values
-    past the 16-row tiles (_gemm_plan's ``values``) wherever the plan reads them without a
-    copy of the weight, i.e. in the decode kernel, or from PRESCALE_MIN_M rows (where the
-    square tiles' bf16 weight copy costs ~1%); else the e4m3 codes (fp16 values at <= 16
-    rows: ``_x_form``)."""
-    n, kb = weight.shape[0], weight.shape[1] // FP8_BLOCK
-    sms = sm_count(device)
-    tma = _tma_weight(weight)
+    """The plan fp8_linear runs for M rows of ``weight`` (e4m3 codes): ``_linear_shape_plan``
+    of its shape, the device's SM count and whether TMA can read it."""
+    return _linear_shape_plan(m, weight.shape[0], weight.shape[1] // FP8_BLOCK,
+                              sm_count(device), num_splits, precise_dot, _tma_weight(weight))
+
+
+def _linear_shape_plan(m: int, n: int, kb: int, sms: int, num_splits, precise_dot,
+                       tma: bool) -> _GemmPlan:
+    """fp8_linear's plan for M rows of an [N, 32 KB] weight: act_quant's bf16 values past the
+    16-row tiles (_gemm_plan's ``values``) wherever the plan reads them without a copy of the
+    weight, i.e. in the decode kernel, or from PRESCALE_MIN_M rows (where the square tiles'
+    bf16 weight copy costs ~1%); else the e4m3 codes (fp16 values at <= 16 rows:
+    ``_x_form``)."""
     plan = _gemm_plan(m, n, kb, sms, num_splits, precise_dot,
                       values=m > _FP8_DECODE_TILES[0][0], tma=tma)
     if plan.prescaled and not plan.swap and m < PRESCALE_MIN_M:
@@ -912,16 +919,13 @@ def _act_operands(x2: torch.Tensor, plans) -> dict:
 def _linear_from_quant(x_q, s, plan, weight, weight_scale, num_splits, precise_dot, out_dtype):
     """``plan`` on act_quant's output (its ``_x_form``), [M, N] in out_dtype: where the decode
     kernel runs it writes bf16 (or fp32) itself, the one rounding torch's cast would do;
-    the square tiles on bf16 values (PRESCALED, from PRESCALE_MIN_M rows) read the weight's
-    bf16 values (exact; made here, one pass over the weight: ~1% of the GEMM at these M)."""
+    elsewhere the GEMM's fp32 result is cast."""
     m, n, kb = _check_gemm(x_q, s, weight, weight_scale, num_splits, precise_dot,
                            values=plan.prescaled)
     if m * n == 0 or kb == 0:
         return torch.zeros(m, n, dtype=out_dtype, device=x_q.device)
     direct = plan.swap and out_dtype in (torch.bfloat16, torch.float32)
     out = torch.empty(m, n, dtype=out_dtype if direct else torch.float32, device=x_q.device)
-    if plan.prescaled and not plan.swap:
-        weight = weight.to(torch.bfloat16)  # exact
     y = _run_fp8_gemm(plan, x_q, s, weight, weight_scale, out)
     return y if direct else y.to(out_dtype)
 
