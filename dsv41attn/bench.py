@@ -51,9 +51,26 @@ def _events_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def _graph_ms(fn, calls: int = 1, reps: int = 20) -> float:
+def _queued_ms(fn, reps: int, rounds: int = 5) -> float:
+    """ms per call of ``fn`` called ``reps`` times back to back between two events, so that
+    the host queues calls ahead of the GPU as a serving loop does and no call waits for its own
+    launch; median over ``rounds`` such runs."""
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def _graph_ms(fn, calls: int = 1, reps: int = 20, queued: bool = False) -> float:
     """ms per call of ``fn`` (which makes ``calls`` calls) captured in a CUDA graph: median of
-    ``reps`` timed replays, after a warm-up run on a side stream and an upload replay."""
+    ``reps`` timed replays (queued: ``_queued_ms`` of them), after a warm-up run on a side
+    stream and an upload replay."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -63,7 +80,7 @@ def _graph_ms(fn, calls: int = 1, reps: int = 20) -> float:
     with torch.cuda.graph(graph):
         fn()
     graph.replay()
-    return _events_ms(graph.replay, reps) / calls
+    return (_queued_ms if queued else _events_ms)(graph.replay, reps) / calls
 
 
 def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -171,26 +188,38 @@ class RoleBench:
                for L in self.layers} for _ in range(3)]
         return state, xs
 
-    def decode_graph_us(self, batch: int, ctx: int, reps: int) -> tuple[float, float]:
-        """(layer, step facts) in us: medians of CUDA-graph replays of a decode step
-        (DecodePlan.capture) of the role's layer and its sources, minus a graph of the sources
-        alone (same state, next plan); and a graph of the step's shared facts alone
-        (``DecodePlan.derive_facts``: once per step, whatever the layer count), which a role
-        without sources subtracts instead."""
-        state, xs = self._decode_state(batch, ctx, 2 * reps + 6)
+    def decode_graph_us(self, batch: int, ctx: int, reps: int,
+                        queued: bool = True) -> tuple[float, float]:
+        """(layer, step facts) in us: CUDA-graph replays of a decode step (DecodePlan.capture)
+        of the role's layer and its sources, minus a graph of the sources alone (same state,
+        next plan); and a graph of the step's shared facts alone (``DecodePlan.derive_facts``:
+        once per step, whatever the layer count), which a role without sources subtracts
+        instead. queued (the default): ``_queued_ms`` of the graph launches, steps back to back
+        as a serving loop runs them (the host's bookkeeping of those steps follows the timed
+        launches: the graph itself advances the device's positions); else the median of
+        ``reps`` replays timed one by one from an idle GPU, each with its input copy and its
+        launch latency (the tables before the eleventh session)."""
+        rounds = 5 if queued else 1
+        state, xs = self._decode_state(batch, ctx, 2 * (rounds * reps + 3))
         # the facts first: after the sources-only graph the sources are ahead of the target
         # layer, and a plan of every layer is refused mid-step
         facts = _graph_ms(self.stack.plan_decode(state, steps=1, layers=self.layers).derive_facts,
-                          reps=reps)
+                          reps=reps, queued=queued)
         times = {}
         sources = [L for L in self.layers if L != self.target]
         for name, layers in (("all", self.layers), ("sources", sources)):
             if not layers:
                 continue
-            graph = self.stack.plan_decode(state, steps=reps + 3, layers=layers).capture(xs[0])
+            plan = self.stack.plan_decode(state, steps=rounds * reps + 3, layers=layers)
+            graph = plan.capture(xs[0])
             graph.replay(xs[1])  # first replay uploads the graph
-            inputs = iter(xs * reps)
-            times[name] = _events_ms(lambda g=graph, it=inputs: g.replay(next(it)), reps)
+            if queued:
+                times[name] = _queued_ms(graph.graph.replay, reps, rounds)
+                for _ in range(rounds * reps):
+                    plan._advance()  # the steps just run, in the host's books
+            else:
+                inputs = iter(xs * reps)
+                times[name] = _events_ms(lambda g=graph, it=inputs: g.replay(next(it)), reps)
         return (times["all"] - times.get("sources", facts)) * 1e3, facts * 1e3
 
     def decode_eager_us(self, batch: int, ctx: int, reps: int, compile_target: bool = False) -> float:
@@ -274,11 +303,13 @@ def _weights(cfg: AttentionConfig, layers, tp=None) -> dict:
 
 def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
                  reference_cases=((1, 4096), (64, 4096)), compile_cases=(), log=print, tp=None,
-                 invariant: bool = False):
+                 invariant: bool = False, queued: bool = True):
     """Rows of the per-role table: triton under CUDA-graph replay (the serving path), and for
     ``reference_cases`` the reference path eager and the triton path eager (host launches
     included); ``compile_cases``: the reference path under torch.compile as well;
-    ``invariant``: every case also in the batch-invariant mode (``invariant_us``). ``tp``:
+    ``invariant``: every case also in the batch-invariant mode (``invariant_us``); ``queued``:
+    decode graphs timed back to back (else one by one from an idle GPU, see
+    ``RoleBench.decode_graph_us``). ``tp``:
     the ranks of ``--tp`` (every rank runs the same cases on its shard; the floor stays one
     GPU's whole layer)."""
     cfg = preset("v41-flash")
@@ -298,11 +329,11 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
             flops, nbytes, floor = layer_floor(cfg, ROLES[role], batch, start, tokens, copy_bw)
             row = {"role": role, "kind": kind, "batch": batch, "context": n,
                    "floor_us": floor * 1e6, "flops": flops, "bytes": nbytes}
-            runs = [("triton_us", (tri.decode_graph_us, (batch, n, 20)) if kind == "decode"
+            runs = [("triton_us", (tri.decode_graph_us, (batch, n, 20, queued)) if kind == "decode"
                      else (tri.prefill_us, (n, 2)))]
             if inv is not None:
-                runs += [("invariant_us", (inv.decode_graph_us, (batch, n, 20)) if kind == "decode"
-                          else (inv.prefill_us, (n, 2)))]
+                runs += [("invariant_us", (inv.decode_graph_us, (batch, n, 20, queued))
+                          if kind == "decode" else (inv.prefill_us, (n, 2)))]
             if kind == "decode" and (batch, n) in reference_cases:
                 runs += [("triton_eager_us", (tri.decode_eager_us, (batch, n, 5))),
                          ("reference_us", (ref.decode_eager_us, (batch, n, 3)))]
@@ -566,7 +597,7 @@ def main(args) -> int:
     tp = getattr(args, "tp_run", None)
     rows, copy_bw = bench_layers(decode=decode, prefill=prefill, roles=roles,
                                  compile_cases=compile_cases, tp=tp,
-                                 invariant=args.batch_invariant)
+                                 invariant=args.batch_invariant, queued=not args.idle_replays)
     fields = ["role", "kind", "batch", "context", "triton_us", "triton_facts_us", "invariant_us",
               "invariant_cost%",
               "triton_eager_us", "reference_us", "compiled_us", "floor_us", "ratio", "TFLOP/s", "GB/s", "speedup_reference",
@@ -576,8 +607,9 @@ def main(args) -> int:
             w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
+    replays = "one by one from an idle GPU" if args.idle_replays else "steps queued back to back"
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s; times in us (median); triton = CUDA-graph "
-          "replay of the layer, eager = host launches included; facts = the step's shared facts "
+          f"replay of the layer ({replays}), eager = host launches included; facts = the step's shared facts "
           "(once per step for all layers, not in the layer's time)")
     print(f"{'role':<14}{'kind':<8}{'batch':>6}{'context':>9}{'triton':>9}{'facts':>7}"
           f"{'floor':>8}{'ratio':>7}"

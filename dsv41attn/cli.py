@@ -858,6 +858,10 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--batch-invariant", action="store_true",
                     help="also time every layer case in the batch-invariant mode (columns "
                          "invariant and cost: its time and its extra time over the default)")
+    bn.add_argument("--idle-replays", action="store_true",
+                    help="time each decode graph replay alone from an idle GPU (its launch "
+                         "latency and input copy included: the tables before the eleventh "
+                         "session); default: steps queued back to back, as a serving loop")
     tp_opt(bn, "NCCL, one GPU per rank; times are rank 0's")
     bn.set_defaults(func=bench_cmd, parser=bn)
 

@@ -21,11 +21,12 @@ def weights():
     return cfg, _weights(cfg, sorted({L for r in ROLES for L in role_layers(cfg, r)}))
 
 
+@pytest.mark.parametrize("queued", [True, False])
 @pytest.mark.parametrize("role", ["SWA", "Full r=2", "Full r=1 cand", "Reindex", "Reuse"])
-def test_decode_graph_time_of_every_role(weights, role):
+def test_decode_graph_time_of_every_role(weights, role, queued):
     from dsv41attn.bench import RoleBench
     cfg, w = weights
-    layer_us, facts_us = RoleBench(cfg, role, "triton", w).decode_graph_us(2, 640, 3)
+    layer_us, facts_us = RoleBench(cfg, role, "triton", w).decode_graph_us(2, 640, 3, queued)
     assert math.isfinite(layer_us) and layer_us > 0, (role, layer_us)
     assert math.isfinite(facts_us) and facts_us > 0, (role, facts_us)
 
