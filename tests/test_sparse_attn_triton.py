@@ -375,6 +375,12 @@ def test_split_heuristic():
     assert _wave_splits(programs=4, n_blocks=10, sms=132) == 10  # decode: spread out
     assert _wave_splits(programs=32, n_blocks=10, sms=132) == 4  # one wave: 128 programs
     assert _wave_splits(programs=4 * 64, n_blocks=10, sms=132) == 1  # enough programs
+    # a window alone (2 blocks): split for a few tokens, not for 64 (the partials' traffic)
+    assert _wave_splits(programs=8, n_blocks=2, sms=132) == 2
+    assert _wave_splits(programs=33, n_blocks=2, sms=132) == 2
+    assert _wave_splits(programs=34, n_blocks=2, sms=132) == 1
+    assert _wave_splits(programs=64, n_blocks=2, sms=132) == 1
+    assert _wave_splits(programs=64, n_blocks=10, sms=132) == 2  # a long list still splits
     for programs in range(1, 140, 7):
         for n_blocks in range(1, 40, 3):
             s = _wave_splits(programs, n_blocks, 132)

@@ -164,6 +164,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
 
 BLOCK_H_MAX = 64  # paged head tile: up to 64 (rows decoded once per tile; H200 D=512: fastest)
 SPLIT_BLOCKS = 2  # list blocks per split (flash-decoding), fixed: see _pick_splits
+SHORT_LIST_BLOCKS = 2  # _wave_splits: lists this short split only for few programs
 
 
 def _bf16_pair(f16x2: str, dst: str) -> str:
@@ -583,8 +584,13 @@ def _wave_splits(programs: int, n_blocks: int, sms: int) -> int:
     """split_blocks=0: the step-sized split count (the previous default, not call-invariant):
     when few programs run (T x head blocks under half of ``sms``) fill one wave of ``sms``
     programs (at D=512 a program has an SM to itself: more waves measured slower on an H200);
-    1 otherwise. The cut then depends on how many tokens share the step."""
-    if 2 * programs > sms or n_blocks <= 1:
+    1 otherwise. A list of SHORT_LIST_BLOCKS blocks or fewer (a window alone: SWA's 128 rows)
+    splits only while 4 x programs <= sms: a split then saves one block's work, while its fp32
+    partials (H x D per program, written and read back) grow with the programs (H200, D = 512,
+    64 heads, 128 rows: b = 1 and 8 gain 2 us from 2 splits, b = 64 loses 7 us). The cut then
+    depends on how many tokens share the step."""
+    if 2 * programs > sms or n_blocks <= 1 or (n_blocks <= SHORT_LIST_BLOCKS
+                                               and 4 * programs > sms):
         return 1
     s = min(n_blocks, sms // programs)
     return triton.cdiv(n_blocks, triton.cdiv(n_blocks, s))  # no split left without a block
