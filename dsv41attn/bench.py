@@ -39,32 +39,26 @@ DECODE = [(1, 4096), (8, 4096), (64, 4096), (256, 4096), (1, 65536), (8, 65536),
 PREFILL = [8192, 65536]
 
 
-def _events_ms(fn, reps: int) -> float:
+def _events_ms(fn, reps: int, calls: int = 1) -> float:
+    """ms per call of ``fn``: the median of ``reps`` samples, each ``calls`` calls back to back
+    between two CUDA events (calls > 1: the host queues calls ahead of the GPU, as a serving
+    loop does, and no call waits for its own launch)."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
 
 
 def _queued_ms(fn, reps: int, rounds: int = 5) -> float:
-    """ms per call of ``fn`` called ``reps`` times back to back between two events, so that
-    the host queues calls ahead of the GPU as a serving loop does and no call waits for its own
-    launch; median over ``rounds`` such runs."""
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
+    """ms per call of ``fn`` called ``reps`` times back to back, median over ``rounds`` such
+    runs (``_events_ms`` with ``calls=reps``)."""
+    return _events_ms(fn, rounds, calls=reps)
 
 
 def _graph_ms(fn, calls: int = 1, reps: int = 20, queued: bool = False) -> float:
