@@ -7,8 +7,10 @@ sources publish for later layers lives on the step's ``Board``. One code path se
 call kind: prefill, chunks, draft verification, decode and any mix in one step are values of
 the plan. The flow mirrors the reference ``Attention.forward``:
 
-  query path -> window K/V -> [compressor -> indexer] -> sparse attention with sink
-  -> inverse RoPE -> grouped wo_a -> wo_b -> this step's rows into the ring
+  window K/V [-> compressor]   (on a CUDA device: a branch stream, beside the query path)
+  query path
+  -> [indexer] -> sparse attention with sink -> inverse RoPE -> grouped wo_a -> wo_b
+  -> this step's rows into the ring
 
 (A decode plan, one token per sequence, writes its rows into the ring with the window K/V
 pack instead: the slot it overwrites is one no query of the step reads.)
@@ -27,6 +29,7 @@ from .config import AttentionConfig
 from .ops.backends import get_ops
 from .ops.common.rope import rope_frequencies
 from .plan import Board, RatioFacts, StepPlan, UndoLog, publishes_index_keys
+from .streams import Fork
 from .tp import TensorParallel, check_shard_weights
 
 if TYPE_CHECKING:
@@ -103,35 +106,40 @@ class AttentionLayer:
         t = x.shape[0]
         rot = plan.rotations_of(spec)  # [T, R/2] complex64
 
-        # wq_a (query path) and wkv (window K/V) read the same x: one act-quant for both.
-        qa, kv = ops.fp8_linear_pair(x, w.wq_a.weight, w.wq_a.scale, w.wkv.weight, w.wkv.scale)
-
-        # Query path (docs/numerics.md §5, step 1). An index source with rows to score this
-        # step projects the indexer's query from the same qr: one act-quant for both.
-        qr = ops.rms_norm(qa, w.q_norm, cfg.norm_eps)
-        q_index = None
-        if spec.ratio > 0 and spec.is_index_source and plan.ratios[spec.ratio].scan > 0:
-            q, q_index = ops.fp8_linear_pair(qr, w.wq_b.weight, w.wq_b.scale,
-                                             w.index_wq_b.weight, w.index_wq_b.scale)
-        else:
-            q = ops.fp8_linear(qr, w.wq_b.weight, w.wq_b.scale)
-        q = ops.rope_heads(q.view(t, self.heads, cfg.head_dim), rot)  # [T, H, D]
-
-        # Window K/V (step 2): norm, RoPE, fp8, packed rows of this step. A step plan writes
-        # them into the ring after attention (a long chunk's rows would overwrite slots its
-        # early queries read); a decode plan's one token per sequence overwrites a slot no
-        # query reads, so the same launch writes it and the layer's positions.
         decode = not plan.compact  # a decode plan: one token per sequence
-        ring = state.decode_window_write(spec.layer, plan, undo) if decode else {}
-        new_rows = ops.norm_rope_pack(kv, w.kv_norm, cfg.norm_eps, rot, **ring)  # [T, D + D/32]
+        with Fork(x.device, ops.capturable) as fork:
+            # Window K/V (step 2) and the compressed rows (step 3) read only x and the state:
+            # on a CUDA device they run on a branch stream beside the query path (streams.py).
+            with fork.branch():
+                # Window K/V: norm, RoPE, fp8, packed rows of this step. A step plan writes
+                # them into the ring after attention (a long chunk's rows would overwrite
+                # slots its early queries read); a decode plan's one token per sequence
+                # overwrites a slot no query reads, so the same launch writes it and the
+                # layer's positions.
+                kv = ops.fp8_linear(x, w.wkv.weight, w.wkv.scale)
+                ring = state.decode_window_write(spec.layer, plan, undo) if decode else {}
+                new_rows = ops.norm_rope_pack(kv, w.kv_norm, cfg.norm_eps, rot, **ring)
+                if spec.ratio > 0 and spec.is_kv_source:
+                    self._compress(x, state, plan.ratios[spec.ratio], undo, semantics, decode)
 
-        # Compressed rows (step 3) and their selection (step 4).
+            # Query path (docs/numerics.md §5, step 1). An index source with rows to score
+            # this step projects the indexer's query from the same qr: one act-quant for both.
+            qr = ops.rms_norm(ops.fp8_linear(x, w.wq_a.weight, w.wq_a.scale), w.q_norm,
+                              cfg.norm_eps)
+            q_index = None
+            if spec.ratio > 0 and spec.is_index_source and plan.ratios[spec.ratio].scan > 0:
+                q, q_index = ops.fp8_linear_pair(qr, w.wq_b.weight, w.wq_b.scale,
+                                                 w.index_wq_b.weight, w.index_wq_b.scale)
+            else:
+                q = ops.fp8_linear(qr, w.wq_b.weight, w.wq_b.scale)
+            q = ops.rope_heads(q.view(t, self.heads, cfg.head_dim), rot)  # [T, H, D]
+        # joined: the indexer and the attention read the rows the branch wrote
+
+        # The selection of compressed rows (step 4).
         pool = None
         selected = torch.empty(t, 0, dtype=torch.int32, device=x.device)
         if spec.ratio > 0:
             facts = plan.ratios[spec.ratio]
-            if spec.is_kv_source:
-                self._compress(x, state, facts, undo, semantics, decode)
             selected = self._index(x, q_index, rot, state, plan, facts, board) \
                 if spec.is_index_source else board.topk(spec.index_source)
             pool = state.sources[spec.kv_source].rows

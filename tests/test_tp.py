@@ -176,14 +176,14 @@ def _mixed_step(stack, state, seed=2):
 
 
 # (what each rank injects: None, or (layer, where)) -> the error each rank must raise.
-# where: an op of the layer (its first call raises: fp8_linear_pair, wq_a and wkv, runs before
-# any collective; sparse_attn_paged runs between the index-score and the wo_b collectives) or
+# where: an op of the layer (its first call raises: fp8_linear, wkv first, runs before any
+# collective; sparse_attn_paged runs between the index-score and the wo_b collectives) or
 # "write_window" (the ring write after the layer's last collective: it writes, then raises).
 FAILURES = [
-    ((None, (3, "fp8_linear_pair")), ("PeerFailure", "Boom")),
+    ((None, (3, "fp8_linear")), ("PeerFailure", "Boom")),
     ((None, (3, "sparse_attn_paged")), ("PeerFailure", "Boom")),
     (((5, "write_window"), None), ("Boom", "PeerFailure")),
-    (((7, "sparse_attn_paged"), (3, "fp8_linear_pair")), ("PeerFailure", "Boom")),  # 1 first
+    (((7, "sparse_attn_paged"), (3, "fp8_linear")), ("PeerFailure", "Boom")),  # 1 first
     (((3, "sparse_attn_paged"), (3, "sparse_attn_paged")), ("Boom", "Boom")),
 ]
 

@@ -34,8 +34,8 @@ class Ops:
     name: str
     sparse_attn_paged: Callable
     fp8_linear: Callable
-    fp8_linear_pair: Callable  # two fp8 linears of one input, one act-quant (wq_a and wkv;
-    # wq_b and the index wq_b)
+    fp8_linear_pair: Callable  # two fp8 linears of one input, one act-quant (wq_b and the
+    # index wq_b)
     norm_rope_pack: Callable  # window K/V: RMSNorm + RoPE + fp8 + pack (+ ring write)
     rope_heads: Callable  # the query's RoPE
     compressor_project: Callable  # r > 1 compressor: fp32 wkv and wgate of every token
