@@ -959,8 +959,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 def fp8_linear_pair(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor,
                     s2: torch.Tensor, *, precise_dot: bool = True,
                     out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8_linear(x, w1, s1), fp8_linear(x, w2, s2)) with one act_quant of x (wq_a and wkv
-    share the layer input): the same bits as the two calls, one launch fewer."""
+    """(fp8_linear(x, w1, s1), fp8_linear(x, w2, s2)) with one act_quant of x (wq_b and the
+    index wq_b share the query's qr): the same bits as the two calls, one launch fewer."""
     _check_linear(x, w1, s1)
     _check_linear(x, w2, s2)
     lead = x.shape[:-1]
