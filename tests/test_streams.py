@@ -36,8 +36,13 @@ def test_fork_on_the_cpu_is_one_stream():
                 raise RuntimeError("inside")
 
 
-def _one_stream(monkeypatch):
-    monkeypatch.setattr(layer_module, "Fork", lambda device, enabled=True: Fork(device, False))
+def _both_ways(monkeypatch, run):
+    """{"branch": run(), "one stream": run() with every layer's Fork disabled}."""
+    got = {"branch": run()}
+    with monkeypatch.context() as m:
+        m.setattr(layer_module, "Fork", lambda device, enabled=True: Fork(device, False))
+        got["one stream"] = run()
+    return got
 
 
 def _run(stack, state, calls):
@@ -57,22 +62,21 @@ def test_branch_changes_no_bit_eager_graphed_and_undone(monkeypatch):
                                  for L in range(ODD.n_layers)}, "triton")
     calls = [([0, 1, 2, 3], 9, 1), ([0, 1, 2, 3], 1, 2), ([1, 3], 4, 3), ([0, 1, 2, 3], 1, 4)]
     base = stack.new_state(4, capacity=64, device="cuda")
-    runs = {}
-    for mode in ("branch", "one stream"):
-        with monkeypatch.context() as m:
-            if mode == "one stream":
-                _one_stream(m)
-            state = clone_state(base)
-            outs = _run(stack, state, calls)
-            plan = stack.plan_decode(state, steps=4)
-            xs = [{L: torch.randn(4, ODD.dim, generator=torch.Generator().manual_seed(9 + k))
-                   .bfloat16().cuda() for L in range(ODD.n_layers)} for k in range(4)]
-            graph = plan.capture(xs[0])
-            outs.append(graph.warmup_outputs)
-            for k in range(1, 4):
-                outs.append({L: y.clone() for L, y in graph.replay(xs[k]).items()})
-            torch.cuda.synchronize()
-            runs[mode] = (outs, snapshot(state))
+
+    def run():
+        state = clone_state(base)
+        outs = _run(stack, state, calls)
+        plan = stack.plan_decode(state, steps=4)
+        xs = [{L: torch.randn(4, ODD.dim, generator=torch.Generator().manual_seed(9 + k))
+               .bfloat16().cuda() for L in range(ODD.n_layers)} for k in range(4)]
+        graph = plan.capture(xs[0])
+        outs.append(graph.warmup_outputs)
+        for k in range(1, 4):
+            outs.append({L: y.clone() for L, y in graph.replay(xs[k]).items()})
+        torch.cuda.synchronize()
+        return outs, snapshot(state)
+
+    runs = _both_ways(monkeypatch, run)
     (a, sa), (b, sb) = runs["branch"], runs["one stream"]
     for i, (oa, ob) in enumerate(zip(a, b)):
         for L in oa:
@@ -113,16 +117,15 @@ def test_branch_changes_no_bit_at_flash_shapes(monkeypatch, role):
     x = {L: torch.randn(batch, 1, cfg.dim, device="cuda", generator=g).bfloat16() for L in layers}
     base = stack.new_state(batch, capacity=ctx + 1)
     fill_context(base, ctx, seed=1)
-    got = {}
-    for mode in ("branch", "one stream"):
-        with monkeypatch.context() as m:
-            if mode == "one stream":
-                _one_stream(m)
-            state = clone_state(base)
-            step = stack.step(state, 1)
-            out = {L: stack.layers[L](x[L], state, step) for L in layers}
-            torch.cuda.synchronize()
-            got[mode] = (out, snapshot(state))
+
+    def run():
+        state = clone_state(base)
+        step = stack.step(state, 1)
+        out = {L: stack.layers[L](x[L], state, step) for L in layers}
+        torch.cuda.synchronize()
+        return out, snapshot(state)
+
+    got = _both_ways(monkeypatch, run)
     for L in layers:
         assert torch.equal(got["branch"][0][L], got["one stream"][0][L]), f"layer {L}"
     assert_same(got["branch"][1], got["one stream"][1])
