@@ -1,4 +1,8 @@
 """dsv41attn: the DeepSeek-V4.1 attention layer, exactly as DeepSeek's reference defines it."""
+from .ops.common.cpu_kernels import pin_mkl_branch
+
+pin_mkl_branch()  # first: MKL reads its code path at its first call (ops/common/cpu_kernels.py)
+
 from .cache import AttentionState, StateError
 from .checkpoint import (CheckpointError, LayerWeights, load_layer_weights, random_layer_weights,
                          write_synthetic_checkpoint)

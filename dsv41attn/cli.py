@@ -627,7 +627,17 @@ def environment() -> dict[str, object]:
         "Triton kernels": mode,
         "TRITON_INTERPRET": "unset" if interpret is None else interpret,
         "CPU threads": str(torch.get_num_threads()),
+        "reference CPU kernels": _reference_kernels(),
     }
+
+
+def _reference_kernels() -> str:
+    """Whether the reference backend's CPU kernels round as the golden fixtures' did."""
+    from .ops.common.cpu_kernels import check_reference_kernels
+
+    msg = check_reference_kernels()
+    return (f"the golden fixtures' (MKL_CBWR={os.environ.get('MKL_CBWR')}, bf16 matmuls on "
+            "torch's own kernel)" if msg is None else msg)
 
 
 def env_cmd(args: argparse.Namespace) -> int:

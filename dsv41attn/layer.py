@@ -27,6 +27,7 @@ from .cache import AttentionState, StateError
 from .checkpoint import LayerWeights, check_layer_weights
 from .config import AttentionConfig
 from .ops.backends import get_ops
+from .ops.common.cpu_kernels import warn_if_kernels_differ
 from .ops.common.rope import rope_frequencies
 from .plan import Board, RatioFacts, StepPlan, UndoLog, publishes_index_keys
 from .streams import Fork
@@ -62,6 +63,8 @@ class AttentionLayer:
             self.heads, self.groups, self.index_heads = s.heads, s.groups, s.index_heads
         # [rope_head_dim/2] fp32 on the weights' device (plans build rotations from it)
         self.freqs = rope_frequencies(cfg, self.spec).to(self.device)
+        if backend == "reference" and self.device.type == "cpu":
+            warn_if_kernels_differ()  # torch's CPU kernels round as the golden fixtures' did
 
     @property
     def device(self) -> torch.device:

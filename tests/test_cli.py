@@ -168,8 +168,9 @@ def test_env_reports_what_a_bug_report_needs(capsys, monkeypatch):
     assert code == 0, err
     lines = dict(line.split(":", 1) for line in out.splitlines())
     for key in ("dsv41attn", "python", "torch", "triton", "numpy", "safetensors", "CUDA", "GPU",
-                "Triton kernels", "TRITON_INTERPRET"):
+                "Triton kernels", "TRITON_INTERPRET", "reference CPU kernels"):
         assert key in lines, (key, out)
+    assert "golden fixtures'" in lines["reference CPU kernels"]  # the suite's process pins them
     assert dsv41attn.__version__ in lines["dsv41attn"]
     assert str(Path(dsv41attn.__file__).parent) in lines["dsv41attn"]  # the install path
     assert torch.__version__ in lines["torch"]

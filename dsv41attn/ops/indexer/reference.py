@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.cpu_kernels import torch_bf16_matmul
 from ..common.packing import paged_index_keys
 
 
@@ -15,7 +16,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> 
     q: [B, M, I, d] bf16 (fp4-fake-quantised, post-RoPE); weights: [B, M, I] bf16 (already
     scaled by d^-0.5 I^-0.5); keys: [B, N, d] bf16. Returns [B, M, N] bf16.
     """
-    s = torch.einsum("bshd,btd->bsht", q, keys)  # bf16 out, fp32 accumulate
+    with torch_bf16_matmul():  # the fixtures' kernel on any CPU (cpu_kernels)
+        s = torch.einsum("bshd,btd->bsht", q, keys)  # bf16 out, fp32 accumulate
     return (s.relu() * weights.unsqueeze(-1)).sum(dim=2)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..common.cpu_kernels import torch_bf16_matmul
 from ..common.quant import FP8_BLOCK, act_quant
 
 
@@ -62,7 +63,8 @@ def fp8_linear_pair(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """bf16 or fp32 weight: F.linear in the weight's dtype (fp32 accumulation).
+    """bf16 or fp32 weight: F.linear in the weight's dtype (fp32 accumulation); bf16 on torch's
+    own CPU kernel (``cpu_kernels``: the golden fixtures' rounding on any CPU).
 
     An fp32 weight (the ratio > 1 compressor's wkv / wgate) is applied in float64 and rounded
     once to fp32: the correctly rounded product, which a BLAS fp32 GEMM is not (its blocking,
@@ -70,4 +72,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     depend on which other tokens share its call. Every golden fixture keeps every bit."""
     if weight.dtype == torch.float32:
         return F.linear(x.double(), weight.double()).float()
-    return F.linear(x.to(weight.dtype), weight)
+    with torch_bf16_matmul():
+        return F.linear(x.to(weight.dtype), weight)

@@ -1,0 +1,74 @@
+"""The reference backend's CPU kernels (dsv41attn/ops/common/cpu_kernels.py): the ones the golden
+fixtures replay exactly with are the ones this process runs, and a process that runs others is
+told so."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from dsv41attn import AttentionLayer, random_layer_weights
+from dsv41attn.ops.common import cpu_kernels
+
+
+def test_this_process_runs_the_fixtures_kernels():
+    """Importing dsv41attn before torch's first CPU op pins MKL's path (what the suite does):
+    the probe then gives the recorded bits, as every fixture does (test_fixtures)."""
+    assert os.environ.get("MKL_CBWR") == cpu_kernels.MKL_BRANCH
+    assert cpu_kernels.check_reference_kernels() is None
+
+
+def test_the_pin_keeps_a_branch_the_user_chose(monkeypatch):
+    monkeypatch.setenv("MKL_CBWR", "AVX2")
+    cpu_kernels.pin_mkl_branch()
+    assert os.environ["MKL_CBWR"] == "AVX2"
+
+
+def test_bf16_matmul_context_restores_onednn_also_when_raising():
+    before = torch.backends.mkldnn.enabled
+    with pytest.raises(RuntimeError, match="inside"):
+        with cpu_kernels.torch_bf16_matmul():
+            assert torch.backends.mkldnn.enabled is False
+            raise RuntimeError("inside")
+    assert torch.backends.mkldnn.enabled == before
+
+
+def test_a_reference_layer_warns_when_the_kernels_differ(tiny, monkeypatch):
+    """A probe that disagrees (here: a recorded einsum hash that no kernel gives) makes building a
+    CPU reference layer warn, naming the kernel; the Triton backend is not concerned."""
+    monkeypatch.setitem(cpu_kernels.PROBE_BITS, "einsum", -1)
+    cpu_kernels.check_reference_kernels.cache_clear()
+    try:
+        w = random_layer_weights(tiny, 1, seed=0)
+        with pytest.warns(cpu_kernels.ReferenceBitsWarning, match=r"\(einsum\).*torch"):
+            AttentionLayer(tiny, w, backend="reference")
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.check_reference_kernels.cache_clear()
+    assert cpu_kernels.check_reference_kernels() is None
+
+
+_PROBE_AFTER_MKL = """
+import torch
+torch.exp(torch.linspace(-90, 0, 4096))  # MKL starts here, before dsv41attn's pin
+from dsv41attn.ops.common import cpu_kernels
+print(cpu_kernels._probe()["exp"])
+print(cpu_kernels.check_reference_kernels())
+"""
+
+
+def test_mkl_on_another_branch_is_reported():
+    """A process whose MKL runs another code path (MKL_CBWR=AVX2, chosen before the pin) gets a
+    message naming exp and MKL_CBWR; on a CPU whose MKL gives that path COMPATIBLE's exp bits
+    there is nothing to report."""
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    env.update(MKL_CBWR="AVX2", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", _PROBE_AFTER_MKL], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    exp_bits, msg = r.stdout.strip().splitlines()
+    if int(exp_bits) == cpu_kernels.PROBE_BITS["exp"]:
+        pytest.skip("this CPU's MKL gives the AVX2 path COMPATIBLE's exp bits")
+    assert "(exp)" in msg and "MKL_CBWR is 'AVX2'" in msg, msg
