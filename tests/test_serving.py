@@ -292,8 +292,8 @@ def test_ragged_fixture_schedules_reproduce_official_decode(schedule):
 def test_v41_geometry_chunks_and_decodes_straddling_topk_times_ratio():
     """V4.1 head geometry (window 128, index_topk 512, ratios 2 and 1): uneven chunks longer
     and shorter than the window, and single decodes at positions 511/512 (index_topk x 1) and
-    1023/1024 (index_topk x 2), against the official outputs: bit for bit on this CPU, and
-    always within the fixture's tolerances."""
+    1023/1024 (index_topk x 2), against the official outputs: bit for bit (the fixtures' CPU
+    kernels, docs/numerics.md §8), and within the fixture's tolerances."""
     from test_fixtures import check_within_tolerances
 
     fx = Fixture.load(str(next(f for f in fixture_files() if f.stem == "v41_geometry")))
