@@ -33,6 +33,8 @@ def test_bf16_matmul_context_restores_onednn_also_when_raising():
             assert torch.backends.mkldnn.enabled is False
             raise RuntimeError("inside")
     assert torch.backends.mkldnn.enabled == before
+    with cpu_kernels.torch_bf16_matmul(torch.device("meta")):  # not the CPU: nothing changes
+        assert torch.backends.mkldnn.enabled == before
 
 
 def test_a_reference_layer_warns_when_the_kernels_differ(tiny, monkeypatch):

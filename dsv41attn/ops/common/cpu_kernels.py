@@ -50,8 +50,12 @@ def pin_mkl_branch() -> None:
 
 
 @contextlib.contextmanager
-def torch_bf16_matmul() -> Iterator[None]:
-    """Run the bf16 matmuls inside on torch's own CPU kernel (oneDNN off), then restore."""
+def torch_bf16_matmul(device: torch.device | None = None) -> Iterator[None]:
+    """Run the bf16 matmuls inside on torch's own CPU kernel (oneDNN off), then restore.
+    ``device``: the operands' device; on any other than the CPU nothing changes."""
+    if device is not None and device.type != "cpu":
+        yield
+        return
     prev = torch.backends.mkldnn.enabled
     torch.backends.mkldnn.enabled = False
     try:

@@ -16,7 +16,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> 
     q: [B, M, I, d] bf16 (fp4-fake-quantised, post-RoPE); weights: [B, M, I] bf16 (already
     scaled by d^-0.5 I^-0.5); keys: [B, N, d] bf16. Returns [B, M, N] bf16.
     """
-    with torch_bf16_matmul():  # the fixtures' kernel on any CPU (cpu_kernels)
+    with torch_bf16_matmul(q.device):  # the fixtures' kernel on any CPU (cpu_kernels)
         s = torch.einsum("bshd,btd->bsht", q, keys)  # bf16 out, fp32 accumulate
     return (s.relu() * weights.unsqueeze(-1)).sum(dim=2)
 

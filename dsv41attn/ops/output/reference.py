@@ -74,7 +74,7 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | F
     weight = wo_a.dequantize() if isinstance(wo_a, Fp8Weight) else wo_a
     n = o.shape[0]
     o = apply_rope(o, rot.unsqueeze(1), inverse=True)  # [N, H, D], rot over the heads
-    with torch_bf16_matmul():  # the fixtures' kernel on any CPU (cpu_kernels)
+    with torch_bf16_matmul(o.device):  # the fixtures' kernel on any CPU (cpu_kernels)
         u = torch.einsum("ngd,grd->ngr", o.reshape(n, groups, k), weight.view(groups, rk, k))
     u = u.flatten(1)  # [N, groups*Rk] bf16
     return u if out is None else out.copy_(u)
