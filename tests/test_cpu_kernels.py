@@ -74,3 +74,28 @@ def test_mkl_on_another_branch_is_reported():
     if int(exp_bits) == cpu_kernels.PROBE_BITS["exp"]:
         pytest.skip("this CPU's MKL gives the AVX2 path COMPATIBLE's exp bits")
     assert "(exp)" in msg and "MKL_CBWR is 'AVX2'" in msg, msg
+
+
+@pytest.mark.slow
+def test_fixture_bits_do_not_follow_the_instruction_sets(tmp_path):
+    """v41_geometry (the fixture whose bits moved on a Xeon with AMX) replayed by the CLI with
+    ATen, oneDNN and MKL held to AVX2, as on an older or non-Intel CPU: every output bit and
+    top-k row is still DeepSeek's."""
+    from safetensors.torch import load_file
+
+    from conftest import fixture_files
+    from dsv41attn.fixtures import Fixture
+
+    path = next(f for f in fixture_files() if f.stem == "v41_geometry")
+    out = tmp_path / "r.safetensors"
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2",
+               MKL_ENABLE_INSTRUCTIONS="AVX2")
+    r = subprocess.run([sys.executable, "-m", "dsv41attn", "replay", str(path), "--out", str(out),
+                        "--semantics", "reference"], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "top-k rows differing 0/3312" in r.stdout, r.stdout
+    assert "ReferenceBitsWarning" not in r.stderr, r.stderr
+    got, fx = load_file(str(out)), Fixture.load(str(path))
+    for layer in fx.layers:
+        assert torch.equal(got[f"out.reference.l{layer}"], fx.expected("reference", layer)), layer
