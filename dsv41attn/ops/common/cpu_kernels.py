@@ -33,8 +33,9 @@ import torch.nn.functional as F
 
 MKL_BRANCH = "COMPATIBLE"
 
-# hash of each probe's output bits (see _probe) under MKL_CBWR=COMPATIBLE with oneDNN off: the
-# kernels every golden fixture replays bit for bit with (torch 2.13.0+cpu, x86-64)
+# where PROBE_BITS were recorded, and every golden fixture replays bit for bit
+PROBE_PLATFORM = "torch 2.13.0+cpu on x86-64, ATen's AVX2 or AVX512 kernels"
+# hash of each probe's output bits (see _probe) under MKL_CBWR=COMPATIBLE with oneDNN off
 PROBE_BITS = {"exp": 1095492383, "linear": 2074281225, "einsum": 602310429}
 
 
@@ -49,13 +50,17 @@ def pin_mkl_branch() -> None:
     os.environ.setdefault("MKL_CBWR", MKL_BRANCH)
 
 
-@contextlib.contextmanager
-def torch_bf16_matmul(device: torch.device | None = None) -> Iterator[None]:
-    """Run the bf16 matmuls inside on torch's own CPU kernel (oneDNN off), then restore.
-    ``device``: the operands' device; on any other than the CPU nothing changes."""
+def torch_bf16_matmul(device: torch.device | None = None) -> contextlib.AbstractContextManager:
+    """Context: the bf16 matmuls inside run on torch's own CPU kernel (oneDNN off), then the
+    flag is restored. ``device``: the operands' device; on any other than the CPU nothing
+    changes (a no-op context: the Triton backend's GPU linears pass through here)."""
     if device is not None and device.type != "cpu":
-        yield
-        return
+        return contextlib.nullcontext()
+    return _onednn_off()
+
+
+@contextlib.contextmanager
+def _onednn_off() -> Iterator[None]:
     prev = torch.backends.mkldnn.enabled
     torch.backends.mkldnn.enabled = False
     try:
@@ -113,7 +118,7 @@ def check_reference_kernels() -> str | None:
     if bad != ["exp"]:
         hint.append(f"torch {torch.__version__}'s own bf16 matmul kernel (CPU capability "
                     f"{torch.backends.cpu.get_cpu_capability()}) rounds differently from the ones "
-                    "the fixtures replay with (torch 2.13.0, AVX2 or AVX512)")
+                    f"the fixtures replay with ({PROBE_PLATFORM})")
     return (f"the reference backend's CPU kernels ({', '.join(bad)}) do not round as the golden "
             f"fixtures' did: outputs stay within the fixtures' tolerances but are not bit for bit "
             f"DeepSeek's; {'; '.join(hint)}")
