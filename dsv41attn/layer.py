@@ -8,7 +8,8 @@ call kind: prefill, chunks, draft verification, decode and any mix in one step a
 the plan. The flow mirrors the reference ``Attention.forward``:
 
   window K/V [-> compressor]   (on a CUDA device: a branch stream, beside the query path)
-  query path
+  query path [-> index query, RoPE'd]   (and an index source's head weights: on the branch
+                                         unless it holds a compressor, else here)
   -> [indexer] -> sparse attention with sink -> inverse RoPE -> grouped wo_a -> wo_b
   -> this step's rows into the ring
 
@@ -110,6 +111,12 @@ class AttentionLayer:
         rot = plan.rotations_of(spec)  # [T, R/2] complex64
 
         decode = not plan.compact  # a decode plan: one token per sequence
+        # an index source with rows to score this step: its indexer inputs (index query, head
+        # weights) are made inside the fork, the head weights on whichever path is shorter:
+        # the branch, unless it also holds this layer's compressor
+        scoring = spec.ratio > 0 and spec.is_index_source and plan.ratios[spec.ratio].scan > 0
+        compresses = spec.ratio > 0 and spec.is_kv_source
+        head_weights = None
         with Fork(x.device, ops.capturable) as fork:
             # Window K/V (step 2) and the compressed rows (step 3) read only x and the state:
             # on a CUDA device they run on a branch stream beside the query path (streams.py).
@@ -122,17 +129,23 @@ class AttentionLayer:
                 kv = ops.fp8_linear(x, w.wkv.weight, w.wkv.scale)
                 ring = state.decode_window_write(spec.layer, plan, undo) if decode else {}
                 new_rows = ops.norm_rope_pack(kv, w.kv_norm, cfg.norm_eps, rot, **ring)
-                if spec.ratio > 0 and spec.is_kv_source:
+                if compresses:
                     self._compress(x, state, plan.ratios[spec.ratio], undo, semantics, decode)
+                elif scoring:
+                    head_weights = self._head_weights(x)
 
             # Query path (docs/numerics.md §5, step 1). An index source with rows to score
             # this step projects the indexer's query from the same qr: one act-quant for both.
             qr = ops.rms_norm(ops.fp8_linear(x, w.wq_a.weight, w.wq_a.scale), w.q_norm,
                               cfg.norm_eps)
             q_index = None
-            if spec.ratio > 0 and spec.is_index_source and plan.ratios[spec.ratio].scan > 0:
+            if scoring:
                 q, q_index = ops.fp8_linear_pair(qr, w.wq_b.weight, w.wq_b.scale,
                                                  w.index_wq_b.weight, w.index_wq_b.scale)
+                q_index = ops.rope_fp4_heads(q_index.view(t, self.index_heads,
+                                                          cfg.index_head_dim), rot)
+                if compresses:
+                    head_weights = self._head_weights(x)
             else:
                 q = ops.fp8_linear(qr, w.wq_b.weight, w.wq_b.scale)
             q = ops.rope_heads(q.view(t, self.heads, cfg.head_dim), rot)  # [T, H, D]
@@ -143,7 +156,7 @@ class AttentionLayer:
         selected = torch.empty(t, 0, dtype=torch.int32, device=x.device)
         if spec.ratio > 0:
             facts = plan.ratios[spec.ratio]
-            selected = self._index(x, q_index, rot, state, plan, facts, board) \
+            selected = self._index(x, q_index, head_weights, state, plan, facts, board) \
                 if spec.is_index_source else board.topk(spec.index_source)
             pool = state.sources[spec.kv_source].rows
 
@@ -199,14 +212,19 @@ class AttentionLayer:
         if publishes_index_keys(semantics, facts.produced):
             state.set_index_key_slot(spec.layer, undo)
 
-    def _index(self, x: torch.Tensor, q_index: torch.Tensor | None, rot: torch.Tensor,
-               state: AttentionState, plan: StepPlan, facts: RatioFacts,
-               board: Board) -> torch.Tensor:
+    def _head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """The indexer's per-head weights of each token [T, index heads] bf16 (step 4)."""
+        return self.ops.linear(x, self.weights.index_weights_proj) * self.cfg.index_weight_scale
+
+    def _index(self, x: torch.Tensor, q_index: torch.Tensor | None,
+               head_weights: torch.Tensor | None, state: AttentionState, plan: StepPlan,
+               facts: RatioFacts, board: Board) -> torch.Tensor:
         """The lightning indexer of an index source (docs/numerics.md §5, step 4): top-k [T, k]
         int32 (-1 pad), published for the layers that reuse them (and, for the candidate
-        source, the kept candidate blocks). q_index: the indexer's query projection [T, index
-        heads * index head dim] bf16 (None when there is nothing to score: facts.scan == 0)."""
-        cfg, spec, w = self.cfg, self.spec, self.weights
+        source, the kept candidate blocks). q_index: the indexer's rotated fp4 query [T, index
+        heads, index head dim] bf16, head_weights: [T, index heads] bf16 (both None when there
+        is nothing to score: facts.scan == 0)."""
+        cfg, spec = self.cfg, self.spec
         t = x.shape[0]
         keep = None
         if facts.scan == 0:
@@ -214,9 +232,6 @@ class AttentionLayer:
             if spec.is_candidate_source:
                 keep = torch.empty(t, 0, dtype=torch.bool, device=x.device)
         else:
-            q_index = self.ops.rope_fp4_heads(q_index.view(t, self.index_heads,
-                                                           cfg.index_head_dim), rot)
-            head_weights = self.ops.linear(x, w.index_weights_proj) * cfg.index_weight_scale
             keys = state.sources[state.index_key_source(spec.layer)].index_keys
             selected, keep = self.ops.index_topk(
                 q_index, head_weights, keys, state.block_table, plan.token_row, facts.visible,
