@@ -59,10 +59,16 @@ us): candidate source b=64 x 64K: 275 / 96 / 382 (key bytes at 1.04 TB/s, 25% of
 copy bandwidth; floor 68 us); b=256 x 64K: 1083 / 298 / 1410; b=1 x 1M: 75 / 49 / 139;
 Reindex b=64 x 64K: 102 / 39 / 158. Before this decode (four K=32 f16 dots per tile, each
 scaled by the blocks' powers of two in fp32): 366 / 96 / 485, 1419 / 296 / 1747, 99 / 49 /
-171, 127 / 39 / 179. What remains is per-tile latency: two programs per SM (about 208
-registers: Triton takes the key operand registers -> shared memory -> registers before the
-wgmma), the page lookup of the next tile waited for inside each iteration (its key loads
-need it), and the decode's integer work (about 20 instructions per word).
+171, 127 / 39 / 179. Where the rest goes (Nsight Compute, candidate source b=64 x 64K, one
+scoring launch): DRAM at 17% of peak, L1 at 65%, one instruction issued every two cycles per
+scheduler. The key loads are 32-bit words (a 68-byte row is only 4-byte aligned) spread
+over rows, so each warp-wide load touches many 32-byte sectors for few useful bytes: 33M
+sectors requested for 8.9M sectors of keys (ncu: 67% excessive), served mostly by L1 (69%
+hits) at the cost of its wavefronts. Occupancy: three 4-warp programs per SM (158 registers, 41 KB of shared memory for
+the dot's operand and the layout changes). Issuing the page lookups two tiles ahead (the key
+loads one) left scoring at 275 us (Reindex 100 -> 110): the lookups' latency is not what
+bounds it. Next: a tile's rows are contiguous in one page (128 x 68 B), so wide coalesced
+loads of the whole tile, regrouped into rows on chip, would cut the sectors to the keys'.
 """
 from __future__ import annotations
 
