@@ -61,14 +61,14 @@ Reindex b=64 x 64K: 102 / 39 / 158. Before this decode (four K=32 f16 dots per t
 scaled by the blocks' powers of two in fp32): 366 / 96 / 485, 1419 / 296 / 1747, 99 / 49 /
 171, 127 / 39 / 179. Where the rest goes (Nsight Compute, candidate source b=64 x 64K, one
 scoring launch): DRAM at 17% of peak, L1 at 65%, one instruction issued every two cycles per
-scheduler. The key loads are 32-bit words (a 68-byte row is only 4-byte aligned) spread
-over rows, so each warp-wide load touches many 32-byte sectors for few useful bytes: 33M
-sectors requested for 8.9M sectors of keys (ncu: 67% excessive), served mostly by L1 (69%
-hits) at the cost of its wavefronts. Occupancy: three 4-warp programs per SM (158 registers, 41 KB of shared memory for
-the dot's operand and the layout changes). Issuing the page lookups two tiles ahead (the key
-loads one) left scoring at 275 us (Reindex 100 -> 110): the lookups' latency is not what
-bounds it. Next: a tile's rows are contiguous in one page (128 x 68 B), so wide coalesced
-loads of the whole tile, regrouped into rows on chip, would cut the sectors to the keys'.
+scheduler. 33M sectors requested for 8.9M sectors of keys (67% excessive): a warp's word
+loads cover two rows' 64 code bytes, but each row's four scale bytes go out as five more
+one-sector requests (once for the decode, once a byte to choose between its one- and
+two-multiply forms); L1 serves most (69% hits). Occupancy: three 4-warp programs per SM (158
+registers, 41 KB of shared memory for the dot's operand and the layout changes). Issuing the
+page lookups two tiles ahead (the key loads one) and dropping the second scale-byte loads
+left scoring at 275 us (Reindex 100 -> 110): neither the lookups' latency nor the sectors
+bound it; instruction issue does (docs/benchmarks.md, fourteenth session).
 """
 from __future__ import annotations
 
