@@ -114,8 +114,9 @@ class AttentionLayer:
         # an index source with rows to score this step: its indexer inputs (index query, head
         # weights) are made inside the fork, the head weights on whichever path is shorter:
         # the branch, unless it also holds this layer's compressor
-        scoring = spec.ratio > 0 and spec.is_index_source and plan.ratios[spec.ratio].scan > 0
-        compresses = spec.ratio > 0 and spec.is_kv_source
+        facts = plan.ratios[spec.ratio] if spec.ratio > 0 else None  # this layer's ratio group
+        scoring = facts is not None and spec.is_index_source and facts.scan > 0
+        compresses = facts is not None and spec.is_kv_source
         head_weights = None
         with Fork(x.device, ops.capturable) as fork:
             # Window K/V (step 2) and the compressed rows (step 3) read only x and the state:
@@ -130,7 +131,7 @@ class AttentionLayer:
                 ring = state.decode_window_write(spec.layer, plan, undo) if decode else {}
                 new_rows = ops.norm_rope_pack(kv, w.kv_norm, cfg.norm_eps, rot, **ring)
                 if compresses:
-                    self._compress(x, state, plan.ratios[spec.ratio], undo, semantics, decode)
+                    self._compress(x, state, facts, undo, semantics, decode)
                 elif scoring:
                     head_weights = self._head_weights(x)
 
@@ -154,8 +155,7 @@ class AttentionLayer:
         # The selection of compressed rows (step 4).
         pool = None
         selected = torch.empty(t, 0, dtype=torch.int32, device=x.device)
-        if spec.ratio > 0:
-            facts = plan.ratios[spec.ratio]
+        if facts is not None:
             selected = self._index(x, q_index, head_weights, state, plan, facts, board) \
                 if spec.is_index_source else board.topk(spec.index_source)
             pool = state.sources[spec.kv_source].rows

@@ -4,10 +4,10 @@ Inside one layer, the window K/V path (wkv, norm, RoPE, fp8 pack, the decode rin
 KV source's compressor read only x and the state, and the query path (wq_a, norm, wq_b, RoPE,
 the index query and its RoPE) reads only x: neither waits for the other until the indexer and
 the attention read the rows the first one wrote. An index source's head weights (one small
-linear of x) go on the branch, or on the query path where the branch holds a compressor. At decode sizes each of their kernels leaves most of an
-H200's SMs idle (a GEMM of one token streams its weight from 1-2 programs per SM), so running
-the two paths side by side hides the shorter one. ``Fork`` does it with one extra stream per
-device, the *branch*:
+linear of x) go on the branch, or on the query path where the branch holds a compressor. At
+decode sizes each of their kernels leaves most of an H200's SMs idle (a GEMM of one token
+streams its weight from 1-2 programs per SM), so running the two paths side by side hides the
+shorter one. ``Fork`` does it with one extra stream per device, the *branch*:
 
     with Fork(device, enabled) as fork:   # the branch waits for what the caller queued so far
         with fork.branch():               # launched on the branch stream

@@ -110,8 +110,8 @@ def test_branch_changes_no_bit_at_flash_shapes(monkeypatch, role):
 
     cfg = preset("v41-flash")
     layers = role_layers(cfg, role)
-    stack = AttentionStack(cfg, {L: random_layer_weights(cfg, L, seed=L).to("cuda") for L in layers},
-                           "triton")
+    weights = {L: random_layer_weights(cfg, L, seed=L).to("cuda") for L in layers}
+    stack = AttentionStack(cfg, weights, "triton")
     g = torch.Generator(device="cuda").manual_seed(0)
     batch, ctx = 8, 2500
     x = {L: torch.randn(batch, 1, cfg.dim, device="cuda", generator=g).bfloat16() for L in layers}

@@ -57,8 +57,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 def fp8_linear_pair(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor,
                     s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two fp8 linears of one input (wq_b and the index wq_b share the query's qr): (fp8_linear(x, w1,
-    s1), fp8_linear(x, w2, s2)), bf16."""
+    """Two fp8 linears of one input (wq_b and the index wq_b share the query's qr):
+    (fp8_linear(x, w1, s1), fp8_linear(x, w2, s2)), bf16."""
     return fp8_linear(x, w1, s1), fp8_linear(x, w2, s2)
 
 
