@@ -22,8 +22,9 @@ Flow of one call (every launch on the device, no host sync, so a decode step can
    the next tile's loads issued before this tile's arithmetic, and decoded in registers, 8
    nibbles per word, to the reference's bf16 key values: each nibble becomes the bf16 bits
    s << 15 | code << 6 (the e2m1 value * 2^-126, exactly: e2m1's 0 and 0.5 land on bf16
-   subnormals), scaled by one bf16x2 multiply by 2^(E-1) (a tile whose ue8m0 bytes are all
-   <= 128) or two, by 2^126 and 2^(E-127) (any E; 0 -> 0, 255 -> inf as the reference). The
+   subnormals), scaled by two bf16x2 multiplies, by 2^126 and 2^(E-127) (any E; 0 -> 0, 255
+   -> inf as the reference; one multiply by 2^(E-1) would cover E <= 128 only, and a
+   per-tile choice cost more in register moves than the multiply it saves). The
    index queries are the dot's other operand as given (bf16 fp4 fake-quantised values), so
    one bf16 tl.dot over all d elements, fp32 accumulation, gives each per-head dot: the
    reference's exact products summed in fp32 (bits can move only where that sum rounds, as
@@ -172,23 +173,21 @@ def _owner_tokens(o, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, HAS_TILES
 # times the block's power of two, exactly: nibbles t and t + 4 go to the two halves of one
 # 32-bit word as the bf16 bits s << 15 | code << 6 (e1 e0 m: the bf16 exponent's low bits
 # and the mantissa's top bit), which is the e2m1 value * 2^-126 (codes 0 and 0.5 land on the
-# bf16 subnormals exactly as e2m1's do), then one bf16x2 multiply by 2^(E-1) ($9: E in
-# 1..128, 0 for E = 0) or two, by 2^126 and by the reference's 2^(E-127) (E << 7: 0 -> 0,
-# 255 -> inf) ($9, $10: any E). Outputs $0..$7: nibbles 0, 4, 1, 5, 2, 6, 3, 7.
-def _nibbles_bf16_asm(two_step: bool) -> str:
+# bf16 subnormals exactly as e2m1's do), then two bf16x2 multiplies, by 2^126 ($9) and by the
+# reference's 2^(E-127) ($10: E << 7, so 0 -> 0 and 255 -> inf). Outputs $0..$7: nibbles 0,
+# 4, 1, 5, 2, 6, 3, 7 (each pair t, t + 4 one register's halves).
+def _nibbles_bf16_asm() -> str:
     shifts = (("shl", 6, 12), ("shl", 2, 8), ("shr", 2, 4), ("shr", 6, 0))
     body = ""
     for j, (op, code_sh, sign_sh) in enumerate(shifts):
         sign = f" shl.b32 b, $8, {sign_sh};" if sign_sh else " mov.b32 b, $8;"
         body += (f" {op}.b32 a, $8, {code_sh};{sign} and.b32 a, a, 0x01C001C0;"
                  f" and.b32 b, b, 0x80008000; or.b32 o, a, b; mul.rn.bf16x2 o, o, $9;"
-                 + (" mul.rn.bf16x2 o, o, $10;" if two_step else "")
-                 + f" mov.b32 {{${2 * j}, ${2 * j + 1}}}, o;")
+                 f" mul.rn.bf16x2 o, o, $10; mov.b32 {{${2 * j}, ${2 * j + 1}}}, o;")
     return "{ .reg .b32 a, b, o;" + body + " }"
 
 
-_NIBBLES_BF16_ONE = tl.constexpr(_nibbles_bf16_asm(False))
-_NIBBLES_BF16_TWO = tl.constexpr(_nibbles_bf16_asm(True))
+_NIBBLES_BF16 = tl.constexpr(_nibbles_bf16_asm())
 # Per head: the fp32 dot ($2, $3) rounded to bf16, relu'd (NaN kept), times the bf16 weight
 # ($4: two packed) rounded to bf16, back as fp32 ($0, $1): the reference's rounding points,
 # two heads per instruction.
@@ -227,10 +226,10 @@ def _per_word(x):
 
 
 @triton.jit
-def _key_tile(raw, e, TWO_STEP: tl.constexpr, INTERPRET: tl.constexpr):
+def _key_tile(raw, e, INTERPRET: tl.constexpr):
     """_key_raw's loads -> the key values [BN, D] (bf16; fp32 under the interpreter): e2m1 *
-    2^(E-127) exactly, as the reference decodes them. TWO_STEP: any E (two multiplies), else
-    E <= 128 only (one)."""
+    2^(E-127) exactly, as the reference decodes them, in the column order of the comment
+    below."""
     BN: tl.constexpr = raw.shape[0]
     NW: tl.constexpr = raw.shape[1]
     D: tl.constexpr = NW * 8
@@ -240,21 +239,15 @@ def _key_tile(raw, e, TWO_STEP: tl.constexpr, INTERPRET: tl.constexpr):
             e4m3_to_fp32(e4m3_of_e2m1(((raw >> (4 * t)) & 15).to(tl.uint8))) * 64.0 * scale
             for t in tl.static_range(8))
     else:
-        if TWO_STEP:
-            f1 = tl.full(raw.shape, 0x7E807E80, tl.int32)  # 2^126
-            f2 = _per_word((e << 7) | (e << 23))
-            e0, e4, e1, e5, e2, e6, e3, e7 = tl.inline_asm_elementwise(
-                _NIBBLES_BF16_TWO, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [raw, f1, f2],
-                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-        else:
-            f = tl.where(e == 0, 0, (e + 126) << 7)  # 2^(E-1)
-            f = _per_word(f | (f << 16))
-            e0, e4, e1, e5, e2, e6, e3, e7 = tl.inline_asm_elementwise(
-                _NIBBLES_BF16_ONE, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [raw, f],
-                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-    # nibble t of word w: element 8w + t
-    v = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)),
-                tl.join(tl.join(e1, e5), tl.join(e3, e7)))
+        f1 = tl.full(raw.shape, 0x7E807E80, tl.int32)  # 2^126
+        f2 = _per_word((e << 7) | (e << 23))
+        e0, e4, e1, e5, e2, e6, e3, e7 = tl.inline_asm_elementwise(
+            _NIBBLES_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [raw, f1, f2],
+            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    # columns 8w .. 8w + 7 hold nibbles 0, 4, 1, 5, 2, 6, 3, 7 of word w: each pair (t, t + 4)
+    # stays as the multiply left it, in one register; _q_operand orders the queries alike
+    v = tl.join(tl.join(tl.join(e0, e2), tl.join(e1, e3)),
+                tl.join(tl.join(e4, e6), tl.join(e5, e7)))
     return tl.reshape(v, (BN, D))
 
 
@@ -266,7 +259,7 @@ def _tile_fetch(pool_ptr, bt_ptr, keep_ptr, list_ptr, row, tok0, offs_m, m_ok, v
     """The loads of one tile of positions g0 .. g0 + BN - 1 (none at or past ``g_end``): the
     rows themselves, or for a compact tile the rows its positions stand for in the tile's
     block list (list_ptr); which (position, query) pairs are scored, which rows are read, the
-    raw key words and scale bytes, which rows need the two-multiply decode."""
+    raw key words and scale bytes."""
     if COMPACT:
         offs_p = g0 + tl.arange(0, BN)
         in_p = offs_p < g_end
@@ -292,19 +285,15 @@ def _tile_fetch(pool_ptr, bt_ptr, keep_ptr, list_ptr, row, tok0, offs_m, m_ok, v
     # compiler, seeing runs of consecutive slots, vectorises misaligned loads
     base = tl.multiple_of((page * page_rows + offs_g % page_rows) * (D // 2 + D // 32), 1)
     raw, e = _key_raw(pool_ptr, base, live, D, WORDS)
-    # rows with a scale past the one-multiply decode's range (ue8m0 byte > 128), per row
-    wide = tl.zeros([BN], tl.int32)
-    for b in tl.static_range(D // 32):
-        eb = tl.load(pool_ptr + base + D // 2 + b, mask=live, other=0).to(tl.int32)
-        wide = wide | (eb > 128).to(tl.int32)
-    return seen, need, raw, e, wide
+    return seen, need, raw, e
 
 
 @triton.jit
 def _q_operand(q_ptr, q_off, r_ok, D: tl.constexpr, INTERPRET: tl.constexpr):
     """The index queries as the dot's right operand [D, rows] (bf16 as given: the fp4
     fake-quantised values; fp32 under the interpreter)."""
-    kk = tl.arange(0, D)
+    col = tl.arange(0, D)
+    kk = col - col % 8 + (col % 2) * 4 + (col % 8) // 2  # _key_tile's column order
     v = tl.load(q_ptr + q_off[None, :] + kk[:, None], mask=r_ok[None, :], other=0.0)
     if INTERPRET:
         v = v.to(tl.float32)
@@ -326,13 +315,14 @@ def _tile_start(it, g_first, tiles_per_prog, BN: tl.constexpr, COMPACT: tl.const
 @triton.jit
 def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, list_ptr,
                   nvalid_ptr, out_ptr, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, N,
-                  bt_stride, page_rows, keep_stride, list_stride, tiles_per_prog,
+                  bt_stride, keep_stride, list_stride, tiles_per_prog, PAGE_ROWS: tl.constexpr,
                   I: tl.constexpr, I_PAD: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
                   BN: tl.constexpr, BLOCK_SIZE: tl.constexpr, WORDS: tl.constexpr,
                   HAS_TILES: tl.constexpr, HAS_KEEP: tl.constexpr, COMPACT: tl.constexpr,
                   INTERPRET: tl.constexpr):
     """q: [T, I, D] bf16; w: [T, I] bf16; pool: uint8 key rows (D/2 bytes of e2m1 pairs, then
-    D/32 ue8m0 bytes); bt: [B, pages] int64; vis, row: [T] int64; keep: uint8 [T,
+    D/32 ue8m0 bytes), PAGE_ROWS rows a page (a constant: the page lookup divides by it);
+    bt: [B, pages] int64; vis, row: [T] int64; keep: uint8 [T,
     keep_stride] (HAS_KEEP); out: int16 [slots, N] bf16 bits, slot = the query's place in
     this call's chunk. COMPACT: out's position p of query tile t stands for row
     list[t, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE, for p below nvalid[t] (list:
@@ -379,31 +369,25 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, li
         g_end = n
     else:
         g_end = tl.minimum(N, g_first + tiles_per_prog * BN)  # this program's rows end there
-    seen, need, raw, e, wide = _tile_fetch(
+    seen, need, raw, e = _tile_fetch(
         pool_ptr, bt_ptr, keep_ptr, lst, row, tok0, offs_m, m_ok, vis, g_first, g_end,
-        bt_stride, page_rows, keep_stride, D, BN, BLOCK_SIZE, WORDS, HAS_KEEP, COMPACT)
+        bt_stride, PAGE_ROWS, keep_stride, D, BN, BLOCK_SIZE, WORDS, HAS_KEEP, COMPACT)
     for it in range(n_it):
         # positions (rows unless COMPACT)
         offs_g = _tile_start(it, g_first, tiles_per_prog, BN, COMPACT) + tl.arange(0, BN)
         # the next tile's loads go out before this tile's arithmetic (software pipelining)
-        n_seen, n_need, n_raw, n_e, n_wide = _tile_fetch(
+        n_seen, n_need, n_raw, n_e = _tile_fetch(
             pool_ptr, bt_ptr, keep_ptr, lst, row, tok0, offs_m, m_ok, vis,
             _tile_start(it + 1, g_first, tiles_per_prog, BN, COMPACT), g_end,
-            bt_stride, page_rows, keep_stride, D, BN, BLOCK_SIZE, WORDS, HAS_KEEP, COMPACT)
+            bt_stride, PAGE_ROWS, keep_stride, D, BN, BLOCK_SIZE, WORDS, HAS_KEEP, COMPACT)
         store_ok = (offs_g < n)[:, None] & m_ok[None, :]
-        # one reduction: rows to score, and (x 1024) rows with a scale past the one-multiply
-        # decode's range (ue8m0 byte > 128)
-        flags = tl.sum(need.to(tl.int32) + wide * 1024, 0)
-        if flags == 0:
+        if tl.sum(need.to(tl.int32), 0) == 0:
             tl.store(out_cols + offs_g[:, None], tl.full([BN, TILE], 0xFF80, tl.int32)
                      .to(tl.int16), mask=store_ok)  # -inf
         else:
             # one dot over the whole row: every scale folded into its key element (exact in
-            # bf16), E > 128 anywhere in the tile taking the two-multiply decode
-            if flags >= 1024:
-                kc = _key_tile(raw, e, True, INTERPRET)
-            else:
-                kc = _key_tile(raw, e, False, INTERPRET)
+            # bf16)
+            kc = _key_tile(raw, e, INTERPRET)
             acc = tl.dot(kc, qv)  # [BN, R]
             if INTERPRET:
                 s = round_bf16(acc, INTERPRET)  # the per-head bf16 dot
@@ -417,7 +401,7 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, li
             score = tl.where(seen, score, float("-inf"))
             bits = (score.to(tl.uint32, bitcast=True) >> 16).to(tl.int32)
             tl.store(out_cols + offs_g[:, None], bits.to(tl.int16), mask=store_ok)
-        seen, need, raw, e, wide = n_seen, n_need, n_raw, n_e, n_wide
+        seen, need, raw, e = n_seen, n_need, n_raw, n_e
 
 
 @triton.jit
@@ -758,10 +742,10 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
             row_progs = min(row_progs, triton.cdiv(COMPACT_PROGRAMS, c))
         _score_kernel[(c, row_progs)](
             q, w, key_pool, table, vis, rows, cand, *(lists or (None, None)), scores, tile_tok,
-            tile_cnt, tile_base, slot_base, width, table.stride(0), key_pool.shape[1],
+            tile_cnt, tile_base, slot_base, width, table.stride(0),
             cand.shape[1] if cand is not None else 0, nblk if compact else 0, tiles_per_prog,
-            I=heads, I_PAD=i_pad, D=d, TILE=tile, BN=rows_per_tile, BLOCK_SIZE=block_size,
-            WORDS=words, HAS_TILES=prefill, HAS_KEEP=cand is not None, COMPACT=compact,
+            PAGE_ROWS=key_pool.shape[1], I=heads, I_PAD=i_pad, D=d, TILE=tile, BN=rows_per_tile,
+            BLOCK_SIZE=block_size, WORDS=words, HAS_TILES=prefill, HAS_KEEP=cand is not None, COMPACT=compact,
             INTERPRET=interpret, num_warps=SCORE_WARPS)
         if reduce is not None:
             scores = reduce(scores.view(torch.bfloat16)).contiguous().view(torch.int16)
