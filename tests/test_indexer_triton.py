@@ -32,6 +32,11 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(tri, "LIST_CHUNK", 4)
     monkeypatch.setattr(tri, "COMPACT_SELECT_CHUNK", 16)
     monkeypatch.setattr(tri, "COMPACT_MIN_ROWS", 0)  # consumers score over their lists
+    monkeypatch.setattr(tri, "FILTER_MIN_ROWS", 0)  # top-k filtered wherever blocks >= k
+    monkeypatch.setattr(tri, "FILTER_MIN_SCORES", 0)
+    monkeypatch.setattr(tri, "FILTER_BLOCK", 3)
+    monkeypatch.setattr(tri, "FILTER_CHUNK", 16)
+    monkeypatch.setattr(tri, "FILTER_STEP", 8)
 
 
 def setup(seqs, n_rows, heads, d, seed, page_rows=4, ties=False, key_scale=None):
@@ -97,9 +102,13 @@ def test_decode_queries_and_candidate_source(d, heads, small_tiles):
     assert (got[0][0] == -1).all() and not got[1][0].any()
 
 
-def test_prefill_tiles_ties_and_query_chunks(small_tiles):
+@pytest.mark.parametrize("filtered", [True, False], ids=["filtered", "radix"])
+def test_prefill_tiles_ties_and_query_chunks(filtered, small_tiles, monkeypatch):
     """Sequences of 6, 1 and 3 tokens (query tiles of 4 with a partial one and a mixed step),
-    tie-heavy scores, and a score budget of one tile per chunk."""
+    tie-heavy scores, and a score budget of one tile per chunk; the top-k through the filter
+    or the radix select."""
+    if not filtered:
+        monkeypatch.setattr(tri, "FILTER_MIN_ROWS", 1 << 30)
     args = setup([6, 1, 3], 29, 4, 32, seed=3, ties=True)
     want, got = both(args, 29, 7, candidate_topk=2, block_size=4)
     assert_same(want, got)
@@ -234,3 +243,43 @@ def test_reduce_hook_combines_partial_heads_like_the_reference(role, monkeypatch
         if impl is ref:
             want = got
     assert_same(want, got)
+
+
+def order_keys(scores):
+    """_order_key of bf16 scores, in torch: larger key = larger score, -0 = +0, NaN largest."""
+    bits = scores.view(torch.int16).to(torch.int32) & 0xFFFF
+    key = torch.where(bits & 0x8000 != 0, ~bits & 0xFFFF, bits | 0x8000)
+    key = torch.where(bits & 0x7FFF == 0, 0x8000, key)
+    return torch.where(bits & 0x7FFF > 0x7F80, 0xFFFF, key)
+
+
+def test_filtered_selection_above_and_at_the_threshold(small_tiles):
+    """The filter (t = the k-th largest block maximum; positions above t listed, and the first
+    k equal to t) against the reference's selection on crafted scores: distinct scores (more
+    than k above t: a radix select over the list), few distinct values (fewer than k above t:
+    the list merged with the first ties), mostly -inf rows (t = -inf: the lowest -inf rows
+    fill the selection), all -inf, NaN, -0 against +0, a visible limit; n not a multiple of
+    the block, chunks or steps."""
+    n, k, fb = 50, 7, tri.FILTER_BLOCK
+    g = torch.Generator().manual_seed(31)
+    rows = [torch.randn(n, generator=g),  # distinct
+            torch.randint(0, 3, (n,), generator=g).float(),  # ties
+            torch.full((n,), float("-inf")), torch.full((n,), float("-inf")),
+            torch.randint(-1, 2, (n,), generator=g).float() * 0.0,  # -0 and +0
+            torch.randn(n, generator=g)]
+    rows[2][[3, 17, 40, 41]] = torch.tensor([1.0, -2.0, 1.0, 5.0])  # 4 finite rows < k
+    rows[5][[5, 9, 30]] = float("nan")
+    scores = torch.stack(rows).bfloat16()
+    visible = torch.tensor([n, n, n, n, n, 23])
+    want = ref.select_topk(scores[:, None], visible[:, None], k)[:, 0]
+    out = torch.full((len(rows), k + 2), -7, dtype=torch.int32, device=DEV)
+    tri._select_filtered(scores.view(torch.int16).to(DEV), k, out[:, :k], visible.to(DEV),
+                         (None, None, 1), 0, 0, len(rows), n)
+    assert torch.equal(out[:, :k].cpu(), want)
+    assert (out[:, k:] == -7).all()  # nothing written past a query's k
+    # both of the selection program's branches ran
+    keys = order_keys(scores)
+    blocks = torch.nn.functional.pad(keys, (0, -n % fb), value=0x7F).view(len(rows), -1, fb)
+    t = blocks.amax(-1).sort(-1, descending=True).values[:, k - 1]
+    above = (keys > t[:, None]).sum(-1)
+    assert (above >= k).any() and (above < k).any() and (t == 0x7F).any()

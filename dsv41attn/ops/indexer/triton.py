@@ -47,6 +47,15 @@ Flow of one call (every launch on the device, no host sync, so a decode step can
    §0.2). For top-k rows past a query's ``visible`` become -1 (a consumer's list positions
    mapped back to rows first); for candidate blocks the kept mask is written (a block whose
    maximum is -inf is never kept).
+4. Large top-k calls (``_filters``: queries x rows past FILTER_MIN_SCORES, rows past
+   FILTER_MIN_ROWS, not over a consumer's lists) first filter the rows: a radix select over
+   the maxima of FILTER_BLOCK-row blocks gives t, the k-th largest of them, so s_k (the k-th
+   largest key) >= t and fewer than k * FILTER_BLOCK rows lie above t. One pass over the
+   scores then either writes the selection at once (fewer than k rows above t: s_k = t) or
+   lists the rows above t for a radix select over that list, one program a query
+   (``_select_filtered``). The 256-bin histograms, the costly part of step 3 (Triton 3.6
+   builds one from ballots: about 56 instructions an element), then cover the block maxima
+   and the list instead of every row.
 
 The score buffer is bounded by ``score_budget`` bytes: longer prefills run in query chunks.
 ``reduce`` (tensor parallelism) gets each chunk's score buffer, a consumer's compact one too:
@@ -55,21 +64,17 @@ past a tile's count hold no score. A call that is both source and consumer score
 Under TRITON_INTERPRET the dot runs in fp32 on the same exact values (the interpreter has no
 inline asm and misreads 16-bit dot operands) and gives the same bits.
 
-Measured (H200, CUDA graphs, bench's indexer cases, V4.1-Flash; scoring / selection / total
-us): candidate source b=64 x 64K: 275 / 96 / 382 (key bytes at 1.04 TB/s, 25% of the 4.2 TB/s
-copy bandwidth; floor 68 us); b=256 x 64K: 1083 / 298 / 1410; b=1 x 1M: 75 / 49 / 139;
-Reindex b=64 x 64K: 102 / 39 / 158. Before this decode (four K=32 f16 dots per tile, each
-scaled by the blocks' powers of two in fp32): 366 / 96 / 485, 1419 / 296 / 1747, 99 / 49 /
-171, 127 / 39 / 179. Where the rest goes (Nsight Compute, candidate source b=64 x 64K, one
-scoring launch): DRAM at 17% of peak, L1 at 65%, one instruction issued every two cycles per
-scheduler. 33M sectors requested for 8.9M sectors of keys (67% excessive): a warp's word
-loads cover two rows' 64 code bytes, but each row's four scale bytes go out as five more
-one-sector requests (once for the decode, once a byte to choose between its one- and
-two-multiply forms); L1 serves most (69% hits). Occupancy: three 4-warp programs per SM (158
-registers, 41 KB of shared memory for the dot's operand and the layout changes). Issuing the
-page lookups two tiles ahead (the key loads one) and dropping the second scale-byte loads
-left scoring at 275 us (Reindex 100 -> 110): neither the lookups' latency nor the sectors
-bound it; instruction issue does (docs/benchmarks.md, fourteenth session).
+Measured (H200, CUDA graphs, bench's indexer cases, V4.1-Flash; scoring / the rest / total
+us, the rest's kernels timed eagerly): candidate source b=64 x 64K: 249 / 77 / 336 (key bytes
+at 1.14 TB/s, 27% of the 4.2 TB/s copy bandwidth; floor 68 us); b=256 x 64K: 967 / 187 /
+1174; b=1 x 1M: 67 / 50 / 128-135; Reindex b=64 x 64K: 87 / 39 / 138-147. Where scoring's time
+goes (Nsight Compute, candidate source b=64 x 64K, one launch of the kernel before the
+register-pair column order): DRAM at 17% of peak, L1 at 65%, one instruction issued every two
+cycles per scheduler, three 4-warp programs per SM (158 registers, 41 KB of shared memory for
+the dot's operand and the layout changes). Issuing the page lookups two tiles ahead and
+dropping repeated scale-byte loads did not help; fewer instructions per key tile did (the
+column order, one decode form, the page size a constant: 886 -> 824 SASS instructions a
+thread and tile, scoring 273 -> 247 us). Instruction issue bounds it (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -96,6 +101,12 @@ COMPACT_MIN_ROWS = 16384
 COMPACT_OWNERS_PER_TILE = 8  # candidate lists per row tile of a scoring program
 COMPACT_PROGRAMS = 2048  # scoring programs over the lists of a chunk (at least one per list)
 COMPACT_SELECT_CHUNK = 1024  # list positions per selection program
+# The top-k of a query past FILTER_MIN_ROWS positions is filtered first (step 3 of the flow)
+FILTER_MIN_ROWS = 32768
+FILTER_MIN_SCORES = 1 << 21  # ... and queries x rows reach this (_filters)
+FILTER_BLOCK = 16  # rows per block maximum of the filter
+FILTER_CHUNK = 4096  # rows per filter program
+FILTER_STEP = 1024  # listed rows per step of the filter's selection program
 
 KEY_NINF = tl.constexpr(0x007F)  # _order_key of bf16 -inf: below every other key
 KEY_PINF = tl.constexpr(0xFF80)  # _order_key of bf16 +inf
@@ -408,14 +419,14 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, li
 def _block_key_kernel(src_ptr, key_ptr, vis_ptr, tile_tok_ptr, tile_cnt_ptr,
                       tile_base, slot_base, N, nblk,
                       BLOCK_SIZE: tl.constexpr, BS_PAD: tl.constexpr, BB: tl.constexpr,
-                      TILE: tl.constexpr, HAS_TILES: tl.constexpr):
-    """src: int16 [slots, N] bf16 score bits; key: int32 [slots, nblk] block keys (the max key
-    of the block's rows, the newest visible block KEY_PINF). Grid (slots, cdiv(nblk, BB))."""
+                      TILE: tl.constexpr, HAS_TILES: tl.constexpr, PIN: tl.constexpr):
+    """src: int16 [slots, N] bf16 score bits; key: int32 [slots, nblk] block keys: the max key
+    of the block's rows; PIN: the newest visible block's KEY_PINF (the candidate source's).
+    Grid (slots, cdiv(nblk, BB))."""
     slot = tl.program_id(0)
     tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                            HAS_TILES)
     if ok:
-        vis = tl.load(vis_ptr + tok)
         offs_b = tl.program_id(1) * BB + tl.arange(0, BB)
         offs_e = tl.arange(0, BS_PAD)
         g = offs_b[:, None] * BLOCK_SIZE + offs_e[None, :]
@@ -423,8 +434,10 @@ def _block_key_kernel(src_ptr, key_ptr, vis_ptr, tile_tok_ptr, tile_cnt_ptr,
         keys = _load_keys(src_ptr + slot.to(tl.int64) * N, g, m, True)
         keys = tl.where(m, keys, KEY_NINF)  # padding past N is -inf, as the reference's
         bk = tl.max(keys, 1)
-        newest = tl.where(vis > 0, (vis - 1) // BLOCK_SIZE, -1)  # vis 0: none pinned
-        bk = tl.where(offs_b == newest, KEY_PINF, bk)
+        if PIN:
+            vis = tl.load(vis_ptr + tok)
+            newest = tl.where(vis > 0, (vis - 1) // BLOCK_SIZE, -1)  # vis 0: none pinned
+            bk = tl.where(offs_b == newest, KEY_PINF, bk)
         tl.store(key_ptr + slot.to(tl.int64) * nblk + offs_b, bk, mask=offs_b < nblk)
 
 
@@ -480,16 +493,29 @@ def _list_write_kernel(cand_ptr, lcnt_ptr, list_ptr, nvalid_ptr, tile_tok_ptr, t
 
 
 @triton.jit
-def _threshold(hist_ptr, n, k):
-    """From a 256-bin histogram of n keys' bytes: the bin b holding the k-th largest, and how
-    many keys lie in bins above it."""
+def _threshold_of(h, n, k):
+    """From a 256-bin histogram h of n keys' bytes: the bin b holding the k-th largest, and
+    how many keys lie in bins above it and in it."""
     bins = tl.arange(0, 256)
-    h = tl.load(hist_ptr + bins)
     incl = tl.cumsum(h, 0)
     b = tl.sum((incl - h <= n - k).to(tl.int32), 0) - 1
     above = n - tl.sum(tl.where(bins == b, incl, 0), 0)
     in_bin = tl.sum(tl.where(bins == b, h, 0), 0)
     return b, above, in_bin
+
+
+@triton.jit
+def _threshold(hist_ptr, n, k):
+    """_threshold_of a histogram in memory."""
+    return _threshold_of(tl.load(hist_ptr + tl.arange(0, 256)), n, k)
+
+
+@triton.jit
+def _byte_hist(byte, m):
+    """256-bin histogram of the bytes where m holds."""
+    bins = tl.arange(0, 256)
+    h = tl.histogram(tl.where(m, byte, 0), 256)
+    return h - tl.where(bins == 0, byte.shape[0] - tl.sum(m.to(tl.int32), 0), 0)  # masked lanes
 
 
 @triton.jit
@@ -518,8 +544,7 @@ def _hist_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, nvalid_ptr, tile_tok_ptr, ti
         else:
             byte = key >> 8
             dst = hist_hi_ptr
-        h = tl.histogram(tl.where(m, byte, 0), 256)
-        h = h - tl.where(bins == 0, CH - tl.sum(m.to(tl.int32), 0), 0)  # the masked lanes
+        h = _byte_hist(byte, m)
         tl.atomic_add(dst + slot * 256 + bins, h, mask=h != 0)
 
 
@@ -533,11 +558,13 @@ def _cut(hist_hi_ptr, hist_lo_ptr, N, k):
 
 @triton.jit
 def _count_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, nvalid_ptr, tile_tok_ptr,
-                  tile_cnt_ptr, tile_base, slot_base, N, k, nch, CH: tl.constexpr,
+                  tile_cnt_ptr, tile_base, slot_base, N, k, nch, nb, CH: tl.constexpr,
                   TILE: tl.constexpr, HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr,
-                  COMPACT: tl.constexpr):
+                  COMPACT: tl.constexpr, FILTER: tl.constexpr):
     """cnt: int32 [slots, 2, nch]: per row chunk, the keys above u and equal to u (a compact
-    source's chunks past its entries are left unwritten: no live chunk reads them)."""
+    source's chunks past its entries are left unwritten: no live chunk reads them). u: the
+    k-th largest key of the histograms' keys: the slot's own, or FILTER the nb block maxima
+    of _select_filtered."""
     slot = tl.program_id(0)
     c = tl.program_id(1)
     tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
@@ -546,7 +573,8 @@ def _count_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, nvalid_ptr, tile_t
     if COMPACT:
         ok = ok & (c * CH < n)
     if ok:
-        u, need = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256, n, k)
+        u, need = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256,
+                       nb if FILTER else n, k)
         offs, m, key = _chunk_keys(src_ptr, slot, c, n, N, CH, FROM_SCORES)
         gt = tl.sum((m & (key > u)).to(tl.int32), 0)
         eq = tl.sum((m & (key == u)).to(tl.int32), 0)
@@ -600,6 +628,96 @@ def _select_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, out_ptr, vis_ptr,
             tl.store(out_ptr + tok * out_stride + pos, val, mask=take)
 
 
+@triton.jit
+def _filter_write_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, gt_ptr, out_ptr, vis_ptr,
+                         tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, N, k, nch, nb,
+                         gcap, out_stride, CH: tl.constexpr, NCH_PAD: tl.constexpr,
+                         TILE: tl.constexpr, HAS_TILES: tl.constexpr):
+    """One row chunk of _select_filtered, t the k-th largest block maximum: with G >= k keys
+    above t in the slot, its keys above t to the list gt [slots, gcap] at the prefix of the
+    chunks before (rows ascending); with fewer, the k-th largest key is t itself, and the
+    chunk's share of the selection (every key above t, the first k - G equal to it) goes to
+    out as _select_kernel writes it. Grid (slots, nch)."""
+    slot = tl.program_id(0)
+    c = tl.program_id(1)
+    tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
+                           HAS_TILES)
+    if ok:
+        t, _ = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256, nb, k)
+        prev = tl.arange(0, NCH_PAD)
+        gts = tl.load(cnt_ptr + slot * 2 * nch + prev, mask=prev < nch, other=0)
+        eqs = tl.load(cnt_ptr + slot * 2 * nch + nch + prev, mask=prev < c, other=0)
+        g_total = tl.sum(gts, 0)
+        gt_before = tl.sum(tl.where(prev < c, gts, 0), 0)
+        offs, m, key = _chunk_keys(src_ptr, slot, c, N, N, CH, True)
+        gt = (m & (key > t)).to(tl.int32)
+        if g_total >= k:
+            pos = gt_before + tl.cumsum(gt, 0) - gt
+            tl.store(gt_ptr + slot.to(tl.int64) * gcap + pos, offs,
+                     mask=(gt != 0) & (pos < gcap))
+        else:
+            need = k - g_total
+            eq_before = tl.sum(eqs, 0)
+            eq = (m & (key == t)).to(tl.int32)
+            eq_rank = eq_before + tl.cumsum(eq, 0) - eq
+            take = ((gt != 0) | ((eq != 0) & (eq_rank < need))).to(tl.int32)
+            pos = gt_before + tl.minimum(eq_before, need) + tl.cumsum(take, 0) - take
+            vis = tl.load(vis_ptr + tok)
+            tl.store(out_ptr + tok * out_stride + pos, tl.where(offs < vis, offs, -1),
+                     mask=take != 0)
+
+
+@triton.jit
+def _filter_select_kernel(cnt_ptr, src_ptr, gt_ptr, out_ptr, vis_ptr, tile_tok_ptr,
+                          tile_cnt_ptr, tile_base, slot_base, N, k, nch, gcap, out_stride,
+                          NCH_PAD: tl.constexpr, STEP: tl.constexpr, TILE: tl.constexpr,
+                          HAS_TILES: tl.constexpr):
+    """_select_filtered's slots with G >= k keys above t: the top-k of the G listed rows (a
+    radix select over them; every key >= the k-th largest is listed), rows ascending, as
+    _select_kernel writes it. A slot with fewer is done already. Grid (slots,)."""
+    slot = tl.program_id(0)
+    tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
+                           HAS_TILES)
+    prev = tl.arange(0, NCH_PAD)
+    g_total = tl.sum(tl.load(cnt_ptr + slot * 2 * nch + prev, mask=prev < nch, other=0), 0)
+    if ok & (g_total >= k):
+        src_row = src_ptr + slot.to(tl.int64) * N
+        gl = gt_ptr + slot.to(tl.int64) * gcap
+        hist = tl.zeros([256], tl.int32)
+        for s0 in range(0, g_total, STEP):
+            j = s0 + tl.arange(0, STEP)
+            m = j < g_total
+            key = _load_keys(src_row, tl.load(gl + j, mask=m, other=0), m, True)
+            hist += _byte_hist(key >> 8, m)
+        b, above, in_bin = _threshold_of(hist, g_total, k)
+        hist = tl.zeros([256], tl.int32)
+        for s0 in range(0, g_total, STEP):
+            j = s0 + tl.arange(0, STEP)
+            m = j < g_total
+            key = _load_keys(src_row, tl.load(gl + j, mask=m, other=0), m, True)
+            hist += _byte_hist(key & 0xFF, m & ((key >> 8) == b))
+        lo, above_lo, in_lo = _threshold_of(hist, in_bin, k - above)
+        u = b * 256 + lo
+        need = k - above - above_lo
+        vis = tl.load(vis_ptr + tok)
+        taken = 0
+        eq_seen = 0
+        for s0 in range(0, g_total, STEP):
+            j = s0 + tl.arange(0, STEP)
+            m = j < g_total
+            offs = tl.load(gl + j, mask=m, other=0)
+            key = _load_keys(src_row, offs, m, True)
+            eq = (m & (key == u)).to(tl.int32)
+            eq_rank = eq_seen + tl.cumsum(eq, 0) - eq
+            take = (m & (key > u)) | ((eq != 0) & (eq_rank < need))
+            t32 = take.to(tl.int32)
+            pos = taken + tl.cumsum(t32, 0) - t32
+            tl.store(out_ptr + tok * out_stride + pos, tl.where(offs < vis, offs, -1),
+                     mask=take)
+            taken += tl.sum(t32, 0)
+            eq_seen += tl.sum(eq, 0)
+
+
 def _select(src, k: int, out, visible, tiles, tile_base: int, slot_base: int, slots: int,
             n: int, from_scores: bool, mask_out: bool, compact=None, ch: int | None = None
             ) -> None:
@@ -619,11 +737,73 @@ def _select(src, k: int, out, visible, tiles, tile_base: int, slot_base: int, sl
     grid = (slots, nch)
     _hist_kernel[grid](src, hist[0], hist[1], nvalid, *common, LOW=False, **meta, num_warps=4)
     _hist_kernel[grid](src, hist[0], hist[1], nvalid, *common, LOW=True, **meta, num_warps=4)
-    _count_kernel[grid](src, hist[0], hist[1], cnt, nvalid, *common, nch, **meta, num_warps=4)
+    _count_kernel[grid](src, hist[0], hist[1], cnt, nvalid, *common, nch, 0, **meta,
+                        FILTER=False, num_warps=4)
     _select_kernel[grid](src, hist[0], hist[1], cnt, out, visible, nvalid, blocks, *common, nch,
                          out.stride(0), blocks.stride(0) if blocks is not None else 0,
                          NCH_PAD=triton.next_power_of_2(nch), MASK_OUT=mask_out,
                          BLOCK_SIZE=bs, **meta, num_warps=4)
+
+
+def _filters(slots: int, n: int, k: int) -> bool:
+    """Whether a top-k of ``slots`` queries over n rows each runs through _select_filtered.
+    H200, the whole indexer in a CUDA graph at V4.1-Flash's top-512, us with / without the
+    filter: 32 x 64K rows 175 / 179, 64 x 32K 178 / 179, 128 x 32K 313 / 331, the candidate
+    source 64 x 64K 338 / 356, 1 x 1M 103 / 104, 4 x 1M 318 / 330. With a 4096-row
+    selection step it lost up to 10% at 8-32 queries (one program a query in its last step,
+    latency bound), so the rule keeps small calls on the radix select."""
+    return (slots * n >= FILTER_MIN_SCORES and n >= FILTER_MIN_ROWS
+            and triton.cdiv(n, FILTER_BLOCK) >= k)
+
+
+def _filter_bytes(n: int, k: int) -> int:
+    """Bytes a query slot's filter holds: block maxima and the list of rows above t."""
+    return 4 * (triton.cdiv(n, FILTER_BLOCK) + k * FILTER_BLOCK)
+
+
+def _select_filtered(src, k: int, out, visible, tiles, tile_base: int, slot_base: int,
+                     slots: int, n: int) -> None:
+    """_select's top-k of bf16 scores (src int16 [slots, n], no compact source) into
+    ``out``, the same rows, through a filter (for n >> k; _filters). t = the k-th largest of
+    the maxima of FILTER_BLOCK-row blocks (a radix select over n / FILTER_BLOCK keys). At
+    least k blocks hold a key >= t, so the k-th largest key s_k >= t; fewer than k blocks
+    hold a key above t, so at most G <= (k - 1) * FILTER_BLOCK keys are above t. With G < k,
+    s_k = t and one pass writes the selection as _select_kernel does (_count_kernel, then
+    _filter_write_kernel); else that pass lists the G rows above t, which hold every key >=
+    s_k, and one program per slot selects from them (_filter_select_kernel). Ties go to the
+    lower row as in _select."""
+    dev = src.device
+    tile_tok, tile_cnt, tile = tiles
+    has_tiles = tile_tok is not None
+    fb = FILTER_BLOCK
+    nb = triton.cdiv(n, fb)
+    gcap = k * fb
+    bkeys = torch.empty(slots, nb, dtype=torch.int32, device=dev)
+    _block_key_kernel[(slots, triton.cdiv(nb, BLOCK_KEYS))](
+        src, bkeys, visible, tile_tok, tile_cnt, tile_base, slot_base, n, nb,
+        BLOCK_SIZE=fb, BS_PAD=triton.next_power_of_2(fb), BB=BLOCK_KEYS, TILE=tile,
+        HAS_TILES=has_tiles, PIN=False, num_warps=4)
+    hist = torch.zeros(2, slots, 256, dtype=torch.int32, device=dev)
+    ch = SELECT_CHUNK
+    for low in (False, True):
+        _hist_kernel[(slots, triton.cdiv(nb, ch))](
+            bkeys, hist[0], hist[1], None, tile_tok, tile_cnt, tile_base, slot_base, nb, k,
+            LOW=low, CH=ch, TILE=tile, HAS_TILES=has_tiles, FROM_SCORES=False, COMPACT=False,
+            num_warps=4)
+    ch = FILTER_CHUNK
+    nch = triton.cdiv(n, ch)
+    nch_pad = triton.next_power_of_2(nch)
+    cnt = torch.empty(slots, 2, nch, dtype=torch.int32, device=dev)
+    gt = torch.empty(slots, gcap, dtype=torch.int32, device=dev)
+    common = (tile_tok, tile_cnt, tile_base, slot_base, n, k, nch)
+    meta = dict(TILE=tile, HAS_TILES=has_tiles)
+    _count_kernel[(slots, nch)](src, hist[0], hist[1], cnt, None, *common, nb, CH=ch, **meta,
+                                FROM_SCORES=True, COMPACT=False, FILTER=True, num_warps=4)
+    _filter_write_kernel[(slots, nch)](src, hist[0], hist[1], cnt, gt, out, visible, *common,
+                                       nb, gcap, out.stride(0), CH=ch, NCH_PAD=nch_pad, **meta,
+                                       num_warps=4)
+    _filter_select_kernel[(slots,)](cnt, src, gt, out, visible, *common, gcap, out.stride(0),
+                                    NCH_PAD=nch_pad, STEP=FILTER_STEP, **meta, num_warps=4)
 
 
 def _query_tiles(token_groups, tile: int, device):
@@ -723,6 +903,9 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
     compact = cand is not None and keep is None and n_rows > COMPACT_MIN_ROWS
     width = nblk * block_size if compact else n_rows  # score buffer columns
     per_tile = tile * width * 2 + (nblk * 4 if compact else 0)
+    filtered = not compact and _filters(n_tiles * tile, width, k)
+    if filtered:
+        per_tile += tile * _filter_bytes(width, k)
     chunk_tiles = max(1, min(n_tiles, score_budget // per_tile))
     i_pad = max(triton.next_power_of_2(heads), 16 // tile)
     interpret = interpreting()
@@ -754,10 +937,13 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
             _block_key_kernel[(slots, triton.cdiv(nblk, BLOCK_KEYS))](
                 scores, bkeys, vis, tile_tok, tile_cnt, tile_base, slot_base, n_rows, nblk,
                 BLOCK_SIZE=block_size, BS_PAD=bs_pad, BB=BLOCK_KEYS, TILE=tile,
-                HAS_TILES=prefill, num_warps=4)
+                HAS_TILES=prefill, PIN=True, num_warps=4)
             _select(bkeys, min(candidate_topk, nblk), keep.view(torch.uint8), vis, tiles,
                     tile_base, slot_base, slots, nblk, False, True)
-        _select(scores, k, selected, vis, tiles, tile_base, slot_base, slots, width, True, False,
-                compact=(lists[1], lists[0], block_size) if compact else None,
-                ch=COMPACT_SELECT_CHUNK if compact else SELECT_CHUNK)
+        if filtered:
+            _select_filtered(scores, k, selected, vis, tiles, tile_base, slot_base, slots, width)
+        else:
+            _select(scores, k, selected, vis, tiles, tile_base, slot_base, slots, width, True,
+                    False, compact=(lists[1], lists[0], block_size) if compact else None,
+                    ch=COMPACT_SELECT_CHUNK if compact else SELECT_CHUNK)
     return selected, keep
