@@ -4,6 +4,7 @@ told so."""
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -35,6 +36,35 @@ def test_bf16_matmul_context_restores_onednn_also_when_raising():
     assert torch.backends.mkldnn.enabled == before
     with cpu_kernels.torch_bf16_matmul(torch.device("meta")):  # not the CPU: nothing changes
         assert torch.backends.mkldnn.enabled == before
+
+
+def test_bf16_matmul_contexts_of_two_threads_share_the_flag():
+    """torch's oneDNN flag is one per process: a thread's context ending while another's is
+    open leaves oneDNN off for it; the last to leave restores the flag the first found."""
+    before = torch.backends.mkldnn.enabled
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with cpu_kernels.torch_bf16_matmul():
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def b():
+        a_in.wait(5)
+        with cpu_kernels.torch_bf16_matmul():
+            b_in.set()
+            a_out.wait(5)
+            seen["after a left"] = torch.backends.mkldnn.enabled
+
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == {"after a left": False}
+    assert torch.backends.mkldnn.enabled == before
 
 
 def test_a_reference_layer_warns_when_the_kernels_differ(tiny, monkeypatch):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 import warnings
 from typing import Iterator
 
@@ -53,20 +54,37 @@ def pin_mkl_branch() -> None:
 def torch_bf16_matmul(device: torch.device | None = None) -> contextlib.AbstractContextManager:
     """Context: the bf16 matmuls inside run on torch's own CPU kernel (oneDNN off), then the
     flag is restored. ``device``: the operands' device; on any other than the CPU nothing
-    changes (a no-op context: the Triton backend's GPU linears pass through here)."""
+    changes (a no-op context: the Triton backend's GPU linears pass through here).
+
+    torch's flag is one per process, so the contexts of all threads share one count: the
+    first to enter turns oneDNN off, the last to leave restores what the first found, and a
+    thread's bf16 matmuls never run on oneDNN while another thread's context ends (other
+    code's CPU matmuls meanwhile run on torch's kernel too)."""
     if device is not None and device.type != "cpu":
         return contextlib.nullcontext()
     return _onednn_off()
 
 
+_ONEDNN_LOCK = threading.Lock()
+_onednn_users = 0  # contexts inside _onednn_off, all threads
+_onednn_before = True  # the flag the first of them found
+
+
 @contextlib.contextmanager
 def _onednn_off() -> Iterator[None]:
-    prev = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
+    global _onednn_users, _onednn_before
+    with _ONEDNN_LOCK:
+        if _onednn_users == 0:
+            _onednn_before = torch.backends.mkldnn.enabled
+            torch.backends.mkldnn.enabled = False
+        _onednn_users += 1
     try:
         yield
     finally:
-        torch.backends.mkldnn.enabled = prev
+        with _ONEDNN_LOCK:
+            _onednn_users -= 1
+            if _onednn_users == 0:
+                torch.backends.mkldnn.enabled = _onednn_before
 
 
 def _hash_bits(t: torch.Tensor) -> int:
