@@ -101,9 +101,9 @@ COMPACT_MIN_ROWS = 16384
 COMPACT_OWNERS_PER_TILE = 8  # candidate lists per row tile of a scoring program
 COMPACT_PROGRAMS = 2048  # scoring programs over the lists of a chunk (at least one per list)
 COMPACT_SELECT_CHUNK = 1024  # list positions per selection program
-# The top-k of a query past FILTER_MIN_ROWS positions is filtered first (step 3 of the flow)
-FILTER_MIN_ROWS = 32768
-FILTER_MIN_SCORES = 1 << 21  # ... and queries x rows reach this (_filters)
+# Large top-k calls are filtered first (step 4 of the flow; _filters)
+FILTER_MIN_ROWS = 32768  # rows per query
+FILTER_MIN_SCORES = 1 << 21  # queries x rows
 FILTER_BLOCK = 16  # rows per block maximum of the filter
 FILTER_CHUNK = 4096  # rows per filter program
 FILTER_STEP = 1024  # listed rows per step of the filter's selection program
