@@ -283,3 +283,44 @@ def test_filtered_selection_above_and_at_the_threshold(small_tiles):
     t = blocks.amax(-1).sort(-1, descending=True).values[:, k - 1]
     above = (keys > t[:, None]).sum(-1)
     assert (above >= k).any() and (above < k).any() and (t == 0x7F).any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or tri.interpreting(),
+                    reason="compiled kernels at V4.1-Flash shapes need a GPU")
+@pytest.mark.parametrize("case", ["distinct", "ties"])
+def test_flash_shapes_on_the_gpu(case):
+    """V4.1-Flash's indexer (32 heads x 128, top-512, 2048 candidate blocks of 8) on the GPU
+    with its default tiles: 64 decode queries over 48K rows each (the filtered top-k), a
+    candidate source over them, and 8 queries over 40K rows (the radix select), on shuffled
+    pages of random fp4 keys (distinct scores) or of four key words (tie-heavy scores, most
+    selections decided by the lower row); visible limits from 0 to every row."""
+    from dsv41attn.config import preset
+    from dsv41attn.ops.common.packing import index_key_bytes
+
+    cfg = preset("v41-flash")
+    heads, d, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+    g = torch.Generator(device="cuda").manual_seed(41 if case == "distinct" else 43)
+    for b, n in ((64, 48 * 1024), (8, 40 * 1024)):
+        assert tri._filters(b, n, k) == (b == 64)
+        page_rows = 256
+        pages = b * (-(-n // page_rows)) + 3
+        nbytes = index_key_bytes(d)
+        if case == "distinct":
+            pool = torch.randint(0, 256, (pages, page_rows, nbytes), generator=g,
+                                 device="cuda", dtype=torch.int32).to(torch.uint8)
+        else:
+            words = torch.tensor([0x00, 0x22, 0xA2, 0x11], dtype=torch.uint8, device="cuda")
+            pool = words[torch.randint(0, 4, (pages, page_rows, 1), generator=g,
+                                       device="cuda")].expand(-1, -1, nbytes).contiguous()
+        pool[..., d // 2:] = 120 + (case == "distinct") * torch.randint(
+            0, 8, pool[..., d // 2:].shape, generator=g, device="cuda").to(torch.uint8)
+        table = torch.randperm(pages, generator=g, device="cuda")[: pages - 3].view(b, -1)
+        q = index_fp4_fake_quant(torch.randn(b, heads, d, generator=g, device="cuda").bfloat16())
+        w = (torch.randn(b, heads, generator=g, device="cuda") * 0.1).bfloat16()
+        rows = torch.arange(b, device="cuda")
+        vis = torch.randint(0, n + 1, (b,), generator=g, device="cuda")
+        vis[:4] = torch.tensor([0, 1, k - 3, n], device="cuda")
+        args = (q, w, pool, table, rows, vis, n, k, [(1, rows)])
+        kw = dict(candidate_topk=cfg.candidate_topk_blocks, block_size=cfg.candidate_block_size)
+        want, got = ref.index_topk(*args, **kw), tri.index_topk(*args, **kw)
+        assert_same(want, got)
