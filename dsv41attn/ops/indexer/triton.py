@@ -858,8 +858,9 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """reference.index_topk in Triton (same arguments, same results; module docstring).
 
-    score_budget: bytes of bf16 scores held at once (a prefill longer than that runs in query
-    chunks; the results do not depend on it). reduce: called on each chunk's bf16 scores
+    score_budget: bytes of bf16 scores held at once, with a consumer's lists and the filter's
+    buffers (a prefill longer than that runs in query chunks; the results do not depend on
+    it). reduce: called on each chunk's bf16 scores
     [queries, n_rows] (tensor parallelism's all-reduce) before candidates and top-k."""
     t_all, dev = q_index.shape[0], q_index.device
     require(q_index.dim() == 3 and q_index.dtype == torch.bfloat16,
