@@ -412,7 +412,7 @@ def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128
 
 INDEXER_CASES = [("candidate source", 64, 65536), ("candidate source", 256, 65536),
                  ("candidate source", 1, 1 << 20), ("top-k", 64, 32768), ("top-k", 256, 32768),
-                 ("Reindex", 64, 65536), ("Reindex", 1, 1 << 20)]
+                 ("top-k, mixed", 64, 65536), ("Reindex", 64, 65536), ("Reindex", 1, 1 << 20)]
 
 
 GEMM_WEIGHTS = ("wq_a", "wkv", "wq_b", "indexer.wq_b", "wo_b")  # the layer's fp8_linear calls
@@ -470,7 +470,8 @@ def indexer_floor(cfg: AttentionConfig, batch: int, scored: int, copy_bw: float
 
 def bench_indexer(copy_bw: float, cases=INDEXER_CASES, page_rows: int = 256) -> list[dict]:
     """The lightning indexer alone at decode (``ops/indexer``): random fp4 keys on shuffled
-    pages, one query per sequence seeing every row; the candidate source keeps
+    pages, one query per sequence seeing every row ("..., mixed": sequences of random lengths
+    up to the rows, as a serving batch holds); the candidate source keeps
     ``candidate_topk_blocks`` blocks, a Reindex consumer scores rows inside that many random
     blocks. Per case: the CUDA-graph replay time, the GPU time of the scoring kernel and of the
     rest (torch profiler, eager calls), and the reference op (eager) where it fits."""
@@ -493,8 +494,10 @@ def bench_indexer(copy_bw: float, cases=INDEXER_CASES, page_rows: int = 256) -> 
         q = index_fp4_fake_quant(torch.randn(b, heads, d, generator=g, device="cuda").bfloat16())
         w = (torch.randn(b, heads, generator=g, device="cuda") * cfg.index_weight_scale).bfloat16()
         rows_of, vis = torch.arange(b, device="cuda"), torch.full((b,), n, device="cuda")
+        if kind.endswith(", mixed"):
+            vis = torch.randint(1, n + 1, (b,), generator=g, device="cuda")
         kw = dict(block_size=bs)
-        scored = n
+        scored = vis.float().mean().item()
         if kind == "candidate source":
             kw["candidate_topk"] = cfg.candidate_topk_blocks
         elif kind == "Reindex":
