@@ -102,11 +102,13 @@ def test_decode_queries_and_candidate_source(d, heads, small_tiles):
     assert (got[0][0] == -1).all() and not got[1][0].any()
 
 
+@pytest.mark.parametrize("tile", [4, 8])
 @pytest.mark.parametrize("filtered", [True, False], ids=["filtered", "radix"])
-def test_prefill_tiles_ties_and_query_chunks(filtered, small_tiles, monkeypatch):
-    """Sequences of 6, 1 and 3 tokens (query tiles of 4 with a partial one and a mixed step),
-    tie-heavy scores, and a score budget of one tile per chunk; the top-k through the filter
-    or the radix select."""
+def test_prefill_tiles_ties_and_query_chunks(filtered, tile, small_tiles, monkeypatch):
+    """Sequences of 6, 1 and 3 tokens (query tiles of 4 or 8 with a partial one and a mixed
+    step), tie-heavy scores, and a score budget of one tile per chunk; the top-k through the
+    filter or the radix select."""
+    monkeypatch.setattr(tri, "PREFILL_TILE", tile)
     if not filtered:
         monkeypatch.setattr(tri, "FILTER_MIN_ROWS", 1 << 30)
     args = setup([6, 1, 3], 29, 4, 32, seed=3, ties=True)

@@ -91,6 +91,7 @@ SCORE_ROWS = 128  # rows per scoring tile (decode)
 PREFILL_SCORE_ROWS = 64  # with PREFILL_TILE queries (H200, prefill 8K: 128-row tiles ran 2x slower)
 SCORE_TILES_PER_PROGRAM = 8  # row tiles per scoring program (the query is loaded once)
 SCORE_WARPS = 4  # warps per scoring program (H200: 8 measured slower)
+PREFILL_WARPS = 4  # ... with PREFILL_TILE queries
 SELECT_CHUNK = 4096  # rows per selection program
 BLOCK_KEYS = 128  # candidate blocks per block-key program
 LIST_CHUNK = 4096  # candidate blocks per list-compaction program
@@ -930,7 +931,7 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
             cand.shape[1] if cand is not None else 0, nblk if compact else 0, tiles_per_prog,
             PAGE_ROWS=key_pool.shape[1], I=heads, I_PAD=i_pad, D=d, TILE=tile, BN=rows_per_tile,
             BLOCK_SIZE=block_size, WORDS=words, HAS_TILES=prefill, HAS_KEEP=cand is not None, COMPACT=compact,
-            INTERPRET=interpret, num_warps=SCORE_WARPS)
+            INTERPRET=interpret, num_warps=PREFILL_WARPS if prefill else SCORE_WARPS)
         if reduce is not None:
             scores = reduce(scores.view(torch.bfloat16)).contiguous().view(torch.int16)
         if keep is not None:
