@@ -255,36 +255,44 @@ def order_keys(scores):
     return torch.where(bits & 0x7FFF > 0x7F80, 0xFFFF, key)
 
 
-def test_filtered_selection_above_and_at_the_threshold(small_tiles):
-    """The filter (t = the k-th largest block maximum; positions above t listed, and the first
-    k equal to t) against the reference's selection on crafted scores: distinct scores (more
-    than k above t: a radix select over the list), few distinct values (fewer than k above t:
-    the list merged with the first ties), mostly -inf rows (t = -inf: the lowest -inf rows
-    fill the selection), all -inf, NaN, -0 against +0, a visible limit; n not a multiple of
-    the block, chunks or steps."""
+@pytest.mark.parametrize("path", ["filtered", "radix"])
+def test_selection_above_and_at_the_threshold(path, small_tiles):
+    """The two top-k paths of bf16 scores against the reference's selection on crafted scores.
+    The filter (t = the k-th largest block maximum; rows above t listed, or the selection
+    written at once): distinct scores (more than k above t: a radix select over the list), few
+    distinct values (fewer: t is the k-th largest), mostly -inf rows (t = -inf: the lowest
+    -inf rows fill the selection), all -inf, NaN, -0 against +0. Both: visible limits (rows
+    past them -inf, as the scoring kernel writes them) of 23, 3 (< k) and 0; n not a
+    multiple of the block, chunks or steps; nothing written past a query's k."""
     n, k, fb = 50, 7, tri.FILTER_BLOCK
     g = torch.Generator().manual_seed(31)
     rows = [torch.randn(n, generator=g),  # distinct
             torch.randint(0, 3, (n,), generator=g).float(),  # ties
             torch.full((n,), float("-inf")), torch.full((n,), float("-inf")),
             torch.randint(-1, 2, (n,), generator=g).float() * 0.0,  # -0 and +0
-            torch.randn(n, generator=g)]
+            torch.randn(n, generator=g), torch.randn(n, generator=g),
+            torch.randint(0, 2, (n,), generator=g).float()]
     rows[2][[3, 17, 40, 41]] = torch.tensor([1.0, -2.0, 1.0, 5.0])  # 4 finite rows < k
     rows[5][[5, 9, 30]] = float("nan")
-    scores = torch.stack(rows).bfloat16()
-    visible = torch.tensor([n, n, n, n, n, 23])
+    visible = torch.tensor([n, n, n, n, n, 23, 3, 0])
+    # -inf past visible, as the scoring kernel writes them
+    scores = ref.mask_invisible(torch.stack(rows).bfloat16()[:, None], visible[:, None])[:, 0]
     want = ref.select_topk(scores[:, None], visible[:, None], k)[:, 0]
     out = torch.full((len(rows), k + 2), -7, dtype=torch.int32, device=DEV)
-    tri._select_filtered(scores.view(torch.int16).to(DEV), k, out[:, :k], visible.to(DEV),
-                         (None, None, 1), 0, 0, len(rows), n)
+    args = (scores.view(torch.int16).to(DEV), k, out[:, :k], visible.to(DEV), (None, None, 1),
+            0, 0, len(rows), n)
+    if path == "filtered":
+        tri._select_filtered(*args)
+    else:
+        tri._select(*args, True, False)
     assert torch.equal(out[:, :k].cpu(), want)
     assert (out[:, k:] == -7).all()  # nothing written past a query's k
-    # both of the selection program's branches ran
-    keys = order_keys(scores)
-    blocks = torch.nn.functional.pad(keys, (0, -n % fb), value=0x7F).view(len(rows), -1, fb)
-    t = blocks.amax(-1).sort(-1, descending=True).values[:, k - 1]
-    above = (keys > t[:, None]).sum(-1)
-    assert (above >= k).any() and (above < k).any() and (t == 0x7F).any()
+    if path == "filtered":  # both of the selection program's branches ran
+        keys = order_keys(scores)
+        blocks = torch.nn.functional.pad(keys, (0, -n % fb), value=0x7F).view(len(rows), -1, fb)
+        t = blocks.amax(-1).sort(-1, descending=True).values[:, k - 1]
+        above = (keys > t[:, None]).sum(-1)
+        assert (above >= k).any() and (above < k).any() and (t == 0x7F).any()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or tri.interpreting(),
