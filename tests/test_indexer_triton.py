@@ -215,17 +215,22 @@ def test_bad_arguments_name_the_value():
                                                                          device=DEV))
 
 
-@pytest.mark.parametrize("role", ["source", "consumer", "consumer-lists"])
+@pytest.mark.parametrize("role", ["source", "consumer", "consumer-lists", "source-filtered"])
 def test_reduce_hook_combines_partial_heads_like_the_reference(role, monkeypatch):
     """Tensor parallelism's hook: each half of the heads scores on its own and ``reduce`` adds
     the other half's bf16 partial scores before candidates and top-k (as the all-reduce does);
     the kernel's combined selection equals the reference's (a consumer's scores over every
-    row, or over its list: both halves list the same rows)."""
+    row, or over its list: both halves list the same rows; a source's top-k through the
+    filter)."""
     if role == "consumer-lists":
         monkeypatch.setattr(tri, "COMPACT_MIN_ROWS", 0)
+    if role == "source-filtered":
+        for name, value in (("FILTER_MIN_ROWS", 0), ("FILTER_MIN_SCORES", 0),
+                            ("FILTER_BLOCK", 2), ("FILTER_CHUNK", 8)):
+            monkeypatch.setattr(tri, name, value)
     args = setup([3, 1], 21, 4, 32, seed=9)
     q, w = args[0], args[1]
-    kw = dict(candidate_topk=2) if role == "source" else dict(
+    kw = dict(candidate_topk=2) if role.startswith("source") else dict(
         candidates=kept_blocks(4, 6, seed=10, density=0.5).to(DEV))
     halves = [(q[:, :2], w[:, :2]), (q[:, 2:], w[:, 2:])]
     for impl in (ref, tri):
