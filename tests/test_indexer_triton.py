@@ -213,6 +213,16 @@ def test_bad_arguments_name_the_value():
     with pytest.raises(ValueError, match="candidates"):
         tri.index_topk(*args[:6], 8, 4, args[6], candidates=torch.ones(2, 1, dtype=torch.bool,
                                                                          device=DEV))
+    q, w, pool, table, rows, vis, groups = args
+    bad = {"head_weights": (q, w[:, :2], pool, table, rows, vis, 8, 4),
+           "visible": (q, w, pool, table, rows, vis.float(), 8, 4),
+           "token_row": (q, w, pool, table, rows[:0], vis, 8, 4),
+           # 2 pages of 4 rows (setup's page_rows) cannot hold 9 rows
+           "n_rows=9": (q, w, pool, table, rows, vis, 9, 4),
+           "topk": (q, w, pool, table, rows, vis, 8, 0)}
+    for name, call in bad.items():
+        with pytest.raises(ValueError, match=name):
+            tri.index_topk(*call, groups)
 
 
 @pytest.mark.parametrize("role", ["source", "consumer", "consumer-lists", "source-filtered"])

@@ -872,6 +872,18 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
             and key_pool.shape[2] == index_key_bytes(d) and key_pool.is_contiguous(),
             f"key_pool must be a contiguous uint8 [P, page_rows, {index_key_bytes(d)}] tensor, "
             f"got {key_pool.dtype} {tuple(key_pool.shape)}")
+    require(head_weights.shape == (t_all, heads),
+            f"head_weights must be [T={t_all}, I={heads}], got {tuple(head_weights.shape)}")
+    for name, t in (("token_row", token_row), ("visible", visible)):
+        require(t.shape == (t_all,) and not t.is_floating_point(),
+                f"{name} must be an integer [T={t_all}] tensor, got {t.dtype} {tuple(t.shape)}")
+    require(block_table.dim() == 2 and not block_table.is_floating_point()
+            and block_table.shape[1] * key_pool.shape[1] >= n_rows,
+            f"block_table must be an integer [B, pages] tensor whose pages of "
+            f"{key_pool.shape[1]} rows hold n_rows={n_rows}, got {block_table.dtype} "
+            f"{tuple(block_table.shape)}")
+    require(topk >= 1 and block_size >= 1,
+            f"topk and block_size must be >= 1, got {topk} and {block_size}")
     check_device(q_index, head_weights, key_pool, block_table, token_row, visible)
     k = min(topk, n_rows)
     selected = torch.empty(t_all, k, dtype=torch.int32, device=dev)
