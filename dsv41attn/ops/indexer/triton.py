@@ -558,6 +558,22 @@ def _cut(hist_hi_ptr, hist_lo_ptr, N, k):
 
 
 @triton.jit
+def _take(key, m, u, need, gt_before, eq_before):
+    """The selection's rule over one run of keys (m: in range), given the k-th largest key u,
+    how many keys equal to u it takes (need) and how many keys above and equal to u came
+    before the run: every key above u and the first ``need`` equal to it, i.e. ties to the
+    lower position. Returns (taken [run] bool, each taken key's place in the output, the run's
+    keys above u, the run's keys equal to u)."""
+    gt = (m & (key > u)).to(tl.int32)
+    eq = (m & (key == u)).to(tl.int32)
+    eq_rank = eq_before + tl.cumsum(eq, 0) - eq
+    take = (gt != 0) | ((eq != 0) & (eq_rank < need))
+    t32 = take.to(tl.int32)
+    pos = gt_before + tl.minimum(eq_before, need) + tl.cumsum(t32, 0) - t32
+    return take, pos, tl.sum(gt, 0), tl.sum(eq, 0)
+
+
+@triton.jit
 def _count_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, nvalid_ptr, tile_tok_ptr,
                   tile_cnt_ptr, tile_base, slot_base, N, k, nch, nb, CH: tl.constexpr,
                   TILE: tl.constexpr, HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr,
@@ -608,16 +624,11 @@ def _select_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, out_ptr, vis_ptr,
         eq_before = tl.sum(tl.load(cnt_ptr + slot * 2 * nch + nch + prev, mask=before,
                                    other=0), 0)
         offs, m, key = _chunk_keys(src_ptr, slot, c, n, N, CH, FROM_SCORES)
-        gt = (m & (key > u)).to(tl.int32)
-        eq = (m & (key == u)).to(tl.int32)
-        eq_rank = eq_before + tl.cumsum(eq, 0) - eq
-        take = (gt != 0) | ((eq != 0) & (eq_rank < need))
+        take, pos, _, _ = _take(key, m, u, need, gt_before, eq_before)
         if MASK_OUT:
             tl.store(out_ptr + tok * out_stride + offs, (take & (key > KEY_NINF)).to(tl.uint8),
                      mask=m)
         else:
-            t32 = take.to(tl.int32)
-            pos = gt_before + tl.minimum(eq_before, need) + tl.cumsum(t32, 0) - t32
             vis = tl.load(vis_ptr + tok)
             if COMPACT:
                 blk = tl.load(list_ptr + (slot // TILE).to(tl.int64) * list_stride
@@ -657,15 +668,10 @@ def _filter_write_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, gt_ptr, out
             tl.store(gt_ptr + slot.to(tl.int64) * gcap + pos, offs,
                      mask=(gt != 0) & (pos < gcap))
         else:
-            need = k - g_total
-            eq_before = tl.sum(eqs, 0)
-            eq = (m & (key == t)).to(tl.int32)
-            eq_rank = eq_before + tl.cumsum(eq, 0) - eq
-            take = ((gt != 0) | ((eq != 0) & (eq_rank < need))).to(tl.int32)
-            pos = gt_before + tl.minimum(eq_before, need) + tl.cumsum(take, 0) - take
+            take, pos, _, _ = _take(key, m, t, k - g_total, gt_before, tl.sum(eqs, 0))
             vis = tl.load(vis_ptr + tok)
             tl.store(out_ptr + tok * out_stride + pos, tl.where(offs < vis, offs, -1),
-                     mask=take != 0)
+                     mask=take)
 
 
 @triton.jit
@@ -701,22 +707,18 @@ def _filter_select_kernel(cnt_ptr, src_ptr, gt_ptr, out_ptr, vis_ptr, tile_tok_p
         u = b * 256 + lo
         need = k - above - above_lo
         vis = tl.load(vis_ptr + tok)
-        taken = 0
+        gt_seen = 0
         eq_seen = 0
         for s0 in range(0, g_total, STEP):
             j = s0 + tl.arange(0, STEP)
             m = j < g_total
             offs = tl.load(gl + j, mask=m, other=0)
             key = _load_keys(src_row, offs, m, True)
-            eq = (m & (key == u)).to(tl.int32)
-            eq_rank = eq_seen + tl.cumsum(eq, 0) - eq
-            take = (m & (key > u)) | ((eq != 0) & (eq_rank < need))
-            t32 = take.to(tl.int32)
-            pos = taken + tl.cumsum(t32, 0) - t32
+            take, pos, gt, eq = _take(key, m, u, need, gt_seen, eq_seen)
             tl.store(out_ptr + tok * out_stride + pos, tl.where(offs < vis, offs, -1),
                      mask=take)
-            taken += tl.sum(t32, 0)
-            eq_seen += tl.sum(eq, 0)
+            gt_seen += gt
+            eq_seen += eq
 
 
 def _select(src, k: int, out, visible, tiles, tile_base: int, slot_base: int, slots: int,
