@@ -62,6 +62,11 @@ class AttentionLayer:
             check_shard_weights(cfg, weights, self.tp.shape)
             s = self.tp.shape
             self.heads, self.groups, self.index_heads = s.heads, s.groups, s.index_heads
+        # the r > 1 compressor's projections: extra arguments built once (on the triton
+        # backend's step-sized mode a float64 copy of wkv and wgate, docs/numerics.md §9)
+        self.compressor_kw = (self.ops.compressor_prepare(weights.compressor_wkv,
+                                                          weights.compressor_wgate)
+                              if self.spec.is_kv_source and self.spec.ratio > 1 else {})
         # [rope_head_dim/2] fp32 on the weights' device (plans build rotations from it)
         self.freqs = rope_frequencies(cfg, self.spec).to(self.device)
         if backend == "reference" and self.device.type == "cpu":
@@ -194,8 +199,8 @@ class AttentionLayer:
             kv = self.ops.linear(x, w.compressor_wkv).unsqueeze(1)  # [N = T, 1, D] bf16
             score = None
         else:
-            new_kv, new_score = self.ops.compressor_project(x, w.compressor_wkv,
-                                                            w.compressor_wgate)  # [T, D] fp32
+            new_kv, new_score = self.ops.compressor_project(
+                x, w.compressor_wkv, w.compressor_wgate, **self.compressor_kw)  # [T, D] fp32
             if decode:
                 kv, score = self.ops.recent_gather_write(
                     source.recent_kv, source.recent_score, new_kv, new_score, facts.members,

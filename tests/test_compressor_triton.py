@@ -353,6 +353,57 @@ def test_project_modes(monkeypatch):
     assert calls == [6] and torch.equal(_bits(long[0]), _bits(torch_project(x, wkv, wgate)[0]))
 
 
+def test_project_prepared_float64_weights(monkeypatch):
+    """Step-sized with the layer's ProjectWeights: project_rows up to PROJECT_SMALL_M_PREPARED
+    rows, then one float64 GEMM on the copy: the reference's bits, contiguous outputs, and
+    reference.project (which converts the weights) never called."""
+    x, wkv, wgate = _project_inputs(13, 24, 700, seed=8)
+    prepared = T.project_weights(wkv, wgate)
+    assert prepared.both.dtype == torch.float64 and prepared.both.shape == (48, 700)
+    assert torch.equal(prepared.both, torch.cat([wkv, wgate]).double())
+    calls, torch_project = [], R.project
+    monkeypatch.setattr(T.reference, "project", lambda *a: calls.append(a) or torch_project(*a))
+    monkeypatch.setattr(T, "PROJECT_SMALL_M_PREPARED", 5)
+    small = T.project(x[:5], wkv, wgate, fixed_order=False, prepared=prepared)
+    rows = T.project_rows(x[:5], wkv, wgate)
+    for got, want in zip(small, rows):
+        assert torch.equal(_bits(got), _bits(want))
+    want = torch_project(x, wkv, wgate)
+    for m in (6, 13):
+        got = T.project(x[:m], wkv, wgate, fixed_order=False, prepared=prepared)
+        for g, w in zip(got, want):
+            assert g.dtype == torch.float32 and g.shape == (m, 24) and g.is_contiguous()
+            assert torch.equal(_bits(g), _bits(w[:m]))
+    assert calls == []
+
+
+def test_project_prepared_serves_only_its_unchanged_weights(monkeypatch):
+    """A ProjectWeights built from other tensors, or from these before an in-place write, is
+    not used: the call converts the weights it is given (never a stale copy's outputs)."""
+    x, wkv, wgate = _project_inputs(20, 8, 130, seed=9)
+    prepared = T.project_weights(wkv, wgate)
+    calls, torch_project = [], R.project
+    monkeypatch.setattr(T.reference, "project", lambda *a: calls.append(a) or torch_project(*a))
+    other = wkv.clone()
+    got = T.project(x, other, wgate, fixed_order=False, prepared=prepared)
+    assert len(calls) == 1
+    assert torch.equal(_bits(got[0]), _bits(torch_project(x, other, wgate)[0]))
+    wgate.mul_(-3.0)  # in place: the copy no longer matches
+    assert not prepared.serves(wkv, wgate)
+    got = T.project(x, wkv, wgate, fixed_order=False, prepared=prepared)
+    assert len(calls) == 2
+    assert torch.equal(_bits(got[1]), _bits(torch_project(x, wkv, wgate)[1]))
+    with pytest.raises(TypeError, match="ProjectWeights"):
+        T.project(x, wkv, wgate, fixed_order=False, prepared={"both": prepared.both})
+    with pytest.raises(ValueError, match="wgate"):
+        T.project_weights(wkv, wgate[:, :100])
+    with pytest.raises(ValueError, match="wkv"):
+        T.project_weights(wkv.bfloat16(), wgate)
+    if DEV == "cuda":
+        with pytest.raises(ValueError, match="one device"):
+            T.project_weights(wkv, wgate.cpu())
+
+
 @pytest.mark.parametrize("fn", [T.project, T.project_rows])
 def test_project_empty_and_bad_inputs(fn):
     x, wkv, wgate = _project_inputs(3, 8, 40, seed=7)

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from dsv41attn import AttentionStack, preset, random_layer_weights
+from dsv41attn import AttentionLayer, AttentionStack, preset, random_layer_weights
 
 CFG = preset("tiny").replace(dim=128)
 LAYERS = [0, 1, 2, 3, 5]  # one of every role: SWA 0; r=2 source 1 and its reuser 2; r=1
@@ -86,6 +86,18 @@ def test_the_mode_is_chosen_per_stack_and_checked():
     # r > 1 compressor projections: dense_linear's one order, or project_rows / torch by size
     assert fast.compressor_project.keywords == {"fixed_order": False}
     assert fixed.compressor_project is compressor.project  # fixed_order=True by default
+    # the step-sized mode's float64 copy of the weights, built per layer; none otherwise
+    assert fast.compressor_prepare is compressor.prepare_project
+    assert fixed.compressor_prepare is get_ops("reference").compressor_prepare
+    r2 = next(L for L in CFG.kv_source_layers if CFG.layer(L).ratio > 1)
+    w2 = random_layer_weights(CFG, r2, seed=2)
+    kw = AttentionLayer(CFG, w2, "triton").compressor_kw["prepared"]
+    assert kw.serves(w2.compressor_wkv, w2.compressor_wgate)
+    assert AttentionLayer(CFG, w2, "triton", batch_invariant=True).compressor_kw == {}
+    assert AttentionLayer(CFG, w2, "reference").compressor_kw == {}
+    r1 = next((L for L in CFG.kv_source_layers if CFG.layer(L).ratio == 1), None)
+    if r1 is not None:
+        assert AttentionLayer(CFG, random_layer_weights(CFG, r1, seed=3), "triton").compressor_kw == {}
     with pytest.raises(ValueError, match="batch_invariant=True needs backend 'triton'"):
         get_ops("reference", batch_invariant=True)
     with pytest.raises(TypeError, match="batch_invariant must be a bool, got 1"):

@@ -39,6 +39,8 @@ class Ops:
     norm_rope_pack: Callable  # window K/V: RMSNorm + RoPE + fp8 + pack (+ ring write)
     rope_heads: Callable  # the query's RoPE
     compressor_project: Callable  # r > 1 compressor: fp32 wkv and wgate of every token
+    compressor_prepare: Callable  # (wkv, wgate) -> compressor_project's extra keyword
+    # arguments, built once per layer
     recent_gather_write: Callable  # r > 1 decode: the groups' projections, the recent-ring write
     pool_norm_rope_pack: Callable  # compressor epilogue: rows and index keys into the pools
     inverse_rope_wo_a: Callable  # inverse RoPE + block-diagonal wo_a
@@ -56,6 +58,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
     if backend == "reference":
         from .common.norm import rms_norm
         from .compressor.reference import pool_norm_rope_pack
+        from .compressor.reference import prepare_project as compressor_prepare
         from .compressor.reference import project as compressor_project
         from .compressor.reference import recent_gather_write
         from .index_query.reference import rope_fp4_heads
@@ -70,7 +73,8 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
     elif backend == "triton":
         try:
             from .common.triton import rms_norm
-            from .compressor.triton import pool_norm_rope_pack
+            from .compressor import reference as compressor_reference
+            from .compressor.triton import pool_norm_rope_pack, prepare_project
             from .compressor.triton import project as compressor_project
             from .compressor.triton import recent_gather_write
             from .index_query.triton import rope_fp4_heads
@@ -85,15 +89,17 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
             raise ValueError(f"backend 'triton' needs the triton package: {e}") from e
         if batch_invariant:
             linear, inverse_rope_wo_a = fixed_linears.linear, output.inverse_rope_wo_a
+            compressor_prepare = compressor_reference.prepare_project  # dense_linear: fp32
         else:  # the step-sized forms where the fixed order costs
             linear = torch_linears.linear
             inverse_rope_wo_a = partial(output.inverse_rope_wo_a, fixed_order=False)
             sparse_attn_paged = partial(sparse_attn_paged, split_blocks=0)
             compressor_project = partial(compressor_project, fixed_order=False)
+            compressor_prepare = prepare_project  # a float64 copy of the weights
     else:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     # the reference ops write through boolean masks (host syncs): not capturable
     return Ops(backend, sparse_attn_paged, fp8_linear, fp8_linear_pair, norm_rope_pack,
-               rope_heads, compressor_project, recent_gather_write, pool_norm_rope_pack,
-               inverse_rope_wo_a, index_topk, rope_fp4_heads, linear, rms_norm,
-               backend == "triton", batch_invariant)
+               rope_heads, compressor_project, compressor_prepare, recent_gather_write,
+               pool_norm_rope_pack, inverse_rope_wo_a, index_topk, rope_fp4_heads, linear,
+               rms_norm, backend == "triton", batch_invariant)

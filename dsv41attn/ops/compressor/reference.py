@@ -25,6 +25,12 @@ def project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor
     return linear(xf, wkv), linear(xf, wgate)
 
 
+def prepare_project(wkv: torch.Tensor, wgate: torch.Tensor) -> dict:
+    """Extra arguments of ``project`` prepared once per layer: none (it reads wkv and wgate as
+    they are; the triton backend's step-sized form keeps a float64 copy)."""
+    return {}
+
+
 def recent_group(recent: torch.Tensor, new: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
     """[N, r, D] fp32: each group's r token projections, from the recent ring ``recent``
     [B, r + R, D] (member id < B*(r+R): its flat slot) or this step's ``new`` [T, D] (id

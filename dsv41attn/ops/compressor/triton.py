@@ -29,6 +29,8 @@ is wrong on subnormal bf16 inputs (never seen in activations or weights).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -294,9 +296,13 @@ def _key_kernel(part_ptr, k_norm_w_ptr, rot_ptr, keys_ptr, page_ptr, slot_ptr, N
 # ---- the r > 1 projections (wkv and wgate, fp32 weights) -------------------------------------
 PROJECT_LANES = 128  # fp64 accumulator lanes: lane j sums the products at k = j (mod 128)
 PROJECT_RANGE_K = 512  # K range per partial: the ranges' sums are added in order
-PROJECT_SMALL_M = 16  # project_rows / torch float64 crossover of the step-sized mode: H200,
-# V4.1-Flash's 2 x [512, 4096], CUDA graph, us for (project_rows, torch): 15 / 43 at T = 1,
-# 22 / 58 at 8, 46 / 58 at 16, 156 / 64 at 64
+PROJECT_SMALL_M = 16  # project_rows / torch float64 crossover of the step-sized mode when
+# each call converts the weights: H200, V4.1-Flash's 2 x [512, 5120], CUDA graph, us for
+# (project_rows, torch): 15 / 43 at T = 1, 22 / 58 at 8, 46 / 58 at 16, 156 / 64 at 64
+PROJECT_SMALL_M_PREPARED = 8  # the same crossover against one float64 GEMM on ProjectWeights:
+# H200, 2 x [512, 5120], CUDA graph, us (project_rows, prepared): 16.0 / 17.9 at T = 1,
+# 24.9 / 26.1 at 8, 57.6 / 26.1 at 12, 197.5 / 31.9 at 64, - / 65.3 at 256 (torch with its
+# per-call conversions: 74.2 at 64, 116.4 at 256)
 
 
 @triton.jit
@@ -402,19 +408,73 @@ def _project_rows(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor
     return out[0], out[1]
 
 
+@dataclass(frozen=True, eq=False)
+class ProjectWeights:
+    """wkv and wgate [D, dim] fp32 as one float64 [2 D, dim] tensor ``both`` (an exact copy),
+    so that the step-sized mode's projections past a few rows run as one float64 GEMM without
+    converting the weights on every call. Built once per layer by ``project_weights``; holds
+    2 x 8 x D x dim bytes (42 MB at V4.1-Flash's D = 512, dim = 5120). It serves only the
+    tensors it was built from, unchanged since (``serves``)."""
+
+    wkv: torch.Tensor
+    wgate: torch.Tensor
+    both: torch.Tensor
+    versions: tuple[int, int]
+
+    def serves(self, wkv: torch.Tensor, wgate: torch.Tensor) -> bool:
+        """True for the very tensors it copied, not written in place since (host check)."""
+        return (wkv is self.wkv and wgate is self.wgate
+                and (wkv._version, wgate._version) == self.versions)
+
+
+def project_weights(wkv: torch.Tensor, wgate: torch.Tensor) -> ProjectWeights:
+    """``ProjectWeights`` of a layer's r > 1 compressor weights (fp32 [D, dim], one device)."""
+    for name, t in (("wkv", wkv), ("wgate", wgate)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    require(wkv.dim() == 2 and wkv.dtype == torch.float32,
+            f"wkv must be fp32 [D, dim], got {tuple(wkv.shape)} {wkv.dtype}")
+    require(wgate.shape == wkv.shape and wgate.dtype == torch.float32,
+            f"wgate must be fp32 {tuple(wkv.shape)} like wkv, got {tuple(wgate.shape)} "
+            f"{wgate.dtype}")
+    require(wkv.device == wgate.device, f"wkv and wgate on one device, got {wkv.device} and "
+            f"{wgate.device}")
+    return ProjectWeights(wkv, wgate, torch.cat([wkv, wgate]).double(),
+                          (wkv._version, wgate._version))
+
+
+def prepare_project(wkv: torch.Tensor, wgate: torch.Tensor) -> dict:
+    """The step-sized mode's extra arguments of ``project`` for one layer: its
+    ``ProjectWeights`` (``ops.backends``: built when the layer is)."""
+    return {"prepared": project_weights(wkv, wgate)}
+
+
 def project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, *,
-            fixed_order: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+            fixed_order: bool = True, prepared: ProjectWeights | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference.project`` on the triton backend: x: [T, dim] bf16; wkv, wgate: [D, dim]
     fp32 -> (kv, score) [T, D] fp32. ``fixed_order`` (the batch-invariant mode): dense_linear
     for both, one summation order at every T. False (the step-sized mode): ``project_rows``
-    up to PROJECT_SMALL_M rows, torch's float64 GEMM above (each correctly rounded but for
-    the rare fp64 near-tie, so the two agree to the bit almost everywhere)."""
+    up to a few rows, a float64 GEMM above (each correctly rounded but for the rare fp64
+    near-tie, so the two agree to the bit almost everywhere): one GEMM on ``prepared``'s
+    float64 weights when it serves wkv and wgate (from PROJECT_SMALL_M_PREPARED rows),
+    else ``reference.project`` (which converts the weights; from PROJECT_SMALL_M rows)."""
     _check_project(x, wkv, wgate)
     if fixed_order:
         return dense_linear(x, wkv), dense_linear(x, wgate)
-    if x.shape[0] <= PROJECT_SMALL_M:
+    if prepared is not None and not isinstance(prepared, ProjectWeights):
+        raise TypeError(f"prepared must be a ProjectWeights or None, got "
+                        f"{type(prepared).__name__}")
+    ready = prepared is not None and prepared.serves(wkv, wgate)
+    if x.shape[0] <= (PROJECT_SMALL_M_PREPARED if ready else PROJECT_SMALL_M):
         return _project_rows(x, wkv, wgate)
-    return reference.project(x, wkv, wgate)
+    if not ready:
+        return reference.project(x, wkv, wgate)
+    m, d = x.shape[0], wkv.shape[0]
+    both = torch.mm(x.double(), prepared.both.t())  # [T, 2 D] float64
+    out = torch.empty(2, m, d, dtype=torch.float32, device=x.device)
+    out.copy_(both.view(m, 2, d).transpose(0, 1))  # rounded once to fp32, as the reference
+    return out[0], out[1]
 
 
 RECENT_BLOCK_D = 128  # channels per program of _recent_kernel
