@@ -323,6 +323,9 @@ def demo(args: argparse.Namespace) -> int:
                 f"rank {r} {b / 2**20:.2f} MiB" for r, b in enumerate(per_rank)))
     stack = AttentionStack(cfg, weights, backend=args.backend, tp_group=tp.group,
                            batch_invariant=args.batch_invariant)
+    if stack.prepared_nbytes:
+        print(f"the {args.backend} backend keeps {stack.prepared_nbytes / 2**20:.2f} MiB beside "
+              "the weights (float64 copies of the ratio > 1 compressors' weights)")
     state = stack.new_state(args.batch, capacity=total, device=device)
     gen = torch.Generator().manual_seed(args.seed)
 

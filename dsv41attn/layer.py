@@ -76,6 +76,12 @@ class AttentionLayer:
     def device(self) -> torch.device:
         return self.weights.attn_sink.device
 
+    @property
+    def prepared_nbytes(self) -> int:
+        """Bytes the layer keeps beside ``weights.nbytes``: what its backend prepared once (the
+        triton backend's step-sized mode: a float64 copy of a ratio > 1 compressor's weights)."""
+        return sum(v.nbytes for v in self.compressor_kw.values())
+
     def forward(self, x: torch.Tensor, state: AttentionState, step: "Step") -> torch.Tensor:
         """This layer's part of an open step.
 

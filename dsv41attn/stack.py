@@ -202,6 +202,11 @@ class AttentionStack:
         for layer in self.layers.values():
             self._freqs.setdefault(rope_variant(layer.spec), layer.freqs)
 
+    @property
+    def prepared_nbytes(self) -> int:
+        """Bytes the layers keep beside their weights (``AttentionLayer.prepared_nbytes``)."""
+        return sum(layer.prepared_nbytes for layer in self.layers.values())
+
     def freqs_for(self, layers: list[int]) -> dict:
         return {rope_variant(self.cfg.layer(L)): self._freqs[rope_variant(self.cfg.layer(L))]
                 for L in layers}

@@ -91,10 +91,13 @@ def test_the_mode_is_chosen_per_stack_and_checked():
     assert fixed.compressor_prepare is get_ops("reference").compressor_prepare
     r2 = next(L for L in CFG.kv_source_layers if CFG.layer(L).ratio > 1)
     w2 = random_layer_weights(CFG, r2, seed=2)
-    kw = AttentionLayer(CFG, w2, "triton").compressor_kw["prepared"]
-    assert kw.serves(w2.compressor_wkv, w2.compressor_wgate)
+    layer = AttentionLayer(CFG, w2, "triton")
+    assert layer.compressor_kw["prepared"].serves(w2.compressor_wkv, w2.compressor_wgate)
+    assert layer.prepared_nbytes == 2 * 8 * w2.compressor_wkv.numel()  # float64 wkv, wgate
     assert AttentionLayer(CFG, w2, "triton", batch_invariant=True).compressor_kw == {}
     assert AttentionLayer(CFG, w2, "reference").compressor_kw == {}
+    assert AttentionStack(CFG, {r2: w2}, "reference").prepared_nbytes == 0
+    assert AttentionStack(CFG, {r2: w2}, "triton").prepared_nbytes == layer.prepared_nbytes
     r1 = next((L for L in CFG.kv_source_layers if CFG.layer(L).ratio == 1), None)
     if r1 is not None:
         assert AttentionLayer(CFG, random_layer_weights(CFG, r1, seed=3), "triton").compressor_kw == {}

@@ -421,6 +421,11 @@ class ProjectWeights:
     both: torch.Tensor
     versions: tuple[int, int]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes held beside the weights (the float64 copy)."""
+        return self.both.numel() * self.both.element_size()
+
     def serves(self, wkv: torch.Tensor, wgate: torch.Tensor) -> bool:
         """True for the very tensors it copied, not written in place since (host check)."""
         return (wkv is self.wkv and wgate is self.wgate
