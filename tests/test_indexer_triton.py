@@ -119,6 +119,45 @@ def test_prefill_tiles_ties_and_query_chunks(filtered, tile, small_tiles, monkey
     assert_same(want, got_chunked)
 
 
+class _PoisonedTorch:
+    """torch for the kernel module, whose ``empty`` buffers come back filled with values a
+    read before a write would show: bf16 NaN scores and NaN keys (the largest: a top-k takes
+    them first), huge counts, kept flags set, rows out of range."""
+
+    POISON = {torch.int16: 0x7FC0, torch.int32: 0xFFFF, torch.uint8: 0xFF, torch.bool: True}
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def empty(self, *shape, **kw):
+        t = torch.empty(*shape, **kw)
+        return t.fill_(self.POISON.get(t.dtype, float("nan")))
+
+
+@pytest.mark.parametrize("filtered", [True, False], ids=["filtered", "radix"])
+def test_prefill_clips_rows_past_each_query(filtered, small_tiles, monkeypatch):
+    """A prefill's queries see causal prefixes of the rows: scoring and selection stop at each
+    query's visible rows (and k), the rows past them neither scored nor read. The kernel's
+    scratch buffers are poisoned, so any read past a query's width changes its selection:
+    prompts whose queries see 0 to 4 rows (fewer than k), 20 to 23, 82 to 87 and every one of
+    90 rows, a query tile straddling two widths; the candidate source's kept flags (zero past
+    a query's blocks), and a consumer walking every row."""
+    monkeypatch.setattr(tri, "torch", _PoisonedTorch())
+    if not filtered:
+        monkeypatch.setattr(tri, "FILTER_MIN_ROWS", 1 << 30)
+    monkeypatch.setattr(tri, "COMPACT_MIN_ROWS", 1 << 30)  # the consumer walks every row
+    n = 90
+    args = setup([5, 4, 6, 1], n, 4, 32, seed=17, ties=True)
+    args[5][:] = torch.tensor([0, 1, 2, 3, 4, 20, 21, 22, 23, 82, 83, 84, 85, 86, 87, n])
+    want, got = both(args, n, 6, candidate_topk=5, block_size=4)  # blocks past k's rows
+    assert_same(want, got)
+    assert tri.index_topk(*args[:6], n, 6, args[6], candidate_topk=5, block_size=4,
+                          score_budget=1)[0].equal(got[0])  # one query tile per chunk
+    cand = kept_blocks(16, -(-n // 4), seed=18, density=0.2).to(DEV)
+    want, got = both(args, n, 6, candidates=cand, block_size=4)
+    assert_same(want, got)
+
+
 def test_consumer_reads_kept_blocks_and_wider_candidates(small_tiles):
     """A Reindex consumer scores only rows inside the source's kept blocks (a source scanning
     more rows than the consumer: a wider candidate mask), with fewer kept rows than k so the

@@ -34,7 +34,12 @@ Flow of one call (every launch on the device, no host sync, so a decode step can
    and for a candidate consumer rows outside its kept blocks, are -inf and their key bytes are
    never loaded; a tile with nothing to score loads nothing. Scores go to a bf16 buffer
    [queries, rows] (a consumer's: [queries, list positions], row = list[p // block_size] *
-   block_size + p % block_size).
+   block_size + p % block_size). In a prefill (query tiles over the rows' causal prefixes)
+   each query's width is clipped (``_clip_width``): its visible rows, and at least k; the
+   rows past it are -inf, and with ties to the lower row a top-k of k never takes one, so
+   they are neither scored nor written, and every later step reads a query's first
+   ``_clip_width`` entries only (rows, candidate blocks, filter blocks alike). A prefill's
+   scoring and selection thus cover the causal triangle, not the square.
 2. Candidate source only: ``_block_key_kernel`` takes each block's maximum (the newest
    visible block pinned to +inf) as an ordered 16-bit key per block.
 3. Exact top-k by radix select on the ordered 16-bit keys of the bf16 scores (``_order_key``:
@@ -143,11 +148,24 @@ def _chunk_keys(src_ptr, slot, c, n, stride, CH: tl.constexpr, FROM_SCORES: tl.c
 
 
 @triton.jit
-def _slot_width(nvalid_ptr, slot, N, TILE: tl.constexpr, COMPACT: tl.constexpr):
-    """Entries of a query slot's selection source: N, or for a compact source its list
-    owner's (slot // TILE) candidate row count."""
+def _clip_width(vis, N, k, UNIT: tl.constexpr):
+    """Entries of a selection source [.., N], UNIT rows an entry, that a query seeing ``vis``
+    rows needs: those holding one of its visible rows, and at least k. Every later entry is
+    -inf (rows past ``vis`` score -inf): with k entries before it and ties to the lower entry,
+    the top-k takes none of them."""
+    return tl.minimum(N, tl.maximum((vis + UNIT - 1) // UNIT, k))
+
+
+@triton.jit
+def _slot_width(nvalid_ptr, vis_ptr, tok, ok, slot, N, k, UNIT: tl.constexpr,
+                TILE: tl.constexpr, COMPACT: tl.constexpr, CLIP: tl.constexpr):
+    """Entries of a query slot's selection source: N; for a compact source its list owner's
+    (slot // TILE) candidate row count; CLIP (a prefill's causal rows): _clip_width of the
+    query's visible rows (token ``tok``, if ``ok``)."""
     if COMPACT:
         return tl.load(nvalid_ptr + slot // TILE)
+    elif CLIP:
+        return _clip_width(tl.load(vis_ptr + tok, mask=ok, other=0), N, k, UNIT)
     else:
         return N
 
@@ -326,12 +344,12 @@ def _tile_start(it, g_first, tiles_per_prog, BN: tl.constexpr, COMPACT: tl.const
 
 @triton.jit
 def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, list_ptr,
-                  nvalid_ptr, out_ptr, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, N,
+                  nvalid_ptr, out_ptr, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, N, k,
                   bt_stride, keep_stride, list_stride, tiles_per_prog, PAGE_ROWS: tl.constexpr,
                   I: tl.constexpr, I_PAD: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
                   BN: tl.constexpr, BLOCK_SIZE: tl.constexpr, WORDS: tl.constexpr,
                   HAS_TILES: tl.constexpr, HAS_KEEP: tl.constexpr, COMPACT: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+                  CLIP: tl.constexpr, INTERPRET: tl.constexpr):
     """q: [T, I, D] bf16; w: [T, I] bf16; pool: uint8 key rows (D/2 bytes of e2m1 pairs, then
     D/32 ue8m0 bytes), PAGE_ROWS rows a page (a constant: the page lookup divides by it);
     bt: [B, pages] int64; vis, row: [T] int64; keep: uint8 [T,
@@ -341,7 +359,9 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, li
     int32 [tiles, list_stride]; positions past nvalid[t] are not written), and program j of
     a tile scores its list's runs of tiles_per_prog row tiles j, j + programs, ... (one past
     them loads nothing). Grid (chunk tiles, cdiv(N, BN * tiles_per_prog), over lists at most
-    COMPACT_PROGRAMS / tiles of them).
+    COMPACT_PROGRAMS / tiles of them). CLIP (never with COMPACT): rows past the tile's
+    queries' _clip_width for a top-k of k are neither scored nor written (no selection reads
+    them).
 
     The key elements are the reference's bf16 values (e2m1 times the block's power of two),
     the query elements the given bf16 ones: one bf16 dot over all D elements with fp32
@@ -366,6 +386,10 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, li
     offs_m = tl.arange(0, TILE)
     m_ok = offs_m < live
     vis = tl.load(vis_ptr + tok0 + offs_m, mask=m_ok, other=0)  # [TILE]
+    g_first = tl.program_id(1) * tiles_per_prog * BN
+    if CLIP:  # the row tiles below the widest query's clipped width only
+        w_rows = _clip_width(tl.max(vis, 0).to(tl.int32), N, k, 1)
+        n_it = tl.minimum(n_it, tl.maximum(w_rows - g_first + BN - 1, 0) // BN)
     offs_r = tl.arange(0, R)
     r_tok = offs_r // I_PAD
     r_head = offs_r % I_PAD
@@ -376,7 +400,6 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, li
     if INTERPRET:
         wv = wv.to(tl.float32)
     out_cols = out_ptr + (tile.to(tl.int64) * TILE + offs_m.to(tl.int64))[None, :] * N
-    g_first = tl.program_id(1) * tiles_per_prog * BN
     if COMPACT:
         g_end = n
     else:
@@ -418,28 +441,38 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, li
 
 @triton.jit
 def _block_key_kernel(src_ptr, key_ptr, vis_ptr, tile_tok_ptr, tile_cnt_ptr,
-                      tile_base, slot_base, N, nblk,
+                      tile_base, slot_base, N, nblk, k,
                       BLOCK_SIZE: tl.constexpr, BS_PAD: tl.constexpr, BB: tl.constexpr,
-                      TILE: tl.constexpr, HAS_TILES: tl.constexpr, PIN: tl.constexpr):
+                      TILE: tl.constexpr, HAS_TILES: tl.constexpr, PIN: tl.constexpr,
+                      CLIP: tl.constexpr):
     """src: int16 [slots, N] bf16 score bits; key: int32 [slots, nblk] block keys: the max key
     of the block's rows; PIN: the newest visible block's KEY_PINF (the candidate source's).
-    Grid (slots, cdiv(nblk, BB))."""
+    CLIP: only the blocks a top-k of k of them reads (_clip_width), from the visible rows
+    only (the rest are -inf; a clipped scoring may not have written them). Grid (slots,
+    cdiv(nblk, BB))."""
     slot = tl.program_id(0)
     tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                            HAS_TILES)
     if ok:
-        offs_b = tl.program_id(1) * BB + tl.arange(0, BB)
-        offs_e = tl.arange(0, BS_PAD)
-        g = offs_b[:, None] * BLOCK_SIZE + offs_e[None, :]
-        m = (offs_e[None, :] < BLOCK_SIZE) & (g < N)
-        keys = _load_keys(src_ptr + slot.to(tl.int64) * N, g, m, True)
-        keys = tl.where(m, keys, KEY_NINF)  # padding past N is -inf, as the reference's
-        bk = tl.max(keys, 1)
-        if PIN:
-            vis = tl.load(vis_ptr + tok)
-            newest = tl.where(vis > 0, (vis - 1) // BLOCK_SIZE, -1)  # vis 0: none pinned
-            bk = tl.where(offs_b == newest, KEY_PINF, bk)
-        tl.store(key_ptr + slot.to(tl.int64) * nblk + offs_b, bk, mask=offs_b < nblk)
+        vis = tl.load(vis_ptr + tok)
+        if CLIP:
+            live = _clip_width(vis, nblk, k, BLOCK_SIZE)
+        else:
+            live = nblk
+        if tl.program_id(1) * BB < live:
+            offs_b = tl.program_id(1) * BB + tl.arange(0, BB)
+            offs_e = tl.arange(0, BS_PAD)
+            g = offs_b[:, None] * BLOCK_SIZE + offs_e[None, :]
+            m = (offs_e[None, :] < BLOCK_SIZE) & (g < N)
+            if CLIP:
+                m = m & (g < vis)
+            keys = _load_keys(src_ptr + slot.to(tl.int64) * N, g, m, True)
+            keys = tl.where(m, keys, KEY_NINF)  # padding past N is -inf, as the reference's
+            bk = tl.max(keys, 1)
+            if PIN:
+                newest = tl.where(vis > 0, (vis - 1) // BLOCK_SIZE, -1)  # vis 0: none pinned
+                bk = tl.where(offs_b == newest, KEY_PINF, bk)
+            tl.store(key_ptr + slot.to(tl.int64) * nblk + offs_b, bk, mask=offs_b < live)
 
 
 @triton.jit
@@ -520,20 +553,19 @@ def _byte_hist(byte, m):
 
 
 @triton.jit
-def _hist_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, nvalid_ptr, tile_tok_ptr, tile_cnt_ptr,
-                 tile_base, slot_base, N, k, LOW: tl.constexpr, CH: tl.constexpr,
+def _hist_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, nvalid_ptr, vis_ptr, tile_tok_ptr,
+                 tile_cnt_ptr, tile_base, slot_base, N, k, LOW: tl.constexpr, CH: tl.constexpr,
                  TILE: tl.constexpr, HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr,
-                 COMPACT: tl.constexpr):
+                 COMPACT: tl.constexpr, CLIP: tl.constexpr, UNIT: tl.constexpr):
     """Radix select, one level: the high bytes' histogram (LOW false) or, inside the high
     byte's threshold bin, the low bytes' (LOW true). hist_*: int32 [slots, 256], zeroed.
-    src: [slots, N], of which a compact source's slot counts its first nvalid[slot // TILE]
-    entries only (a chunk past them does nothing). Grid (slots, cdiv(N, CH))."""
+    src: [slots, N], of which a slot counts its first _slot_width entries only (a chunk past
+    them does nothing). Grid (slots, cdiv(N, CH))."""
     slot = tl.program_id(0)
     tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                          HAS_TILES)
-    n = _slot_width(nvalid_ptr, slot, N, TILE, COMPACT)
-    if COMPACT:
-        ok = ok & (tl.program_id(1) * CH < n)
+    n = _slot_width(nvalid_ptr, vis_ptr, tok, ok, slot, N, k, UNIT, TILE, COMPACT, CLIP)
+    ok = ok & (tl.program_id(1) * CH < n)
     if ok:
         offs, m, key = _chunk_keys(src_ptr, slot, tl.program_id(1), n, N, CH, FROM_SCORES)
         bins = tl.arange(0, 256)
@@ -574,24 +606,28 @@ def _take(key, m, u, need, gt_before, eq_before):
 
 
 @triton.jit
-def _count_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, nvalid_ptr, tile_tok_ptr,
-                  tile_cnt_ptr, tile_base, slot_base, N, k, nch, nb, CH: tl.constexpr,
-                  TILE: tl.constexpr, HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr,
-                  COMPACT: tl.constexpr, FILTER: tl.constexpr):
-    """cnt: int32 [slots, 2, nch]: per row chunk, the keys above u and equal to u (a compact
-    source's chunks past its entries are left unwritten: no live chunk reads them). u: the
-    k-th largest key of the histograms' keys: the slot's own, or FILTER the nb block maxima
-    of _select_filtered."""
+def _count_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, nvalid_ptr, vis_ptr,
+                  tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, N, k, nch, nb,
+                  CH: tl.constexpr, TILE: tl.constexpr, HAS_TILES: tl.constexpr,
+                  FROM_SCORES: tl.constexpr, COMPACT: tl.constexpr, FILTER: tl.constexpr,
+                  CLIP: tl.constexpr, UNIT: tl.constexpr, FB: tl.constexpr):
+    """cnt: int32 [slots, 2, nch]: per row chunk, the keys above u and equal to u (chunks past
+    a slot's _slot_width entries are left unwritten: no live chunk reads them). u: the k-th
+    largest key of the histograms' keys: the slot's own, or FILTER the block maxima of
+    _select_filtered (nb of them, FB rows each)."""
     slot = tl.program_id(0)
     c = tl.program_id(1)
     tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                          HAS_TILES)
-    n = _slot_width(nvalid_ptr, slot, N, TILE, COMPACT)
-    if COMPACT:
-        ok = ok & (c * CH < n)
+    n = _slot_width(nvalid_ptr, vis_ptr, tok, ok, slot, N, k, UNIT, TILE, COMPACT, CLIP)
+    ok = ok & (c * CH < n)
     if ok:
-        u, need = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256,
-                       nb if FILTER else n, k)
+        if FILTER:
+            n_cut = _slot_width(nvalid_ptr, vis_ptr, tok, ok, slot, nb, k, FB, TILE, False,
+                                CLIP)
+        else:
+            n_cut = n
+        u, need = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256, n_cut, k)
         offs, m, key = _chunk_keys(src_ptr, slot, c, n, N, CH, FROM_SCORES)
         gt = tl.sum((m & (key > u)).to(tl.int32), 0)
         eq = tl.sum((m & (key == u)).to(tl.int32), 0)
@@ -604,19 +640,23 @@ def _select_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, out_ptr, vis_ptr,
                    list_ptr, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, N, k, nch,
                    out_stride, list_stride, CH: tl.constexpr, NCH_PAD: tl.constexpr,
                    TILE: tl.constexpr, HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr,
-                   MASK_OUT: tl.constexpr, COMPACT: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                   MASK_OUT: tl.constexpr, COMPACT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   CLIP: tl.constexpr, UNIT: tl.constexpr):
     """Write the selection of one row chunk, rows ascending. MASK_OUT false: out int32 [T, k]
     row numbers (-1 past the query's visible); true: out uint8 [T, N] kept flags (key above
-    -inf). A compact source's position p is row list[p // BLOCK_SIZE] * BLOCK_SIZE +
-    p % BLOCK_SIZE (list: int32 [owners, list_stride] ascending blocks). Grid (slots, nch)."""
+    -inf; 0 past the slot's _slot_width entries). A compact source's position p is row
+    list[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE (list: int32 [owners, list_stride]
+    ascending blocks). Grid (slots, nch)."""
     slot = tl.program_id(0)
     c = tl.program_id(1)
     tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                            HAS_TILES)
-    n = _slot_width(nvalid_ptr, slot, N, TILE, COMPACT)
-    if COMPACT:
-        ok = ok & (c * CH < n)
-    if ok:
+    n = _slot_width(nvalid_ptr, vis_ptr, tok, ok, slot, N, k, UNIT, TILE, COMPACT, CLIP)
+    if MASK_OUT:
+        if ok & (c * CH >= n):  # a chunk past the entries: nothing kept
+            offs = c * CH + tl.arange(0, CH)
+            tl.store(out_ptr + tok * out_stride + offs, tl.zeros([CH], tl.uint8), mask=offs < N)
+    if ok & (c * CH < n):
         u, need = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256, n, k)
         prev = tl.arange(0, NCH_PAD)
         before = prev < c
@@ -627,7 +667,7 @@ def _select_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, out_ptr, vis_ptr,
         take, pos, _, _ = _take(key, m, u, need, gt_before, eq_before)
         if MASK_OUT:
             tl.store(out_ptr + tok * out_stride + offs, (take & (key > KEY_NINF)).to(tl.uint8),
-                     mask=m)
+                     mask=offs < N)  # past n: not taken
         else:
             vis = tl.load(vis_ptr + tok)
             if COMPACT:
@@ -644,24 +684,33 @@ def _select_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, out_ptr, vis_ptr,
 def _filter_write_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, gt_ptr, out_ptr, vis_ptr,
                          tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, N, k, nch, nb,
                          gcap, out_stride, CH: tl.constexpr, NCH_PAD: tl.constexpr,
-                         TILE: tl.constexpr, HAS_TILES: tl.constexpr):
+                         TILE: tl.constexpr, HAS_TILES: tl.constexpr, CLIP: tl.constexpr,
+                         FB: tl.constexpr):
     """One row chunk of _select_filtered, t the k-th largest block maximum: with G >= k keys
     above t in the slot, its keys above t to the list gt [slots, gcap] at the prefix of the
     chunks before (rows ascending); with fewer, the k-th largest key is t itself, and the
     chunk's share of the selection (every key above t, the first k - G equal to it) goes to
-    out as _select_kernel writes it. Grid (slots, nch)."""
+    out as _select_kernel writes it. CLIP: over the slot's _clip_width rows (and block
+    maxima of FB rows) only. Grid (slots, nch)."""
     slot = tl.program_id(0)
     c = tl.program_id(1)
     tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                            HAS_TILES)
-    if ok:
-        t, _ = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256, nb, k)
+    vis = tl.load(vis_ptr + tok, mask=ok, other=0)
+    if CLIP:
+        n = _clip_width(vis, N, k, 1)
+        n_cut = _clip_width(vis, nb, k, FB)
+    else:
+        n = N
+        n_cut = nb
+    if ok & (c * CH < n):
+        t = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256, n_cut, k)[0]
         prev = tl.arange(0, NCH_PAD)
-        gts = tl.load(cnt_ptr + slot * 2 * nch + prev, mask=prev < nch, other=0)
+        gts = tl.load(cnt_ptr + slot * 2 * nch + prev, mask=prev * CH < n, other=0)
         eqs = tl.load(cnt_ptr + slot * 2 * nch + nch + prev, mask=prev < c, other=0)
         g_total = tl.sum(gts, 0)
         gt_before = tl.sum(tl.where(prev < c, gts, 0), 0)
-        offs, m, key = _chunk_keys(src_ptr, slot, c, N, N, CH, True)
+        offs, m, key = _chunk_keys(src_ptr, slot, c, n, N, CH, True)
         gt = (m & (key > t)).to(tl.int32)
         if g_total >= k:
             pos = gt_before + tl.cumsum(gt, 0) - gt
@@ -669,7 +718,6 @@ def _filter_write_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, gt_ptr, out
                      mask=(gt != 0) & (pos < gcap))
         else:
             take, pos, _, _ = _take(key, m, t, k - g_total, gt_before, tl.sum(eqs, 0))
-            vis = tl.load(vis_ptr + tok)
             tl.store(out_ptr + tok * out_stride + pos, tl.where(offs < vis, offs, -1),
                      mask=take)
 
@@ -678,15 +726,21 @@ def _filter_write_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, gt_ptr, out
 def _filter_select_kernel(cnt_ptr, src_ptr, gt_ptr, out_ptr, vis_ptr, tile_tok_ptr,
                           tile_cnt_ptr, tile_base, slot_base, N, k, nch, gcap, out_stride,
                           NCH_PAD: tl.constexpr, STEP: tl.constexpr, TILE: tl.constexpr,
-                          HAS_TILES: tl.constexpr):
+                          HAS_TILES: tl.constexpr, CLIP: tl.constexpr, CH: tl.constexpr):
     """_select_filtered's slots with G >= k keys above t: the top-k of the G listed rows (a
     radix select over them; every key >= the k-th largest is listed), rows ascending, as
-    _select_kernel writes it. A slot with fewer is done already. Grid (slots,)."""
+    _select_kernel writes it. A slot with fewer is done already. CLIP: G counted over the
+    slot's _clip_width rows (chunks of CH). Grid (slots,)."""
     slot = tl.program_id(0)
     tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                            HAS_TILES)
+    if CLIP:
+        n = _clip_width(tl.load(vis_ptr + tok, mask=ok, other=0), N, k, 1)
+    else:
+        n = N
     prev = tl.arange(0, NCH_PAD)
-    g_total = tl.sum(tl.load(cnt_ptr + slot * 2 * nch + prev, mask=prev < nch, other=0), 0)
+    g_total = tl.sum(tl.load(cnt_ptr + slot * 2 * nch + prev, mask=(prev < nch) & (prev * CH < n),
+                             other=0), 0)
     if ok & (g_total >= k):
         src_row = src_ptr + slot.to(tl.int64) * N
         gl = gt_ptr + slot.to(tl.int64) * gcap
@@ -722,11 +776,12 @@ def _filter_select_kernel(cnt_ptr, src_ptr, gt_ptr, out_ptr, vis_ptr, tile_tok_p
 
 
 def _select(src, k: int, out, visible, tiles, tile_base: int, slot_base: int, slots: int,
-            n: int, from_scores: bool, mask_out: bool, compact=None, ch: int | None = None
-            ) -> None:
+            n: int, from_scores: bool, mask_out: bool, compact=None, ch: int | None = None,
+            clip: bool = False, unit: int = 1) -> None:
     """Radix top-k of ``slots`` rows of ``src`` [slots, n] into ``out`` (see _select_kernel).
     compact: None, or (row counts [owners] int32, block lists [owners, W] int32, block
-    size): src holds each slot's candidate rows compactly (see _compact_candidates)."""
+    size): src holds each slot's candidate rows compactly (see _compact_candidates). clip:
+    each slot's first _clip_width entries only, ``unit`` rows an entry (a prefill's)."""
     dev = src.device
     ch = SELECT_CHUNK if ch is None else ch  # rows per program
     hist = torch.zeros(2, slots, 256, dtype=torch.int32, device=dev)
@@ -736,12 +791,13 @@ def _select(src, k: int, out, visible, tiles, tile_base: int, slot_base: int, sl
     nvalid, blocks, bs = compact if compact is not None else (None, None, 1)
     common = (tile_tok, tile_cnt, tile_base, slot_base, n, k)
     meta = dict(CH=ch, TILE=tile, HAS_TILES=tile_tok is not None,
-                FROM_SCORES=from_scores, COMPACT=compact is not None)
+                FROM_SCORES=from_scores, COMPACT=compact is not None, CLIP=clip, UNIT=unit)
     grid = (slots, nch)
-    _hist_kernel[grid](src, hist[0], hist[1], nvalid, *common, LOW=False, **meta, num_warps=4)
-    _hist_kernel[grid](src, hist[0], hist[1], nvalid, *common, LOW=True, **meta, num_warps=4)
-    _count_kernel[grid](src, hist[0], hist[1], cnt, nvalid, *common, nch, 0, **meta,
-                        FILTER=False, num_warps=4)
+    for low in (False, True):
+        _hist_kernel[grid](src, hist[0], hist[1], nvalid, visible, *common, LOW=low, **meta,
+                           num_warps=4)
+    _count_kernel[grid](src, hist[0], hist[1], cnt, nvalid, visible, *common, nch, 0, **meta,
+                        FILTER=False, FB=1, num_warps=4)
     _select_kernel[grid](src, hist[0], hist[1], cnt, out, visible, nvalid, blocks, *common, nch,
                          out.stride(0), blocks.stride(0) if blocks is not None else 0,
                          NCH_PAD=triton.next_power_of_2(nch), MASK_OUT=mask_out,
@@ -765,7 +821,7 @@ def _filter_bytes(n: int, k: int) -> int:
 
 
 def _select_filtered(src, k: int, out, visible, tiles, tile_base: int, slot_base: int,
-                     slots: int, n: int) -> None:
+                     slots: int, n: int, clip: bool = False) -> None:
     """_select's top-k of bf16 scores (src int16 [slots, n], no compact source) into
     ``out``, the same rows, through a filter (for n >> k; _filters). t = the k-th largest of
     the maxima of FILTER_BLOCK-row blocks (a radix select over n / FILTER_BLOCK keys). At
@@ -774,7 +830,7 @@ def _select_filtered(src, k: int, out, visible, tiles, tile_base: int, slot_base
     s_k = t and one pass writes the selection as _select_kernel does (_count_kernel, then
     _filter_write_kernel); else that pass lists the G rows above t, which hold every key >=
     s_k, and one program per slot selects from them (_filter_select_kernel). Ties go to the
-    lower row as in _select."""
+    lower row as in _select. clip: as _select's, for rows and block maxima alike."""
     dev = src.device
     tile_tok, tile_cnt, tile = tiles
     has_tiles = tile_tok is not None
@@ -783,30 +839,32 @@ def _select_filtered(src, k: int, out, visible, tiles, tile_base: int, slot_base
     gcap = k * fb
     bkeys = torch.empty(slots, nb, dtype=torch.int32, device=dev)
     _block_key_kernel[(slots, triton.cdiv(nb, BLOCK_KEYS))](
-        src, bkeys, visible, tile_tok, tile_cnt, tile_base, slot_base, n, nb,
+        src, bkeys, visible, tile_tok, tile_cnt, tile_base, slot_base, n, nb, k,
         BLOCK_SIZE=fb, BS_PAD=triton.next_power_of_2(fb), BB=BLOCK_KEYS, TILE=tile,
-        HAS_TILES=has_tiles, PIN=False, num_warps=4)
+        HAS_TILES=has_tiles, PIN=False, CLIP=clip, num_warps=4)
     hist = torch.zeros(2, slots, 256, dtype=torch.int32, device=dev)
     ch = SELECT_CHUNK
     for low in (False, True):
         _hist_kernel[(slots, triton.cdiv(nb, ch))](
-            bkeys, hist[0], hist[1], None, tile_tok, tile_cnt, tile_base, slot_base, nb, k,
-            LOW=low, CH=ch, TILE=tile, HAS_TILES=has_tiles, FROM_SCORES=False, COMPACT=False,
-            num_warps=4)
+            bkeys, hist[0], hist[1], None, visible, tile_tok, tile_cnt, tile_base, slot_base,
+            nb, k, LOW=low, CH=ch, TILE=tile, HAS_TILES=has_tiles, FROM_SCORES=False,
+            COMPACT=False, CLIP=clip, UNIT=fb, num_warps=4)
     ch = FILTER_CHUNK
     nch = triton.cdiv(n, ch)
     nch_pad = triton.next_power_of_2(nch)
     cnt = torch.empty(slots, 2, nch, dtype=torch.int32, device=dev)
     gt = torch.empty(slots, gcap, dtype=torch.int32, device=dev)
     common = (tile_tok, tile_cnt, tile_base, slot_base, n, k, nch)
-    meta = dict(TILE=tile, HAS_TILES=has_tiles)
-    _count_kernel[(slots, nch)](src, hist[0], hist[1], cnt, None, *common, nb, CH=ch, **meta,
-                                FROM_SCORES=True, COMPACT=False, FILTER=True, num_warps=4)
+    meta = dict(TILE=tile, HAS_TILES=has_tiles, CLIP=clip)
+    _count_kernel[(slots, nch)](src, hist[0], hist[1], cnt, None, visible, *common, nb, CH=ch,
+                                **meta, FROM_SCORES=True, COMPACT=False, FILTER=True, UNIT=1,
+                                FB=fb, num_warps=4)
     _filter_write_kernel[(slots, nch)](src, hist[0], hist[1], cnt, gt, out, visible, *common,
                                        nb, gcap, out.stride(0), CH=ch, NCH_PAD=nch_pad, **meta,
-                                       num_warps=4)
+                                       FB=fb, num_warps=4)
     _filter_select_kernel[(slots,)](cnt, src, gt, out, visible, *common, gcap, out.stride(0),
-                                    NCH_PAD=nch_pad, STEP=FILTER_STEP, **meta, num_warps=4)
+                                    NCH_PAD=nch_pad, STEP=FILTER_STEP, **meta, CH=ch,
+                                    num_warps=4)
 
 
 def _query_tiles(token_groups, tile: int, device):
@@ -908,6 +966,9 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
                 f"{tuple(candidates.shape)}")
         cand = candidates.contiguous().view(torch.uint8)
     prefill = any(m > 1 for m, _ in token_groups)
+    # A prefill's queries see causal prefixes of the rows: scoring and selection stop at each
+    # query's visible rows (and k) instead of the widest query's
+    clip = prefill
     tile = PREFILL_TILE if prefill else 1
     if prefill:
         tile_tok, tile_cnt = _query_tiles(token_groups, tile, dev)
@@ -941,25 +1002,27 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
             row_progs = min(row_progs, triton.cdiv(COMPACT_PROGRAMS, c))
         _score_kernel[(c, row_progs)](
             q, w, key_pool, table, vis, rows, cand, *(lists or (None, None)), scores, tile_tok,
-            tile_cnt, tile_base, slot_base, width, table.stride(0),
+            tile_cnt, tile_base, slot_base, width, k, table.stride(0),
             cand.shape[1] if cand is not None else 0, nblk if compact else 0, tiles_per_prog,
             PAGE_ROWS=key_pool.shape[1], I=heads, I_PAD=i_pad, D=d, TILE=tile, BN=rows_per_tile,
-            BLOCK_SIZE=block_size, WORDS=words, HAS_TILES=prefill, HAS_KEEP=cand is not None, COMPACT=compact,
-            INTERPRET=interpret, num_warps=PREFILL_WARPS if prefill else SCORE_WARPS)
+            BLOCK_SIZE=block_size, WORDS=words, HAS_TILES=prefill, HAS_KEEP=cand is not None,
+            COMPACT=compact, CLIP=clip and not compact, INTERPRET=interpret, num_warps=PREFILL_WARPS if prefill else SCORE_WARPS)
         if reduce is not None:
             scores = reduce(scores.view(torch.bfloat16)).contiguous().view(torch.int16)
         if keep is not None:
             bkeys = torch.empty(slots, nblk, dtype=torch.int32, device=dev)
+            kb = min(candidate_topk, nblk)
             _block_key_kernel[(slots, triton.cdiv(nblk, BLOCK_KEYS))](
-                scores, bkeys, vis, tile_tok, tile_cnt, tile_base, slot_base, n_rows, nblk,
+                scores, bkeys, vis, tile_tok, tile_cnt, tile_base, slot_base, n_rows, nblk, kb,
                 BLOCK_SIZE=block_size, BS_PAD=bs_pad, BB=BLOCK_KEYS, TILE=tile,
-                HAS_TILES=prefill, PIN=True, num_warps=4)
-            _select(bkeys, min(candidate_topk, nblk), keep.view(torch.uint8), vis, tiles,
-                    tile_base, slot_base, slots, nblk, False, True)
+                HAS_TILES=prefill, PIN=True, CLIP=clip, num_warps=4)
+            _select(bkeys, kb, keep.view(torch.uint8), vis, tiles, tile_base, slot_base, slots,
+                    nblk, False, True, clip=clip, unit=block_size)
         if filtered:
-            _select_filtered(scores, k, selected, vis, tiles, tile_base, slot_base, slots, width)
+            _select_filtered(scores, k, selected, vis, tiles, tile_base, slot_base, slots, width,
+                             clip=clip)
         else:
             _select(scores, k, selected, vis, tiles, tile_base, slot_base, slots, width, True,
                     False, compact=(lists[1], lists[0], block_size) if compact else None,
-                    ch=COMPACT_SELECT_CHUNK if compact else SELECT_CHUNK)
+                    ch=COMPACT_SELECT_CHUNK if compact else SELECT_CHUNK, clip=clip)
     return selected, keep
