@@ -412,7 +412,8 @@ def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128
 
 INDEXER_CASES = [("candidate source", 64, 65536), ("candidate source", 256, 65536),
                  ("candidate source", 1, 1 << 20), ("top-k", 64, 32768), ("top-k", 256, 32768),
-                 ("top-k, mixed", 64, 65536), ("Reindex", 64, 65536), ("Reindex", 1, 1 << 20)]
+                 ("top-k, mixed", 64, 65536), ("Reindex", 64, 65536), ("Reindex", 1, 1 << 20),
+                 ("candidate source, prefill", 1, 16384), ("candidate source, prefill", 1, 65536)]
 
 
 GEMM_WEIGHTS = ("wq_a", "wkv", "wq_b", "indexer.wq_b", "wo_b")  # the layer's fp8_linear calls
@@ -457,24 +458,30 @@ def bench_gemm(copy_bw: float, rows=GEMM_ROWS, names=GEMM_WEIGHTS, layer: int = 
     return out
 
 
-def indexer_floor(cfg: AttentionConfig, batch: int, scored: int, copy_bw: float
-                  ) -> tuple[float, float, float]:
-    """(FLOPs, bytes, floor s) of the indexer alone for ``batch`` decode queries that each score
-    ``scored`` rows: the fp4 keys once (68 B a row), the queries and head weights in, the top-k
-    out; 2 x heads x head_dim FLOPs per (query, scored row)."""
+def indexer_floor(cfg: AttentionConfig, batch: int, scored: float, copy_bw: float,
+                  key_rows: int | None = None) -> tuple[float, float, float]:
+    """(FLOPs, bytes, floor s) of the indexer alone for ``batch`` queries that each score
+    ``scored`` rows (on average): the fp4 keys once (68 B a row; decode queries each read their
+    own sequence's, ``key_rows`` = batch x scored; a prefill's share one sequence's), the
+    queries and head weights in, the top-k out; 2 x heads x head_dim FLOPs per (query, scored
+    row)."""
     heads, d = cfg.index_n_heads, cfg.index_head_dim
-    nbytes = batch * (scored * index_key_bytes(d) + heads * d * 2 + heads * 2 + cfg.index_topk * 4)
+    key_rows = batch * scored if key_rows is None else key_rows
+    nbytes = (key_rows * index_key_bytes(d)
+              + batch * (heads * d * 2 + heads * 2 + cfg.index_topk * 4))
     flops = 2.0 * batch * heads * d * scored
     return flops, nbytes, max(flops / BF16_FLOPS, nbytes / copy_bw)
 
 
 def bench_indexer(copy_bw: float, cases=INDEXER_CASES, page_rows: int = 256) -> list[dict]:
-    """The lightning indexer alone at decode (``ops/indexer``): random fp4 keys on shuffled
-    pages, one query per sequence seeing every row ("..., mixed": sequences of random lengths
-    up to the rows, as a serving batch holds); the candidate source keeps
-    ``candidate_topk_blocks`` blocks, a Reindex consumer scores rows inside that many random
-    blocks. Per case: the CUDA-graph replay time, the GPU time of the scoring kernel and of the
-    rest (torch profiler, eager calls), and the reference op (eager) where it fits."""
+    """The lightning indexer alone (``ops/indexer``): random fp4 keys on shuffled pages; at
+    decode one query per sequence seeing every row ("..., mixed": sequences of random lengths
+    up to the rows, as a serving batch holds); "..., prefill": one sequence's ``rows`` tokens
+    from position 0, query i seeing rows 0 .. i (a ratio-1 source). The candidate source
+    keeps ``candidate_topk_blocks`` blocks, a Reindex consumer scores rows inside that many
+    random blocks. Per case: the CUDA-graph replay time, the GPU time of the scoring kernel
+    and of the rest (torch profiler, eager calls), and the reference op (eager) where it fits
+    (its selection compared)."""
     from torch.profiler import ProfilerActivity, profile
 
     from .ops.common.quant import index_fp4_fake_quant
@@ -485,35 +492,50 @@ def bench_indexer(copy_bw: float, cases=INDEXER_CASES, page_rows: int = 256) -> 
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for kind, b, n in cases:
+        prefill = kind.endswith(", prefill")
+        kind_base = kind.split(",")[0]
         pages = b * (-(-n // page_rows)) + 3
         pool = torch.randint(0, 256, (pages, page_rows, index_key_bytes(d)), generator=g,
                              device="cuda", dtype=torch.int32).to(torch.uint8)
         pool[..., d // 2:] = torch.randint(118, 128, pool[..., d // 2:].shape, generator=g,
                                            device="cuda", dtype=torch.int32).to(torch.uint8)
         table = torch.randperm(pages, generator=g, device="cuda")[: pages - 3].view(b, -1)
-        q = index_fp4_fake_quant(torch.randn(b, heads, d, generator=g, device="cuda").bfloat16())
-        w = (torch.randn(b, heads, generator=g, device="cuda") * cfg.index_weight_scale).bfloat16()
-        rows_of, vis = torch.arange(b, device="cuda"), torch.full((b,), n, device="cuda")
+        queries = n if prefill else b
+        q = index_fp4_fake_quant(torch.randn(queries, heads, d, generator=g, device="cuda").bfloat16())
+        w = (torch.randn(queries, heads, generator=g, device="cuda") * cfg.index_weight_scale).bfloat16()
+        if prefill:
+            rows_of = torch.zeros(queries, dtype=torch.long, device="cuda")
+            vis = torch.arange(1, n + 1, device="cuda")
+            groups = [(n, torch.arange(n, device="cuda"))]
+        else:
+            rows_of, vis = torch.arange(b, device="cuda"), torch.full((b,), n, device="cuda")
+            groups = [(1, rows_of)]
         if kind.endswith(", mixed"):
             vis = torch.randint(1, n + 1, (b,), generator=g, device="cuda")
         kw = dict(block_size=bs)
         scored = vis.float().mean().item()
-        if kind == "candidate source":
+        if kind_base == "candidate source":
             kw["candidate_topk"] = cfg.candidate_topk_blocks
-        elif kind == "Reindex":
+        elif kind_base == "Reindex":
             nblk = -(-n // bs)
             picked = torch.rand(b, nblk, generator=g, device="cuda").topk(
                 min(cfg.candidate_topk_blocks, nblk), dim=1).indices
             kw["candidates"] = torch.zeros(b, nblk, dtype=torch.bool, device="cuda").scatter_(
                 1, picked, True)
             scored = min(n, cfg.candidate_topk_blocks * bs)
-        args = (q, w, pool, table, rows_of, vis, n, cfg.index_topk, [(1, rows_of)])
+        args = (q, w, pool, table, rows_of, vis, n, cfg.index_topk, groups)
 
         def call(impl=kernel):
             return impl.index_topk(*args, **kw)
 
-        want, got = call(reference), call()
-        same = torch.equal(want[0], got[0]) and (want[1] is None or torch.equal(want[1], got[1]))
+        fits = queries * n <= 64 * 65536 if not prefill else n <= 16384  # the reference's time
+        if fits:
+            want, got = call(reference), call()
+            same = torch.equal(want[0], got[0]) and (want[1] is None
+                                                     or torch.equal(want[1], got[1]))
+            del want, got
+        else:
+            same = None
         us = _graph_ms(call) * 1e3
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
@@ -527,11 +549,13 @@ def bench_indexer(copy_bw: float, cases=INDEXER_CASES, page_rows: int = 256) -> 
                 score_us += t
             elif t > 0:
                 other_us += t
-        ref_us = _events_ms(lambda: call(reference), 3) * 1e3 if b * n <= 64 * 65536 else None
-        flops, nbytes, floor = indexer_floor(cfg, b, scored, copy_bw)
+        ref_us = _events_ms(lambda: call(reference), 3) * 1e3 if fits else None
+        flops, nbytes, floor = indexer_floor(cfg, queries, scored, copy_bw,
+                                             key_rows=n if prefill else None)
         rows.append({"kind": kind, "batch": b, "rows": n, "us": us, "score_us": score_us,
                      "select_us": other_us, "floor_us": floor * 1e6, "ratio": us * 1e-6 / floor,
-                     "key_GB/s": b * scored * index_key_bytes(d) / (score_us * 1e-6) / 1e9,
+                     # key bytes scored (a prefill's: each query's visible rows)
+                     "key_GB/s": queries * scored * index_key_bytes(d) / (score_us * 1e-6) / 1e9,
                      "reference_us": ref_us, "same_as_reference": same})
         del pool  # the graph went with _graph_ms
         torch.cuda.empty_cache()
@@ -546,14 +570,14 @@ def main(args) -> int:
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     if args.part in ("indexer", "all"):
         copy_bw = measure_copy_bandwidth()
-        print(f"lightning indexer alone, decode, V4.1-Flash (top-{preset('v41-flash').index_topk}); "
+        print(f"lightning indexer alone, V4.1-Flash (top-{preset('v41-flash').index_topk}); "
               f"copy {copy_bw / 1e12:.2f} TB/s; graph = CUDA-graph replay, scoring / rest = GPU "
-              "time of the kernels (eager)")
-        print(f"{'case':<18}{'batch':>6}{'rows':>9}{'graph us':>10}{'scoring':>9}{'rest':>7}"
+              "time of the kernels (eager); prefill: one sequence, a query per row")
+        print(f"{'case':<27}{'batch':>6}{'rows':>9}{'graph us':>10}{'scoring':>9}{'rest':>7}"
               f"{'key GB/s':>9}{'floor':>8}{'ratio':>7}{'ref us':>9}  same as reference")
         for r in bench_indexer(copy_bw):
             ref = "-" if r["reference_us"] is None else f"{r['reference_us']:.0f}"
-            print(f"{r['kind']:<18}{r['batch']:>6}{r['rows']:>9}{r['us']:>10.1f}"
+            print(f"{r['kind']:<27}{r['batch']:>6}{r['rows']:>9}{r['us']:>10.1f}"
                   f"{r['score_us']:>9.1f}{r['select_us']:>7.1f}{r['key_GB/s']:>9.0f}"
                   f"{r['floor_us']:>8.1f}{r['ratio']:>7.1f}{ref:>9}  {r['same_as_reference']}")
         if args.part == "indexer":

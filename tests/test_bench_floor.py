@@ -44,3 +44,16 @@ def test_indexer_floor_is_the_key_bytes_at_long_context():
     assert nbytes == 64 * (65536 * 68 + 32 * 128 * 2 + 32 * 2 + 512 * 4)
     assert floor * 1e6 == pytest.approx(66.4, abs=0.1)
     assert indexer_floor(CFG, 64, 2048 * 8, 4.3e12)[2] * 1e6 == pytest.approx(16.7, abs=0.1)
+
+
+def test_indexer_floor_of_a_prefill_is_the_causal_dots():
+    """A 64K prefill's indexer: each query scores the rows up to its own (2^31 pairs, 17.6
+    TFLOP: 22.3 ms at 790 TFLOP/s); the sequence's keys are read once (4.5 MB), not once per
+    query, so the FLOPs bound it."""
+    from dsv41attn.bench import indexer_floor
+
+    n = 65536
+    flops, nbytes, floor = indexer_floor(CFG, n, (n + 1) / 2, 4.3e12, key_rows=n)
+    assert flops == 2 * 32 * 128 * n * (n + 1) / 2
+    assert nbytes == n * 68 + n * (32 * 128 * 2 + 32 * 2 + 512 * 4)
+    assert floor * 1e3 == pytest.approx(22.27, abs=0.01)
