@@ -388,3 +388,42 @@ def test_flash_shapes_on_the_gpu(case):
         kw = dict(candidate_topk=cfg.candidate_topk_blocks, block_size=cfg.candidate_block_size)
         want, got = ref.index_topk(*args, **kw), tri.index_topk(*args, **kw)
         assert_same(want, got)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or tri.interpreting(),
+                    reason="compiled kernels at V4.1-Flash shapes need a GPU")
+def test_flash_shapes_prefill_on_the_gpu():
+    """V4.1-Flash's indexer in prefill on the GPU, each query's scoring and top-k stopping at
+    its visible rows: a sequence's first 6K tokens (query i sees rows 0 .. i) beside a 2K-token
+    chunk at position 40K of another (43K rows: the filtered top-k), then the first sequence
+    alone (the radix select), as the candidate source, on shuffled pages of random fp4
+    keys."""
+    from dsv41attn.config import preset
+    from dsv41attn.ops.common.packing import index_key_bytes
+
+    cfg = preset("v41-flash")
+    heads, d, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+    g = torch.Generator(device="cuda").manual_seed(47)
+    first, chunk, start = 6144, 2048, 40960
+    n, page_rows = start + chunk, 256
+    pages = 2 * (n // page_rows) + 3
+    pool = torch.randint(0, 256, (pages, page_rows, index_key_bytes(d)), generator=g,
+                         device="cuda", dtype=torch.int32).to(torch.uint8)
+    pool[..., d // 2:] = torch.randint(118, 128, pool[..., d // 2:].shape, generator=g,
+                                       device="cuda", dtype=torch.int32).to(torch.uint8)
+    table = torch.randperm(pages, generator=g, device="cuda")[: pages - 3].view(2, -1)
+    t = first + chunk
+    q = index_fp4_fake_quant(torch.randn(t, heads, d, generator=g, device="cuda").bfloat16())
+    w = (torch.randn(t, heads, generator=g, device="cuda") * 0.1).bfloat16()
+    rows = torch.cat([torch.zeros(first, dtype=torch.long), torch.ones(chunk, dtype=torch.long)])
+    vis = torch.cat([torch.arange(1, first + 1), torch.arange(start + 1, n + 1)])
+    ids = torch.arange(t, device="cuda")
+    kw = dict(candidate_topk=cfg.candidate_topk_blocks, block_size=cfg.candidate_block_size)
+    calls = [((q, w, pool, table, rows.cuda(), vis.cuda(), n, k,
+               [(first, ids[:first]), (chunk, ids[first:])]), True),
+             ((q[:first], w[:first], pool, table, rows[:first].cuda(), vis[:first].cuda(),
+               first, k, [(first, ids[:first])]), False)]
+    for args, filtered in calls:
+        assert tri._filters(args[0].shape[0], args[6], k) == filtered
+        want, got = ref.index_topk(*args, **kw), tri.index_topk(*args, **kw)
+        assert_same(want, got)
