@@ -146,20 +146,22 @@ class AttentionLayer:
                 elif scoring:
                     head_weights = self._head_weights(x)
 
-            # Query path (docs/numerics.md §5, step 1). An index source with rows to score
-            # this step projects the indexer's query from the same qr: one act-quant for both.
-            qr = ops.rms_norm(ops.fp8_linear(x, w.wq_a.weight, w.wq_a.scale), w.q_norm,
-                              cfg.norm_eps)
+            # Query path (docs/numerics.md §5, step 1): wq_a, then q_norm inside wq_b's
+            # act-quant. An index source with rows to score this step projects the indexer's
+            # query from the same qr: one act-quant for both.
+            q_low = ops.fp8_linear(x, w.wq_a.weight, w.wq_a.scale)
+            q_norm = (w.q_norm, cfg.norm_eps)
             q_index = None
             if scoring:
-                q, q_index = ops.fp8_linear_pair(qr, w.wq_b.weight, w.wq_b.scale,
-                                                 w.index_wq_b.weight, w.index_wq_b.scale)
+                q, q_index = ops.fp8_linear_pair(q_low, w.wq_b.weight, w.wq_b.scale,
+                                                 w.index_wq_b.weight, w.index_wq_b.scale,
+                                                 norm=q_norm)
                 q_index = ops.rope_fp4_heads(q_index.view(t, self.index_heads,
                                                           cfg.index_head_dim), rot)
                 if compresses:
                     head_weights = self._head_weights(x)
             else:
-                q = ops.fp8_linear(qr, w.wq_b.weight, w.wq_b.scale)
+                q = ops.fp8_linear(q_low, w.wq_b.weight, w.wq_b.scale, norm=q_norm)
             q = ops.rope_heads(q.view(t, self.heads, cfg.head_dim), rot)  # [T, H, D]
         # joined: the indexer and the attention read the rows the branch wrote
 

@@ -551,6 +551,60 @@ def test_fp8_linear_pair_equals_two_calls(m):
         T.fp8_linear_pair(x, w1, s1, w2[:, :32].contiguous(), s2[:, :1].contiguous())
 
 
+@pytest.mark.parametrize("k", [1024, 2560], ids=["k1024-4warps", "k2560-8warps"])
+def test_act_quant_with_norm_equals_rms_norm_first(k):
+    """act_quant's fused RMSNorm (the query's q_norm inside wq_b's act-quant): every form
+    (e4m3 codes, fp16 values, bf16 values) and the scales equal act_quant of
+    common.triton.rms_norm's output, bit for bit; rows spanning 2^-20 .. 2^20, a zero row."""
+    from dsv41attn.ops.common.triton import rms_norm
+
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(5, k, generator=g) * torch.logspace(-6, 6, 5, base=10.0)[:, None]
+    x[2] = 0.0
+    x = x.bfloat16().to(DEV)
+    w = (torch.randn(k, generator=g) * 0.5 + 1).bfloat16().to(DEV)
+    normed = rms_norm(x, w, 1e-6)
+    for kw in ({}, {"f16": True}, {"dequant": True}):
+        want = act_quant(normed, **kw)
+        got = act_quant(x, norm=(w, 1e-6), **kw)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a.cpu().view(torch.uint8),
+                                                      b.cpu().view(torch.uint8)), kw
+    with pytest.raises(ValueError, match="norm weight"):
+        act_quant(x, norm=(w[:-32], 1e-6))
+    with pytest.raises(ValueError, match="norm weight"):
+        act_quant(x, norm=(w.float(), 1e-6))
+
+
+@pytest.mark.parametrize("m", [1, 17, 70])
+def test_fp8_linear_with_norm_equals_norm_first(m):
+    """fp8_linear and fp8_linear_pair with norm=(weight, eps) (the layer's q_norm then wq_b
+    and the index wq_b): the bits of rms_norm then the linears, on both backends."""
+    from dsv41attn.ops.common.norm import rms_norm as ref_rms_norm
+    from dsv41attn.ops.common.triton import rms_norm
+    from dsv41attn.ops.linear import reference as R
+
+    k = 32 * 12
+    w1, s1 = _quantized(70, k, seed=m)
+    w2, s2 = _quantized(33, k, seed=m + 1)
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, k, generator=g) * 3).bfloat16()
+    nw = (torch.randn(k, generator=g) * 0.5 + 1).bfloat16()
+    xd, nwd = x.to(DEV), nw.to(DEV)
+    w1d, s1d, w2d, s2d = w1.to(DEV), s1.to(DEV), w2.to(DEV), s2.to(DEV)
+    normed = rms_norm(xd, nwd, 1e-6)
+    y = fp8_linear(xd, w1d, s1d, norm=(nwd, 1e-6))
+    assert torch.equal(y.cpu(), fp8_linear(normed, w1d, s1d).cpu())
+    y1, y2 = T.fp8_linear_pair(xd, w1d, s1d, w2d, s2d, norm=(nwd, 1e-6))
+    assert torch.equal(y1.cpu(), fp8_linear(normed, w1d, s1d).cpu())
+    assert torch.equal(y2.cpu(), fp8_linear(normed, w2d, s2d).cpu())
+    ref_normed = ref_rms_norm(x, nw, 1e-6)
+    assert torch.equal(R.fp8_linear(x, w1, s1, norm=(nw, 1e-6)), R.fp8_linear(ref_normed, w1, s1))
+    r1, r2 = R.fp8_linear_pair(x, w1, s1, w2, s2, norm=(nw, 1e-6))
+    assert torch.equal(r1, R.fp8_linear(ref_normed, w1, s1))
+    assert torch.equal(r2, R.fp8_linear(ref_normed, w2, s2))
+
+
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 65])
 def test_linear_outputs_equal_gemm(m):
     """fp8_linear's own epilogues (bf16 or fp32 written by the decode kernel, the fused

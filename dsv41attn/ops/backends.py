@@ -33,7 +33,7 @@ class Ops:
 
     name: str
     sparse_attn_paged: Callable
-    fp8_linear: Callable
+    fp8_linear: Callable  # norm=(weight, eps): RMSNorm'd input (q_norm before wq_b)
     fp8_linear_pair: Callable  # two fp8 linears of one input, one act-quant (wq_b and the
     # index wq_b)
     norm_rope_pack: Callable  # window K/V: RMSNorm + RoPE + fp8 + pack (+ ring write)
@@ -47,7 +47,6 @@ class Ops:
     index_topk: Callable  # the lightning indexer: scores, candidate blocks, top-k
     rope_fp4_heads: Callable  # the index query's RoPE + fp4 fake quant
     linear: Callable  # bf16 / fp32 weights (reference.linear's signature)
-    rms_norm: Callable  # the query's RMSNorm (common.norm.rms_norm's signature)
     capturable: bool  # every op runs without host syncs: a decode step can be graph-captured
     batch_invariant: bool  # a sequence's bits never depend on the call (see the module doc)
 
@@ -56,7 +55,6 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
     if backend == "reference":
-        from .common.norm import rms_norm
         from .compressor.reference import pool_norm_rope_pack
         from .compressor.reference import prepare_project as compressor_prepare
         from .compressor.reference import project as compressor_project
@@ -72,7 +70,6 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
                              "backend runs torch's kernels, which promise no call-invariant order)")
     elif backend == "triton":
         try:
-            from .common.triton import rms_norm
             from .compressor import reference as compressor_reference
             from .compressor.triton import pool_norm_rope_pack, prepare_project
             from .compressor.triton import project as compressor_project
@@ -102,4 +99,4 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
     return Ops(backend, sparse_attn_paged, fp8_linear, fp8_linear_pair, norm_rope_pack,
                rope_heads, compressor_project, compressor_prepare, recent_gather_write,
                pool_norm_rope_pack, inverse_rope_wo_a, index_topk, rope_fp4_heads, linear,
-               rms_norm, backend == "triton", batch_invariant)
+               backend == "triton", batch_invariant)

@@ -248,6 +248,22 @@ def rope_heads(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False) -> tor
 # ---- RMSNorm of whole rows -------------------------------------------------------------------
 
 @triton.jit
+def rms_row_scale(x_ptr, row, N: tl.constexpr, eps, BLOCK: tl.constexpr):
+    """RMSNorm's r of row ``row`` of x [R, N] bf16 (BLOCK = next_power_of_2(N)): its squares
+    (exact in fp32) summed in one fixed tree, the row's [BLOCK] load and ``rms_norm_warps``
+    warps deciding it, so every kernel that calls this in a launch of that many warps gets
+    the same r (rms_norm's; fp8_linear's fused norm)."""
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * N + offs, mask=offs < N, other=0.0).to(tl.float32)
+    return rms_scale(tl.sum(x * x, 0), eps, N)
+
+
+def rms_norm_warps(n: int) -> int:
+    """Warps of a launch that calls rms_row_scale over rows of n."""
+    return 4 if n <= 2048 else 8
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N: tl.constexpr, eps, BLOCK: tl.constexpr,
                      INTERPRET: tl.constexpr):
     """x, out: [R, N] bf16; w: [N] bf16. Grid (R,): one row per program, its sum of squares
@@ -255,9 +271,9 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N: tl.constexpr, eps, BLOCK: tl.cons
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    r = rms_row_scale(x_ptr, row, N, eps, BLOCK)
     x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    r = rms_scale(tl.sum(x * x, 0), eps, N)  # squares of bf16 values are exact in fp32
     y = to_bf16(w * (x * r), INTERPRET)
     tl.store(out_ptr + row * N + offs, y.to(tl.bfloat16), mask=mask)
 
@@ -283,5 +299,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return out
     _rms_norm_kernel[(rows,)](x.contiguous(), weight.contiguous(), out, N=n, eps=float(eps),
                               BLOCK=triton.next_power_of_2(n), INTERPRET=interpreting(),
-                              num_warps=4 if n <= 2048 else 8, enable_fp_fusion=False)
+                              num_warps=rms_norm_warps(n), enable_fp_fusion=False)
     return out

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..common.cpu_kernels import torch_bf16_matmul
+from ..common.norm import rms_norm
 from ..common.quant import FP8_BLOCK, act_quant
 
 
@@ -42,13 +43,17 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
-               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+               out_dtype: torch.dtype = torch.bfloat16,
+               norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """y = x W^T for an fp8 weight: act_quant(x) then the blockwise fp8 GEMM.
 
     x: [..., K] bf16; weight [N, K] e4m3; weight_scale [ceil(N/32), ceil(K/32)] e8m0.
     Returns [..., N] in ``out_dtype``: bf16 (the layer's outputs), or torch.float32 for the
     GEMM's fp32 result before that cast (a tensor-parallel wo_b partial, all-reduced first).
+    norm: (weight [K] bf16, eps): x is RMSNorm'd first (the query's q_norm before wq_b).
     """
+    if norm is not None:
+        x = rms_norm(x, *norm)
     lead = x.shape[:-1]
     x_q, s = act_quant(x.reshape(-1, x.shape[-1]))
     y = fp8_gemm(x_q, s, weight, weight_scale)
@@ -56,9 +61,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 def fp8_linear_pair(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor,
-                    s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    s2: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two fp8 linears of one input (wq_b and the index wq_b share the query's qr):
-    (fp8_linear(x, w1, s1), fp8_linear(x, w2, s2)), bf16."""
+    (fp8_linear(x, w1, s1, norm=norm), fp8_linear(x, w2, s2, norm=norm)), bf16."""
+    if norm is not None:
+        x = rms_norm(x, *norm)
     return fp8_linear(x, w1, s1), fp8_linear(x, w2, s2)
 
 

@@ -56,7 +56,8 @@ except ImportError:  # pragma: no cover - older Triton: plain loads
     TensorDescriptor = None
 
 from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, check_device, e4m3_code, e8m0_to_fp32,
-                             interpreting, require, sm_count, to_bf16, ue8m0_exponent)
+                             interpreting, require, rms_norm_warps, rms_row_scale, round_bf16,
+                             sm_count, to_bf16, ue8m0_exponent)
 
 QUANT_BLOCKS = 16  # act_quant: scale blocks per program (512 elements of a row)
 SPLIT_MAX_M = 64  # decode-sized M: narrow tiles, long K steps (weight-bandwidth bound)
@@ -83,17 +84,28 @@ def _e4m3_value(code):
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, inv_max, QB: tl.constexpr,
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, nw_ptr, K, KB, inv_max, eps, QB: tl.constexpr,
                       F16: tl.constexpr = False, DEQUANT: tl.constexpr = False,
+                      NORM_K: tl.constexpr = 0, NORM_BLOCK: tl.constexpr = 1,
                       INTERPRET: tl.constexpr = False):
     """x: [M, K] bf16; q: [M, K] uint8 (e4m3 bytes), or fp16 (F16: the codes' values, exact:
     the decode GEMM's fp16 token operand), or bf16 (DEQUANT: the codes' values times their
-    scale, exact: the large-M GEMM's operand); s: [M, KB] fp32. Grid (M, cdiv(KB, QB))."""
+    scale, exact: the large-M GEMM's operand); s: [M, KB] fp32. NORM_K (= K): the rows are
+    RMSNorm'd first (nw: [K] bf16 weight, eps; NORM_BLOCK = next_power_of_2(K)), as
+    common.triton.rms_norm rounds them (its row sum, rms_row_scale, in a launch of
+    rms_norm_warps(K) warps; compiled without FMA
+    contraction, which changes none of the quantisation's exact steps). Grid (M, cdiv(KB,
+    QB))."""
     row = tl.program_id(0).to(tl.int64)
     offs_b = tl.program_id(1) * QB + tl.arange(0, QB)  # scale blocks of this program
     b_mask = offs_b < KB
-    offs = row * K + offs_b[:, None] * 32 + tl.arange(0, 32)[None, :]  # [QB, 32]
+    offs_k = offs_b[:, None] * 32 + tl.arange(0, 32)[None, :]  # [QB, 32]
+    offs = row * K + offs_k
     x = tl.load(x_ptr + offs, mask=b_mask[:, None], other=0.0).to(tl.float32)
+    if NORM_K > 0:  # bf16(w * (x * r)), r from the whole row
+        r = rms_row_scale(x_ptr, row, NORM_K, eps, NORM_BLOCK)
+        nw = tl.load(nw_ptr + offs_k, mask=b_mask[:, None], other=0.0).to(tl.float32)
+        x = round_bf16(nw * (x * r), INTERPRET)
     e = ue8m0_exponent(tl.max(tl.abs(x), 1), inv_max)
     s = (e << 23).to(tl.float32, bitcast=True)
     inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s, exact and normal
@@ -680,15 +692,18 @@ def _tma_weight(weight: torch.Tensor) -> bool:
     return interpreting()
 
 
-def act_quant(x: torch.Tensor, *, f16: bool = False,
-              dequant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant(x: torch.Tensor, *, f16: bool = False, dequant: bool = False,
+              norm: tuple[torch.Tensor, float] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 activation quantisation (docs/numerics.md §2), bit-exact with common.quant.act_quant.
 
     x: [M, K] bf16, K a multiple of 32. Returns (codes [M, K] float8_e4m3fn, scales [M, K/32]
     fp32 powers of two) with x ~= codes * scales per block of 32. Finite inputs only. f16: the
     codes' values as fp16 instead (exact: what the decode GEMM's wgmma reads, so it skips the
     widening; fp8_gemm takes either). dequant: the codes' values times their scales, as bf16
-    (exact: x fake-quantised; what fp8_linear's large-M GEMM reads).
+    (exact: x fake-quantised; what fp8_linear's large-M GEMM reads). norm: (weight [K] bf16,
+    eps): quantise ``common.triton.rms_norm(x, weight, eps)`` instead, in the same launch and
+    with its bits (the normalised rows are never written).
     """
     if f16 and dequant:
         raise ValueError("act_quant: f16 and dequant are exclusive (fp16 codes or bf16 values)")
@@ -701,15 +716,25 @@ def act_quant(x: torch.Tensor, *, f16: bool = False,
     if k % FP8_BLOCK:
         raise ValueError(f"K = {k} is not a multiple of the quant block {FP8_BLOCK}")
     kb = k // FP8_BLOCK
+    nw, eps = (x, 0.0) if norm is None else norm  # nw: never read without a norm
+    if norm is not None:
+        require(isinstance(nw, torch.Tensor) and nw.dtype == torch.bfloat16
+                and tuple(nw.shape) == (k,),
+                f"act_quant's norm weight must be bf16 [{k}], got "
+                f"{getattr(nw, 'dtype', type(nw))} {tuple(getattr(nw, 'shape', ()))}")
+        check_device(x, nw)
     dtype = torch.float16 if f16 else torch.bfloat16 if dequant else torch.float8_e4m3fn
     q = torch.empty(m, k, dtype=dtype, device=x.device)
     s = torch.empty(m, kb, dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return q, s
     grid = (m, triton.cdiv(kb, QUANT_BLOCKS))
-    _act_quant_kernel[grid](x.contiguous(), q if f16 or dequant else q.view(torch.uint8), s, k,
-                            kb, INV_FP8_MAX, QB=QUANT_BLOCKS, F16=f16, DEQUANT=dequant,
-                            INTERPRET=interpreting(), num_warps=4)
+    norm_kw = {} if norm is None else dict(
+        NORM_K=k, NORM_BLOCK=triton.next_power_of_2(k), enable_fp_fusion=False)
+    _act_quant_kernel[grid](x.contiguous(), q if f16 or dequant else q.view(torch.uint8), s,
+                            nw.contiguous(), k, kb, INV_FP8_MAX, float(eps), QB=QUANT_BLOCKS,
+                            F16=f16, DEQUANT=dequant, INTERPRET=interpreting(),
+                            num_warps=4 if norm is None else rms_norm_warps(k), **norm_kw)
     return q, s
 
 
@@ -910,9 +935,10 @@ def _x_form(plan: _GemmPlan) -> str:
     return "f16" if plan.swap and plan.dot_f16 and plan.block_m <= 16 else "codes"
 
 
-def _act_operands(x2: torch.Tensor, plans) -> dict:
-    """act_quant of fp8_linear's rows once per form its ``plans`` read: {form: (x, scales)}."""
-    return {form: act_quant(x2, f16=form == "f16", dequant=form == "values")
+def _act_operands(x2: torch.Tensor, plans, norm=None) -> dict:
+    """act_quant of fp8_linear's rows (RMSNorm'd first with ``norm``) once per form its
+    ``plans`` read: {form: (x, scales)}."""
+    return {form: act_quant(x2, f16=form == "f16", dequant=form == "values", norm=norm)
             for form in dict.fromkeys(map(_x_form, plans))}
 
 
@@ -932,8 +958,11 @@ def _linear_from_quant(x_q, s, plan, weight, weight_scale, num_splits, precise_d
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
                num_splits: int | None = None, precise_dot: bool = True,
-               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+               out_dtype: torch.dtype = torch.bfloat16,
+               norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """y = x W^T for an fp8 weight: act_quant(x) then the blockwise fp8 GEMM (docs/numerics.md §4).
+    norm: (weight, eps): y = rms_norm(x, weight, eps) W^T, the norm inside act_quant's launch
+    (the same bits as common.triton.rms_norm, then this).
 
     x: [..., K] bf16; weight [N, K] float8_e4m3fn; weight_scale [ceil(N/32), K/32]
     float8_e8m0fnu; num_splits: fp8_gemm's K ranges (None: from N, K and the SM count);
@@ -950,7 +979,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     plan = _linear_plan(x2.shape[0], weight, num_splits, precise_dot, x.device)
-    x_q, s = _act_operands(x2, [plan])[_x_form(plan)]
+    x_q, s = _act_operands(x2, [plan], norm)[_x_form(plan)]
     y = _linear_from_quant(x_q, s, plan, weight, weight_scale, num_splits, precise_dot,
                            out_dtype)
     return y.reshape(*lead, weight.shape[0])
@@ -958,15 +987,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 def fp8_linear_pair(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor,
                     s2: torch.Tensor, *, precise_dot: bool = True,
-                    out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8_linear(x, w1, s1), fp8_linear(x, w2, s2)) with one act_quant of x (wq_b and the
-    index wq_b share the query's qr): the same bits as the two calls, one launch fewer."""
+                    out_dtype: torch.dtype = torch.bfloat16,
+                    norm: tuple[torch.Tensor, float] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8_linear(x, w1, s1, norm=norm), fp8_linear(x, w2, s2, norm=norm)) with one act_quant
+    of x (wq_b and the index wq_b share the query's qr): the same bits as the two calls, one
+    launch fewer."""
     _check_linear(x, w1, s1)
     _check_linear(x, w2, s2)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     plans = [_linear_plan(x2.shape[0], w, None, precise_dot, x.device) for w in (w1, w2)]
-    xs = _act_operands(x2, plans)
+    xs = _act_operands(x2, plans, norm)
     y1, y2 = (_linear_from_quant(*xs[_x_form(p)], p, w, sc, None, precise_dot, out_dtype)
               for p, w, sc in zip(plans, (w1, w2), (s1, s2)))
     return y1.reshape(*lead, w1.shape[0]), y2.reshape(*lead, w2.shape[0])
