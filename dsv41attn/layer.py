@@ -226,8 +226,9 @@ class AttentionLayer:
             state.set_index_key_slot(spec.layer, undo)
 
     def _head_weights(self, x: torch.Tensor) -> torch.Tensor:
-        """The indexer's per-head weights of each token [T, index heads] bf16 (step 4)."""
-        return self.ops.linear(x, self.weights.index_weights_proj) * self.cfg.index_weight_scale
+        """The indexer's per-head weights of each token [T, index heads] bf16 (step 4), before
+        ``index_weight_scale`` (the indexer applies it as it reads them: one launch fewer)."""
+        return self.ops.linear(x, self.weights.index_weights_proj)
 
     def _index(self, x: torch.Tensor, q_index: torch.Tensor | None,
                head_weights: torch.Tensor | None, state: AttentionState, plan: StepPlan,
@@ -235,8 +236,8 @@ class AttentionLayer:
         """The lightning indexer of an index source (docs/numerics.md §5, step 4): top-k [T, k]
         int32 (-1 pad), published for the layers that reuse them (and, for the candidate
         source, the kept candidate blocks). q_index: the indexer's rotated fp4 query [T, index
-        heads, index head dim] bf16, head_weights: [T, index heads] bf16 (both None when there
-        is nothing to score: facts.scan == 0)."""
+        heads, index head dim] bf16, head_weights: [T, index heads] bf16 before
+        index_weight_scale (both None when there is nothing to score: facts.scan == 0)."""
         cfg, spec = self.cfg, self.spec
         t = x.shape[0]
         keep = None
@@ -252,9 +253,11 @@ class AttentionLayer:
                 board.candidates() if spec.is_candidate_consumer else None,
                 cfg.candidate_topk_blocks if spec.is_candidate_source else None,
                 cfg.candidate_block_size,
-                reduce=None if self.tp is None else self.tp.reduce_scores)
+                reduce=None if self.tp is None else self.tp.reduce_scores,
+                head_scale=cfg.index_weight_scale)
             if board.index_inputs is not None:  # a traced step keeps what the indexer scored
-                board.index_inputs[spec.layer] = (q_index, head_weights, keys, facts)
+                board.index_inputs[spec.layer] = (q_index, head_weights * cfg.index_weight_scale,
+                                                  keys, facts)
         if keep is not None:
             board.publish_candidates(keep)
         board.publish_topk(spec.layer, selected)

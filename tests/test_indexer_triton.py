@@ -237,6 +237,35 @@ def test_key_scales_wide_tiny_and_spread(d, heads, small_tiles):
     assert (e > 128).any() and (e < 40).any()  # both decodes and tiny scales ran
 
 
+@pytest.mark.parametrize("scale", [1 / 64, 0.1], ids=["flash", "rounding"])
+def test_head_scale_is_applied_as_the_layer_did(scale, small_tiles):
+    """head_scale: the head weights used are bf16(head_weights * scale), as the layer's
+    ``weights_proj(x) * index_weight_scale`` made them before the indexer took the scale
+    (one launch fewer): both backends select as with pre-scaled weights, a decode step and a
+    prefill, the candidate source's kept blocks too, and score alike (seen through the reduce
+    hook; decode: a prefill's kernel leaves rows past a query's width unwritten); a scale that
+    rounds (0.1) as well."""
+    for seqs in ([1, 1, 1], [5, 1, 3]):
+        args = setup(seqs, 29, 4, 32, seed=19)
+        raw = (args[1].float() * 8).bfloat16()  # weights_proj's output, before the scale
+        for impl in (ref, tri):
+            seen = []
+
+            def keep(s):
+                seen.append(s.clone())
+                return s
+
+            want = impl.index_topk(args[0], raw * scale, *args[2:6], 29, 6, args[6],
+                                   candidate_topk=2, block_size=4, reduce=keep)
+            got = impl.index_topk(args[0], raw, *args[2:6], 29, 6, args[6], candidate_topk=2,
+                                  block_size=4, head_scale=scale, reduce=keep)
+            assert_same(want, got)
+            if len(seqs) == 3 and max(seqs) == 1:
+                a, b = seen
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+                assert torch.isfinite(a.float()).any()
+
+
 def test_unallocated_pages_read_zero_keys():
     args = list(setup([1, 3], 12, 4, 32, seed=7))
     args[3][:, -1] = -1  # never allocated

@@ -87,12 +87,13 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
                block_table: torch.Tensor, token_row: torch.Tensor, visible: torch.Tensor,
                n_rows: int, topk: int, token_groups: list[tuple[int, torch.Tensor]],
                candidates: torch.Tensor | None = None, candidate_topk: int | None = None,
-               block_size: int = 8, score_budget: int = 1 << 30, reduce=None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+               block_size: int = 8, score_budget: int = 1 << 30, reduce=None,
+               head_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The lightning indexer over the paged fp4 index keys, one query per packed token.
 
     q_index: [T, I, d] bf16 index queries (post-RoPE, fp4-fake-quantised); head_weights: [T, I]
-    bf16 (already scaled); key_pool: [P, page_rows, d/2 + d/32] uint8 packed index keys;
+    bf16, used as ``head_weights * head_scale`` (bf16: the layer's weights_proj(x) and
+    index_weight_scale); key_pool: [P, page_rows, d/2 + d/32] uint8 packed index keys;
     block_table: [B, pages] int64 page ids of every state row; token_row: [T] int64 each
     query's state row; visible: [T] int64 rows the query may see ((P + 1) // r); n_rows: rows
     per sequence to score (>= every visible; rows beyond a query's ``visible`` are masked, so
@@ -112,6 +113,8 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
     kept blocks [T, nblk] bool for the candidate source, else None).
     """
     t_all, dev = q_index.shape[0], q_index.device
+    if head_scale != 1.0:
+        head_weights = head_weights * head_scale  # bf16, rounded once
     k = min(topk, n_rows)
     selected = torch.empty(t_all, k, dtype=torch.int32, device=dev)
     nblk = -(-n_rows // block_size)

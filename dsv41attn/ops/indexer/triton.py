@@ -89,7 +89,7 @@ import triton.language as tl
 
 from ..common.packing import index_key_bytes
 from ..common.triton import (check_device, e4m3_of_e2m1, e4m3_to_fp32, interpreting,
-                             require, round_bf16)
+                             require, round_bf16, to_bf16)
 
 PREFILL_TILE = 4  # queries of one sequence per scoring program (they share the key loads)
 SCORE_ROWS = 128  # rows per scoring tile (decode)
@@ -345,12 +345,12 @@ def _tile_start(it, g_first, tiles_per_prog, BN: tl.constexpr, COMPACT: tl.const
 @triton.jit
 def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, list_ptr,
                   nvalid_ptr, out_ptr, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, N, k,
-                  bt_stride, keep_stride, list_stride, tiles_per_prog, PAGE_ROWS: tl.constexpr,
+                  head_scale, bt_stride, keep_stride, list_stride, tiles_per_prog, PAGE_ROWS: tl.constexpr,
                   I: tl.constexpr, I_PAD: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
                   BN: tl.constexpr, BLOCK_SIZE: tl.constexpr, WORDS: tl.constexpr,
                   HAS_TILES: tl.constexpr, HAS_KEEP: tl.constexpr, COMPACT: tl.constexpr,
                   CLIP: tl.constexpr, INTERPRET: tl.constexpr):
-    """q: [T, I, D] bf16; w: [T, I] bf16; pool: uint8 key rows (D/2 bytes of e2m1 pairs, then
+    """q: [T, I, D] bf16; w: [T, I] bf16, times head_scale (rounded to bf16); pool: uint8 key rows (D/2 bytes of e2m1 pairs, then
     D/32 ue8m0 bytes), PAGE_ROWS rows a page (a constant: the page lookup divides by it);
     bt: [B, pages] int64; vis, row: [T] int64; keep: uint8 [T,
     keep_stride] (HAS_KEEP); out: int16 [slots, N] bf16 bits, slot = the query's place in
@@ -398,7 +398,14 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, li
     qv = _q_operand(q_ptr, q_off, r_ok, D, INTERPRET)
     wv = tl.load(w_ptr + (tok0 + r_tok) * I + r_head, mask=r_ok, other=0.0)
     if INTERPRET:
-        wv = wv.to(tl.float32)
+        wv = round_bf16(wv.to(tl.float32) * head_scale, INTERPRET)  # bf16(w * scale)
+    else:  # the same, two weights a register
+        wv = tl.inline_asm_elementwise(
+            "{ .reg .b32 a, b; .reg .f32 x, y, s; shl.b32 a, $1, 16; and.b32 b, $1, 0xFFFF0000;"
+            " mov.b32 x, a; mov.b32 y, b; mov.b32 s, $2; mul.rn.f32 x, x, s; mul.rn.f32 y, y, s;"
+            " cvt.rn.bf16x2.f32 $0, y, x; }",
+            "=r,r,r,r", [wv, tl.full(wv.shape, head_scale, tl.float32)], dtype=tl.bfloat16,
+            is_pure=True, pack=2)
     out_cols = out_ptr + (tile.to(tl.int64) * TILE + offs_m.to(tl.int64))[None, :] * N
     if COMPACT:
         g_end = n
@@ -915,9 +922,10 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
                block_table: torch.Tensor, token_row: torch.Tensor, visible: torch.Tensor,
                n_rows: int, topk: int, token_groups: list[tuple[int, torch.Tensor]],
                candidates: torch.Tensor | None = None, candidate_topk: int | None = None,
-               block_size: int = 8, score_budget: int = 1 << 30, reduce=None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """reference.index_topk in Triton (same arguments, same results; module docstring).
+               block_size: int = 8, score_budget: int = 1 << 30, reduce=None,
+               head_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """reference.index_topk in Triton (same arguments, same results; module docstring; the
+    head weights are scaled as the scoring kernel loads them).
 
     score_budget: bytes of bf16 scores held at once, with a consumer's lists and the filter's
     buffers (a prefill longer than that runs in query chunks; the results do not depend on
@@ -1002,7 +1010,7 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
             row_progs = min(row_progs, triton.cdiv(COMPACT_PROGRAMS, c))
         _score_kernel[(c, row_progs)](
             q, w, key_pool, table, vis, rows, cand, *(lists or (None, None)), scores, tile_tok,
-            tile_cnt, tile_base, slot_base, width, k, table.stride(0),
+            tile_cnt, tile_base, slot_base, width, k, float(head_scale), table.stride(0),
             cand.shape[1] if cand is not None else 0, nblk if compact else 0, tiles_per_prog,
             PAGE_ROWS=key_pool.shape[1], I=heads, I_PAD=i_pad, D=d, TILE=tile, BN=rows_per_tile,
             BLOCK_SIZE=block_size, WORDS=words, HAS_TILES=prefill, HAS_KEEP=cand is not None,
