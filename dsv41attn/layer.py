@@ -162,7 +162,8 @@ class AttentionLayer:
                     head_weights = self._head_weights(x)
             else:
                 q = ops.fp8_linear(q_low, w.wq_b.weight, w.wq_b.scale, norm=q_norm)
-            q = ops.rope_heads(q.view(t, self.heads, cfg.head_dim), rot)  # [T, H, D]
+            # [T, H, D]; q is this step's own: its tail turns in place
+            q = ops.rope_heads(q.view(t, self.heads, cfg.head_dim), rot, in_place=True)
         # joined: the indexer and the attention read the rows the branch wrote
 
         # The selection of compressed rows (step 4).
@@ -184,7 +185,8 @@ class AttentionLayer:
             trace(self, {"plan": plan, "board": board, "q": q, "new_rows": new_rows,
                          "window_ring": layer_state.window, "pool": pool, "selected": selected,
                          "block_table": state.block_table, "o": o})
-        u = ops.inverse_rope_wo_a(o, rot, w.wo_a, self.groups)  # [T, G * o_lora_rank]
+        # [T, G * o_lora_rank]; o turns in place unless a trace hook has been handed it
+        u = ops.inverse_rope_wo_a(o, rot, w.wo_a, self.groups, in_place=trace is None)
         if self.tp is None:
             y = ops.fp8_linear(u, w.wo_b.weight, w.wo_b.scale)
         else:  # this rank's fp32 partial, all-reduced in fp32, then bf16

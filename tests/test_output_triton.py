@@ -138,6 +138,29 @@ def test_fused_max_rows():
     assert torch.equal(_run_triton(o[1:2], rot[1:2], w, groups, rk), default[1:2])  # N-invariant
 
 
+@pytest.mark.parametrize("fixed_order", [True, False], ids=["fixed", "step-sized"])
+def test_in_place_turns_o_and_gives_the_same_bits(fixed_order):
+    """in_place (the layer's o is its own): the same output as the copying form, o itself left
+    holding its inverse rotation (nope dims untouched); the reference takes the flag and
+    leaves o alone."""
+    n = 5
+    o, rot, groups, rk = _inputs("rope64", n, seed=7)
+    w = _weight("rope64", "fp8", seed=8)
+    want = _run_triton(o, rot, w, groups, rk, fixed_order=fixed_order)
+    o_dev = o.clone().to(DEV)
+    out = torch.empty(n, groups * rk, dtype=torch.bfloat16, device=DEV)
+    T.inverse_rope_wo_a(o_dev, rot.to(DEV), w.to(DEV), groups, out=out,
+                        fixed_order=fixed_order, in_place=True)
+    assert torch.equal(out.cpu(), want)
+    turned = rope_heads(o.clone().to(DEV), rot.to(DEV), inverse=True)
+    assert torch.equal(o_dev.view(torch.int16), turned.view(torch.int16))
+    assert not torch.equal(o_dev.cpu(), o)
+    o_ref = o.clone()
+    assert torch.equal(R.inverse_rope_wo_a(o_ref, rot, w, groups, in_place=True),
+                       R.inverse_rope_wo_a(o, rot, w, groups))
+    assert torch.equal(o_ref, o)
+
+
 def test_reference_is_the_layer_lines():
     """reference(o flattened over (b, m)) is §4.6's lines in the layer, on [b, m, ...]."""
     b, m = 2, 3

@@ -219,11 +219,17 @@ def test_rope_heads(dims, heads, inverse, n):
     x = (torch.randn(n, heads, d, generator=g) * 10.0 ** torch.randint(-4, 4, (n, heads, 1),
                                                                        generator=g)).bfloat16()
     rot = rope_rotations(freqs, _positions(n, g))
-    x_dev = x.to(DEV)
+    x_dev = x.clone().to(DEV)
     got = T.rope_heads(x_dev, rot.to(DEV), inverse)
     want = R.rope_heads(x, rot, inverse)
     assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))  # bits, -0 included
     assert torch.equal(x_dev.cpu().view(torch.int16), x.view(torch.int16))  # x untouched
+    # in place: x itself turns, its nope dims never written (the same bits)
+    same = T.rope_heads(x_dev, rot.to(DEV), inverse, in_place=True)
+    assert same.data_ptr() == x_dev.data_ptr()
+    assert torch.equal(x_dev.cpu().view(torch.int16), want.view(torch.int16))
+    assert torch.equal(R.rope_heads(x, rot, inverse, in_place=True).view(torch.int16),
+                       want.view(torch.int16))
 
 
 def test_norm_rope_pack_ring_out_of_range():
@@ -244,6 +250,11 @@ def test_rope_heads_strided_input():
     x = torch.randn(3, 5, d, generator=g).bfloat16().transpose(0, 1)  # [5, 3, D], not contiguous
     rot = rope_rotations(freqs, _positions(5, g))
     got = T.rope_heads(x.to(DEV), rot.to(DEV))
+    assert torch.equal(got.cpu().view(torch.int16), R.rope_heads(x, rot).view(torch.int16))
+    x_dev = x.to(DEV)  # a strided view of a contiguous tensor: in_place cannot turn it
+    before = x_dev.clone()
+    got = T.rope_heads(x_dev, rot.to(DEV), in_place=True)
+    assert got.data_ptr() != x_dev.data_ptr() and torch.equal(x_dev, before)
     assert torch.equal(got.cpu().view(torch.int16), R.rope_heads(x, rot).view(torch.int16))
 
 

@@ -198,16 +198,19 @@ def rope_rotate(even, odd, cs_ptr, pair, mask, INVERSE: tl.constexpr, INTERPRET:
 @triton.jit
 def _rope_heads_kernel(x_ptr, cs_ptr, out_ptr, H, D: tl.constexpr, R2: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_R2: tl.constexpr,
-                       INVERSE: tl.constexpr, INTERPRET: tl.constexpr):
-    """x, out: [N, H, D] bf16; cs: [N, R2, 2] fp32; all contiguous. Grid (N, cdiv(H, BLOCK_H))."""
+                       INVERSE: tl.constexpr, COPY_NOPE: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+    """x, out: [N, H, D] bf16 (out may be x: COPY_NOPE false, each rotated pair read before the
+    same thread writes it); cs: [N, R2, 2] fp32; all contiguous. Grid (N, cdiv(H, BLOCK_H))."""
     n = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h[:, None] < H
     row = n * H * D + offs_h[:, None] * D  # [BLOCK_H, 1]
-    offs_nope = tl.arange(0, BLOCK_NOPE)[None, :]
-    nope_mask = h_mask & (offs_nope < D - 2 * R2)
-    tl.store(out_ptr + row + offs_nope, tl.load(x_ptr + row + offs_nope, mask=nope_mask),
-             mask=nope_mask)
+    if COPY_NOPE:
+        offs_nope = tl.arange(0, BLOCK_NOPE)[None, :]
+        nope_mask = h_mask & (offs_nope < D - 2 * R2)
+        tl.store(out_ptr + row + offs_nope, tl.load(x_ptr + row + offs_nope, mask=nope_mask),
+                 mask=nope_mask)
     pair = tl.arange(0, BLOCK_R2)[None, :]
     pair_mask = pair < R2
     mask = h_mask & pair_mask
@@ -220,12 +223,15 @@ def _rope_heads_kernel(x_ptr, cs_ptr, out_ptr, H, D: tl.constexpr, R2: tl.conste
     tl.store(out_ptr + row + col + 1, y_odd.to(tl.bfloat16), mask=mask)
 
 
-def rope_heads(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rope_heads(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False, *,
+               in_place: bool = False) -> torch.Tensor:
     """RoPE on the last R dims of every head: ``apply_rope(x, rot.unsqueeze(1), inverse)``.
 
     x: [N, H, D] bf16; rot: [N, R/2] complex64, one row per position; inverse multiplies by
-    the conjugate. Returns a new [N, H, D] bf16 tensor (x is not modified). One program per
-    (row, head block) copies the nope dims and rotates the tail pairs (rope_rotate).
+    the conjugate. Returns a new [N, H, D] bf16 tensor (x is not modified) or, in_place with
+    a contiguous x, x itself with its tail pairs rotated (the nope dims neither read nor
+    written: 2R of each head's D dims move instead of all of them). One program per (row,
+    head block) copies the nope dims and rotates the tail pairs (rope_rotate).
     """
     require(isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and x.dim() == 3,
           f"x must be a 3-D bf16 [N, H, D] tensor, got {getattr(x, 'dtype', type(x))} "
@@ -233,15 +239,16 @@ def rope_heads(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False) -> tor
     n, h, d = x.shape
     r2 = check_rot(rot, n, d)
     check_device(x, rot)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    in_place = in_place and x.is_contiguous()
+    out = x if in_place else torch.empty_like(x, memory_format=torch.contiguous_format)
     if out.numel() == 0:
         return out
     block_h = min(triton.next_power_of_2(h), 8)
     _rope_heads_kernel[(n, triton.cdiv(h, block_h))](
         x.contiguous(), cos_sin(rot), out, h, D=d, R2=r2, BLOCK_H=block_h,
         BLOCK_NOPE=triton.next_power_of_2(max(d - 2 * r2, 1)),
-        BLOCK_R2=triton.next_power_of_2(r2), INVERSE=bool(inverse), INTERPRET=interpreting(),
-        num_warps=4, enable_fp_fusion=False)
+        BLOCK_R2=triton.next_power_of_2(r2), INVERSE=bool(inverse), COPY_NOPE=not in_place,
+        INTERPRET=interpreting(), num_warps=4, enable_fp_fusion=False)
     return out
 
 

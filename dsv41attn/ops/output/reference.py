@@ -59,14 +59,17 @@ def check_out(out: torch.Tensor, o: torch.Tensor, columns: int) -> None:
 
 
 def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | Fp8Weight,
-                      groups: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                      groups: int, *, out: torch.Tensor | None = None,
+                      in_place: bool = False) -> torch.Tensor:
     """u[n, g*Rk + r] = sum_k rope^-1(o)[n, g*K + k] * wo_a[g*Rk + r, k], K = H*D/groups.
 
     o: [N, H, D] bf16 attention output of N query rows (flattened over head then dim, its
     group g is dims g*K..(g+1)*K); rot: [N, R/2] complex64 rotation of each row's position (the
     last R dims of each head are rotated by its conjugate); wo_a: [groups*Rk, K] bf16, or the
     checkpoint's Fp8Weight (e4m3 + e8m0 32x32 block scales), dequantised exactly to bf16 first;
-    out: optional contiguous bf16 [N, groups*Rk] to write into. Returns [N, groups*Rk] bf16.
+    out: optional contiguous bf16 [N, groups*Rk] to write into; in_place: the caller no longer
+    needs o, which the Triton op then rotates in place (here: unused). Returns [N, groups*Rk]
+    bf16.
     """
     k, rk = check_inputs(o, rot, wo_a, groups)
     if out is not None:

@@ -167,7 +167,7 @@ def _pick_splits(programs: int, k_blocks: int, partial_row_bytes: int, weight_by
 def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | Fp8Weight,
                       groups: int, *, out: torch.Tensor | None = None,
                       num_splits: int | None = None, fused_max_rows: int = 0,
-                      fixed_order: bool = True) -> torch.Tensor:
+                      fixed_order: bool = True, in_place: bool = False) -> torch.Tensor:
     """``reference.inverse_rope_wo_a`` as one Triton kernel (plus a split-K sum for decode).
 
     o: [N, H, D] bf16; rot: [N, R/2] complex64 (the last R dims of each head are rotated by
@@ -183,7 +183,8 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | F
     at N = 64 against ~20-30 us for rope_heads + cuBLAS, and tens of ms at 8K rows; it stays
     the tested fused form. fixed_order=False (the backend's default mode, not batch-invariant)
     runs torch's bf16 batched GEMM (into out, no copy) instead of dense_linear there (cuBLAS: its blocking, and
-    so a row's last bits, may follow N).
+    so a row's last bits, may follow N). in_place: the caller no longer needs o: the rotation
+    kernel turns o's tail pairs in place instead of copying all of o.
     """
     kg, rk = check_inputs(o, rot, wo_a, groups)
     n, h, d = o.shape
@@ -205,7 +206,7 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | F
     if n > fused_max_rows and num_splits is None:
         # the rotation kernel, then the grouped GEMM (in its fixed summation order)
         w16 = wo_a.dequantize() if fp8 else weight
-        rotated = rope_heads(o, rot, inverse=True).view(n, h * d)
+        rotated = rope_heads(o, rot, inverse=True, in_place=in_place).view(n, h * d)
         if not fixed_order:  # torch's batched GEMM writes straight into out's [G, N, Rk] view
             torch.bmm(rotated.view(n, groups, kg).transpose(0, 1),
                       w16.view(groups, rk, kg).transpose(1, 2),

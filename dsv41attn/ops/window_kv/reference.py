@@ -40,10 +40,13 @@ def norm_rope_pack(kv: torch.Tensor, weight: torch.Tensor, eps: float, rot: torc
     return packed
 
 
-def rope_heads(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rope_heads(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False, *,
+               in_place: bool = False) -> torch.Tensor:
     """RoPE on the last R dims of every head: ``apply_rope(x, rot.unsqueeze(1), inverse)``.
 
     x: [N, H, D] bf16; rot: [N, R/2] complex64, one row per position; inverse multiplies by
-    the conjugate. Returns a new [N, H, D] bf16 tensor (x is not modified).
+    the conjugate. Returns a new [N, H, D] bf16 tensor (x is not modified). in_place: the
+    caller no longer needs x, which the Triton op then rotates in place; here it changes
+    nothing.
     """
     return apply_rope(x, rot.unsqueeze(1), inverse)
