@@ -638,11 +638,23 @@ def test_linear_outputs_equal_gemm(m):
         fp8_gemm(v, s, w, ws, precise_dot=False)
 
 
+def test_capture_counter_pool_hands_out_each_counter_once():
+    """The counters of captured launches: disjoint zeroed slices of one buffer, in order, until
+    it is spent (then None: the capture zeroes a buffer of its own)."""
+    pool = T._CounterPool(torch.zeros(10, dtype=torch.int32))
+    a, b = pool.take(4), pool.take(6)
+    assert a.numel() == 4 and b.numel() == 6 and (a == 0).all() and (b == 0).all()
+    a.fill_(1)
+    assert (b == 0).all() and pool.take(1) is None
+    assert b.data_ptr() == a.data_ptr() + 4 * a.element_size()
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="CUDA graphs")
 def test_fused_split_sum_in_graphs_replayed_side_by_side():
     """Graphs with the decode kernel's in-kernel split-K sum (<= 16 rows) each own their tile
-    counters: two graphs captured on torch's shared capture stream, replayed at the same time
-    on two streams, give the eager bits every time."""
+    counters (slices of the capture counter pool, which the eager warm-up made): two graphs
+    captured on torch's shared capture stream, replayed at the same time on two streams, give
+    the eager bits every time."""
     n, k = 4096, 32 * 160
     w, ws = _quantized(n, k, seed=91)
     w, ws = w.to(DEV), ws.to(DEV)
@@ -653,8 +665,10 @@ def test_fused_split_sum_in_graphs_replayed_side_by_side():
     for x in xs:
         fp8_linear(x, w, ws)  # warm-up: compiled
         g = torch.cuda.CUDAGraph()
+        used = T._CAPTURE_COUNTERS[str(w.device)].used
         with torch.cuda.graph(g):
             outs.append(fp8_linear(x, w, ws))
+        assert T._CAPTURE_COUNTERS[str(w.device)].used > used  # the pool's, not a memset's
         graphs.append(g)
     streams = [torch.cuda.Stream() for _ in graphs]
     for _ in range(20):

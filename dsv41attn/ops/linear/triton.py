@@ -825,17 +825,46 @@ def _gemm_into(out, kb, x, x_scales, weight, weight_scale, num_splits, precise_d
 
 
 _COUNTERS: dict = {}  # (device, stream) -> int32 tile counters of the fused split-K sum
+CAPTURE_COUNTER_INTS = 1 << 20  # per device: counters handed to captured launches (4 MB)
+
+
+class _CounterPool:
+    """Zeroed int32 counters for launches captured into CUDA graphs, one slice per launch,
+    never handed out twice: a captured launch leaves its counters zero again, as every launch
+    does, so the slice is ready for the next replay without a memset node in the graph (one
+    per fused GEMM, on the critical path of a decode step), and no two launches that may run
+    at once (a branch stream beside the query path, graphs replayed side by side) share one.
+    The buffer is allocated outside any capture (the first eager launch on the device); a
+    capture that finds none, or finds it spent, zeroes a buffer of its own as before."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self.used = 0
+
+    def take(self, n: int) -> torch.Tensor | None:
+        if self.used + n > self.buffer.numel():
+            return None
+        self.used += n
+        return self.buffer[self.used - n:self.used]
+
+
+_CAPTURE_COUNTERS: dict = {}  # device -> _CounterPool
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 counters, one per output tile, for _fp8_decode_kernel's last-program sum;
     each launch leaves them zero again. Eager: one buffer per (device, stream), since launches
     on one stream run in order and so never share counters at the same time. Under CUDA-graph
-    capture: a buffer of the graph's own (zeroed by a memset node at each replay), because
-    every graph torch captures shares one capture stream and graphs may replay side by side
-    on different streams."""
+    capture: a slice of the device's _CounterPool of the launch's own (every graph torch
+    captures shares one capture stream and graphs may replay side by side on different
+    streams), else a buffer of the graph's own, zeroed by a memset node at each replay."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(tiles, dtype=torch.int32, device=device)
+        pool = _CAPTURE_COUNTERS.get(str(device))
+        buf = pool.take(tiles) if pool is not None else None
+        return buf if buf is not None else torch.zeros(tiles, dtype=torch.int32, device=device)
+    if str(device) not in _CAPTURE_COUNTERS and device.type == "cuda":
+        _CAPTURE_COUNTERS[str(device)] = _CounterPool(
+            torch.zeros(CAPTURE_COUNTER_INTS, dtype=torch.int32, device=device))
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream)
     buf = _COUNTERS.get(key)
