@@ -344,12 +344,12 @@ def _tile_start(it, g_first, tiles_per_prog, BN: tl.constexpr, COMPACT: tl.const
 
 @triton.jit
 def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, list_ptr,
-                  nvalid_ptr, out_ptr, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, N, k,
-                  head_scale, bt_stride, keep_stride, list_stride, tiles_per_prog, PAGE_ROWS: tl.constexpr,
+                  nvalid_ptr, out_ptr, hist_ptr, tile_tok_ptr, tile_cnt_ptr, tile_base,
+                  slot_base, N, k, head_scale, slots, bt_stride, keep_stride, list_stride, tiles_per_prog, PAGE_ROWS: tl.constexpr,
                   I: tl.constexpr, I_PAD: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
                   BN: tl.constexpr, BLOCK_SIZE: tl.constexpr, WORDS: tl.constexpr,
                   HAS_TILES: tl.constexpr, HAS_KEEP: tl.constexpr, COMPACT: tl.constexpr,
-                  CLIP: tl.constexpr, INTERPRET: tl.constexpr):
+                  CLIP: tl.constexpr, NZ: tl.constexpr, INTERPRET: tl.constexpr):
     """q: [T, I, D] bf16; w: [T, I] bf16, times head_scale (rounded to bf16); pool: uint8 key rows (D/2 bytes of e2m1 pairs, then
     D/32 ue8m0 bytes), PAGE_ROWS rows a page (a constant: the page lookup divides by it);
     bt: [B, pages] int64; vis, row: [T] int64; keep: uint8 [T,
@@ -361,13 +361,19 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, li
     them loads nothing). Grid (chunk tiles, cdiv(N, BN * tiles_per_prog), over lists at most
     COMPACT_PROGRAMS / tiles of them). CLIP (never with COMPACT): rows past the tile's
     queries' _clip_width for a top-k of k are neither scored nor written (no selection reads
-    them).
+    them). hist: int32 [NZ, 2, slots, 256], the radix selections' histograms that follow
+    this launch: program (t, 0) zeroes its tile's slots in them (no zeroing launch of their
+    own).
 
     The key elements are the reference's bf16 values (e2m1 times the block's power of two),
     the query elements the given bf16 ones: one bf16 dot over all D elements with fp32
     accumulation sums the reference's exact products, as its matmul does."""
     R: tl.constexpr = TILE * I_PAD  # (token, head) columns of the dot
     tile = tl.program_id(0)
+    if tl.program_id(1) == 0:  # this tile's slots of the selections' histograms, zeroed
+        offs_z = (tile * TILE + tl.arange(0, TILE))[:, None] * 256 + tl.arange(0, 256)[None, :]
+        for j in tl.static_range(2 * NZ):
+            tl.store(hist_ptr + j * slots * 256 + offs_z, tl.zeros([TILE, 256], tl.int32))
     tok0, cnt = _owner_tokens(tile, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, HAS_TILES)
     if COMPACT:
         pid = tl.program_id(1)
@@ -784,14 +790,16 @@ def _filter_select_kernel(cnt_ptr, src_ptr, gt_ptr, out_ptr, vis_ptr, tile_tok_p
 
 def _select(src, k: int, out, visible, tiles, tile_base: int, slot_base: int, slots: int,
             n: int, from_scores: bool, mask_out: bool, compact=None, ch: int | None = None,
-            clip: bool = False, unit: int = 1) -> None:
+            clip: bool = False, unit: int = 1, hist=None) -> None:
     """Radix top-k of ``slots`` rows of ``src`` [slots, n] into ``out`` (see _select_kernel).
     compact: None, or (row counts [owners] int32, block lists [owners, W] int32, block
     size): src holds each slot's candidate rows compactly (see _compact_candidates). clip:
-    each slot's first _clip_width entries only, ``unit`` rows an entry (a prefill's)."""
+    each slot's first _clip_width entries only, ``unit`` rows an entry (a prefill's). hist:
+    zeroed int32 [2, slots, 256] (None: made here)."""
     dev = src.device
     ch = SELECT_CHUNK if ch is None else ch  # rows per program
-    hist = torch.zeros(2, slots, 256, dtype=torch.int32, device=dev)
+    if hist is None:
+        hist = torch.zeros(2, slots, 256, dtype=torch.int32, device=dev)
     nch = triton.cdiv(n, ch)
     cnt = torch.empty(slots, 2, nch, dtype=torch.int32, device=dev)
     tile_tok, tile_cnt, tile = tiles
@@ -828,7 +836,7 @@ def _filter_bytes(n: int, k: int) -> int:
 
 
 def _select_filtered(src, k: int, out, visible, tiles, tile_base: int, slot_base: int,
-                     slots: int, n: int, clip: bool = False) -> None:
+                     slots: int, n: int, clip: bool = False, hist=None) -> None:
     """_select's top-k of bf16 scores (src int16 [slots, n], no compact source) into
     ``out``, the same rows, through a filter (for n >> k; _filters). t = the k-th largest of
     the maxima of FILTER_BLOCK-row blocks (a radix select over n / FILTER_BLOCK keys). At
@@ -837,7 +845,8 @@ def _select_filtered(src, k: int, out, visible, tiles, tile_base: int, slot_base
     s_k = t and one pass writes the selection as _select_kernel does (_count_kernel, then
     _filter_write_kernel); else that pass lists the G rows above t, which hold every key >=
     s_k, and one program per slot selects from them (_filter_select_kernel). Ties go to the
-    lower row as in _select. clip: as _select's, for rows and block maxima alike."""
+    lower row as in _select. clip: as _select's, for rows and block maxima alike. hist: as
+    _select's."""
     dev = src.device
     tile_tok, tile_cnt, tile = tiles
     has_tiles = tile_tok is not None
@@ -849,7 +858,8 @@ def _select_filtered(src, k: int, out, visible, tiles, tile_base: int, slot_base
         src, bkeys, visible, tile_tok, tile_cnt, tile_base, slot_base, n, nb, k,
         BLOCK_SIZE=fb, BS_PAD=triton.next_power_of_2(fb), BB=BLOCK_KEYS, TILE=tile,
         HAS_TILES=has_tiles, PIN=False, CLIP=clip, num_warps=4)
-    hist = torch.zeros(2, slots, 256, dtype=torch.int32, device=dev)
+    if hist is None:
+        hist = torch.zeros(2, slots, 256, dtype=torch.int32, device=dev)
     ch = SELECT_CHUNK
     for low in (False, True):
         _hist_kernel[(slots, triton.cdiv(nb, ch))](
@@ -1005,16 +1015,20 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
         lists = _compact_candidates(cand, nblk, -(-k // block_size), n_rows, block_size, c,
                                     tiles, tile_base, slot_base) if compact else None
         scores = torch.empty(slots, width, dtype=torch.int16, device=dev)
+        # the selections' histograms (the candidate blocks', the rows'), zeroed by the scoring
+        hist = torch.empty(1 + (keep is not None), 2, slots, 256, dtype=torch.int32, device=dev)
         row_progs = triton.cdiv(width, rows_per_tile * tiles_per_prog)
         if compact:
             row_progs = min(row_progs, triton.cdiv(COMPACT_PROGRAMS, c))
         _score_kernel[(c, row_progs)](
-            q, w, key_pool, table, vis, rows, cand, *(lists or (None, None)), scores, tile_tok,
-            tile_cnt, tile_base, slot_base, width, k, float(head_scale), table.stride(0),
+            q, w, key_pool, table, vis, rows, cand, *(lists or (None, None)), scores, hist,
+            tile_tok, tile_cnt, tile_base, slot_base, width, k, float(head_scale), slots,
+            table.stride(0),
             cand.shape[1] if cand is not None else 0, nblk if compact else 0, tiles_per_prog,
             PAGE_ROWS=key_pool.shape[1], I=heads, I_PAD=i_pad, D=d, TILE=tile, BN=rows_per_tile,
             BLOCK_SIZE=block_size, WORDS=words, HAS_TILES=prefill, HAS_KEEP=cand is not None,
-            COMPACT=compact, CLIP=clip and not compact, INTERPRET=interpret, num_warps=PREFILL_WARPS if prefill else SCORE_WARPS)
+            COMPACT=compact, CLIP=clip and not compact, NZ=hist.shape[0], INTERPRET=interpret,
+            num_warps=PREFILL_WARPS if prefill else SCORE_WARPS)
         if reduce is not None:
             scores = reduce(scores.view(torch.bfloat16)).contiguous().view(torch.int16)
         if keep is not None:
@@ -1025,12 +1039,13 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
                 BLOCK_SIZE=block_size, BS_PAD=bs_pad, BB=BLOCK_KEYS, TILE=tile,
                 HAS_TILES=prefill, PIN=True, CLIP=clip, num_warps=4)
             _select(bkeys, kb, keep.view(torch.uint8), vis, tiles, tile_base, slot_base, slots,
-                    nblk, False, True, clip=clip, unit=block_size)
+                    nblk, False, True, clip=clip, unit=block_size, hist=hist[0])
         if filtered:
             _select_filtered(scores, k, selected, vis, tiles, tile_base, slot_base, slots, width,
-                             clip=clip)
+                             clip=clip, hist=hist[-1])
         else:
             _select(scores, k, selected, vis, tiles, tile_base, slot_base, slots, width, True,
                     False, compact=(lists[1], lists[0], block_size) if compact else None,
-                    ch=COMPACT_SELECT_CHUNK if compact else SELECT_CHUNK, clip=clip)
+                    ch=COMPACT_SELECT_CHUNK if compact else SELECT_CHUNK, clip=clip,
+                    hist=hist[-1])
     return selected, keep
