@@ -897,7 +897,8 @@ def build_parser() -> argparse.ArgumentParser:
     sk.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     sk.add_argument("--backend", choices=BACKENDS, default="reference",
                     help="ops backend of the state under test and of the oracle (default: "
-                         "reference)")
+                         "reference; triton runs in its batch-invariant mode, so that a "
+                         "token's bits cannot depend on the call)")
     sk.set_defaults(func=soak_cmd, parser=sk)
     return p
 
