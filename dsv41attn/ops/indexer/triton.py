@@ -345,13 +345,15 @@ def _tile_start(it, g_first, tiles_per_prog, BN: tl.constexpr, COMPACT: tl.const
 @triton.jit
 def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, list_ptr,
                   nvalid_ptr, out_ptr, hist_ptr, tile_tok_ptr, tile_cnt_ptr, tile_base,
-                  slot_base, N, k, head_scale, slots, bt_stride, keep_stride, list_stride, tiles_per_prog, PAGE_ROWS: tl.constexpr,
+                  slot_base, N, k, head_scale, slots, bt_stride, keep_stride, list_stride,
+                  tiles_per_prog, PAGE_ROWS: tl.constexpr,
                   I: tl.constexpr, I_PAD: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
                   BN: tl.constexpr, BLOCK_SIZE: tl.constexpr, WORDS: tl.constexpr,
                   HAS_TILES: tl.constexpr, HAS_KEEP: tl.constexpr, COMPACT: tl.constexpr,
                   CLIP: tl.constexpr, NZ: tl.constexpr, INTERPRET: tl.constexpr):
-    """q: [T, I, D] bf16; w: [T, I] bf16, times head_scale (rounded to bf16); pool: uint8 key rows (D/2 bytes of e2m1 pairs, then
-    D/32 ue8m0 bytes), PAGE_ROWS rows a page (a constant: the page lookup divides by it);
+    """q: [T, I, D] bf16; w: [T, I] bf16, times head_scale (rounded to bf16); pool: uint8
+    key rows (D/2 bytes of e2m1 pairs, then D/32 ue8m0 bytes), PAGE_ROWS rows a page (a
+    constant: the page lookup divides by it);
     bt: [B, pages] int64; vis, row: [T] int64; keep: uint8 [T,
     keep_stride] (HAS_KEEP); out: int16 [slots, N] bf16 bits, slot = the query's place in
     this call's chunk. COMPACT: out's position p of query tile t stands for row
@@ -467,11 +469,9 @@ def _block_key_kernel(src_ptr, key_ptr, vis_ptr, tile_tok_ptr, tile_cnt_ptr,
     tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                            HAS_TILES)
     if ok:
-        vis = tl.load(vis_ptr + tok)
-        if CLIP:
-            live = _clip_width(vis, nblk, k, BLOCK_SIZE)
-        else:
-            live = nblk
+        if CLIP or PIN:  # the query's visible rows: only these need them
+            vis = tl.load(vis_ptr + tok)
+        live = _slot_width(None, vis_ptr, tok, ok, slot, nblk, k, BLOCK_SIZE, TILE, False, CLIP)
         if tl.program_id(1) * BB < live:
             offs_b = tl.program_id(1) * BB + tl.arange(0, BB)
             offs_e = tl.arange(0, BS_PAD)
@@ -710,12 +710,8 @@ def _filter_write_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, gt_ptr, out
     tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                            HAS_TILES)
     vis = tl.load(vis_ptr + tok, mask=ok, other=0)
-    if CLIP:
-        n = _clip_width(vis, N, k, 1)
-        n_cut = _clip_width(vis, nb, k, FB)
-    else:
-        n = N
-        n_cut = nb
+    n = _slot_width(None, vis_ptr, tok, ok, slot, N, k, 1, TILE, False, CLIP)
+    n_cut = _slot_width(None, vis_ptr, tok, ok, slot, nb, k, FB, TILE, False, CLIP)
     if ok & (c * CH < n):
         t = _cut(hist_hi_ptr + slot * 256, hist_lo_ptr + slot * 256, n_cut, k)[0]
         prev = tl.arange(0, NCH_PAD)
@@ -747,10 +743,7 @@ def _filter_select_kernel(cnt_ptr, src_ptr, gt_ptr, out_ptr, vis_ptr, tile_tok_p
     slot = tl.program_id(0)
     tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                            HAS_TILES)
-    if CLIP:
-        n = _clip_width(tl.load(vis_ptr + tok, mask=ok, other=0), N, k, 1)
-    else:
-        n = N
+    n = _slot_width(None, vis_ptr, tok, ok, slot, N, k, 1, TILE, False, CLIP)
     prev = tl.arange(0, NCH_PAD)
     g_total = tl.sum(tl.load(cnt_ptr + slot * 2 * nch + prev, mask=(prev < nch) & (prev * CH < n),
                              other=0), 0)
