@@ -410,7 +410,9 @@ def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128
     return rows
 
 
-INDEXER_CASES = [("candidate source", 64, 65536), ("candidate source", 256, 65536),
+INDEXER_CASES = [("top-k", 1, 2048), ("candidate source", 1, 4096),  # short contexts (4K)
+                 ("candidate source", 64, 4096),
+                 ("candidate source", 64, 65536), ("candidate source", 256, 65536),
                  ("candidate source", 1, 1 << 20), ("top-k", 64, 32768), ("top-k", 256, 32768),
                  ("top-k, mixed", 64, 65536), ("Reindex", 64, 65536), ("Reindex", 1, 1 << 20),
                  ("candidate source, prefill", 1, 16384), ("candidate source, prefill", 1, 65536)]

@@ -28,6 +28,7 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(tri, "PREFILL_SCORE_ROWS", 16)
     monkeypatch.setattr(tri, "SCORE_TILES_PER_PROGRAM", 1)
     monkeypatch.setattr(tri, "SELECT_CHUNK", 16)
+    monkeypatch.setattr(tri, "SELECT_ONE_PROGRAM", 0)  # the passes (the fixture below: both)
     monkeypatch.setattr(tri, "BLOCK_KEYS", 4)
     monkeypatch.setattr(tri, "LIST_CHUNK", 4)
     monkeypatch.setattr(tri, "COMPACT_SELECT_CHUNK", 16)
@@ -37,6 +38,15 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(tri, "FILTER_BLOCK", 3)
     monkeypatch.setattr(tri, "FILTER_CHUNK", 16)
     monkeypatch.setattr(tri, "FILTER_STEP", 8)
+
+
+@pytest.fixture(params=["passes", "one-program"])
+def selection(request, small_tiles, monkeypatch):
+    """Small tiles, with each radix select run as its passes over row chunks or, for a
+    source of at most SELECT_ONE_PROGRAM entries, as one program a slot."""
+    if request.param == "one-program":
+        monkeypatch.setattr(tri, "SELECT_ONE_PROGRAM", 1 << 30)
+    return request.param
 
 
 def setup(seqs, n_rows, heads, d, seed, page_rows=4, ties=False, key_scale=None):
@@ -90,7 +100,7 @@ def assert_same(want, got):
 
 
 @pytest.mark.parametrize("d,heads", [(32, 4), (128, 32)], ids=["tiny-bytes", "flash-words"])
-def test_decode_queries_and_candidate_source(d, heads, small_tiles):
+def test_decode_queries_and_candidate_source(d, heads, selection):
     """One query per sequence (decode), 37 rows: 3 scoring tiles, 3 selection chunks, a
     partial last candidate block; topk 5 and more than the rows."""
     args = setup([1, 1, 1, 1], 37, heads, d, seed=d)
@@ -104,7 +114,7 @@ def test_decode_queries_and_candidate_source(d, heads, small_tiles):
 
 @pytest.mark.parametrize("tile", [4, 8])
 @pytest.mark.parametrize("filtered", [True, False], ids=["filtered", "radix"])
-def test_prefill_tiles_ties_and_query_chunks(filtered, tile, small_tiles, monkeypatch):
+def test_prefill_tiles_ties_and_query_chunks(filtered, tile, selection, monkeypatch):
     """Sequences of 6, 1 and 3 tokens (query tiles of 4 or 8 with a partial one and a mixed
     step), tie-heavy scores, and a score budget of one tile per chunk; the top-k through the
     filter or the radix select."""
@@ -135,7 +145,7 @@ class _PoisonedTorch:
 
 
 @pytest.mark.parametrize("filtered", [True, False], ids=["filtered", "radix"])
-def test_prefill_clips_rows_past_each_query(filtered, small_tiles, monkeypatch):
+def test_prefill_clips_rows_past_each_query(filtered, selection, monkeypatch):
     """A prefill's queries see causal prefixes of the rows: scoring and selection stop at each
     query's visible rows (and k), the rows past them neither scored nor read. The kernel's
     scratch buffers are poisoned, so any read past a query's width changes its selection:
@@ -158,7 +168,7 @@ def test_prefill_clips_rows_past_each_query(filtered, small_tiles, monkeypatch):
     assert_same(want, got)
 
 
-def test_consumer_reads_kept_blocks_and_wider_candidates(small_tiles):
+def test_consumer_reads_kept_blocks_and_wider_candidates(selection):
     """A Reindex consumer scores only rows inside the source's kept blocks (a source scanning
     more rows than the consumer: a wider candidate mask), with fewer kept rows than k so the
     reference's -inf ties past the kept blocks decide the rest."""
@@ -339,7 +349,7 @@ def order_keys(scores):
 
 
 @pytest.mark.parametrize("path", ["filtered", "radix"])
-def test_selection_above_and_at_the_threshold(path, small_tiles):
+def test_selection_above_and_at_the_threshold(path, selection):
     """The two top-k paths of bf16 scores against the reference's selection on crafted scores.
     The filter (t = the k-th largest block maximum; rows above t listed, or the selection
     written at once): distinct scores (more than k above t: a radix select over the list), few
@@ -384,7 +394,9 @@ def test_selection_above_and_at_the_threshold(path, small_tiles):
 def test_flash_shapes_on_the_gpu(case):
     """V4.1-Flash's indexer (32 heads x 128, top-512, 2048 candidate blocks of 8) on the GPU
     with its default tiles: 64 decode queries over 48K rows each (the filtered top-k), a
-    candidate source over them, and 8 queries over 40K rows (the radix select), on shuffled
+    candidate source over them, 8 queries over 40K rows (the radix select), 16 over 4K rows
+    (rows and candidate blocks selected by one program a query) and 4 over 30000 (the blocks
+    by one program, the rows by the radix select's passes), on shuffled
     pages of random fp4 keys (distinct scores) or of four key words (tie-heavy scores, most
     selections decided by the lower row); visible limits from 0 to every row."""
     from dsv41attn.config import preset
@@ -393,8 +405,10 @@ def test_flash_shapes_on_the_gpu(case):
     cfg = preset("v41-flash")
     heads, d, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
     g = torch.Generator(device="cuda").manual_seed(41 if case == "distinct" else 43)
-    for b, n in ((64, 48 * 1024), (8, 40 * 1024)):
+    for b, n in ((64, 48 * 1024), (8, 40 * 1024), (16, 4096), (4, 30000)):
         assert tri._filters(b, n, k) == (b == 64)
+        assert tri._one_program(n, False) == (n == 4096)
+        assert tri._one_program(-(-n // cfg.candidate_block_size), False) == (n < 40000)
         page_rows = 256
         pages = b * (-(-n // page_rows)) + 3
         nbytes = index_key_bytes(d)

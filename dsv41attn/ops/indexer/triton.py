@@ -49,7 +49,9 @@ Flow of one call (every launch on the device, no host sync, so a decode step can
    rows equal to u are needed; ``_count_kernel`` counts rows above and equal to u per row
    chunk; ``_select_kernel`` writes the selection in ascending row order: every row above u and
    the lowest-numbered rows equal to u, i.e. higher score first, ties to the lower row (SPEC
-   §0.2). For top-k rows past a query's ``visible`` become -1 (a consumer's list positions
+   §0.2). A source of at most SELECT_ONE_PROGRAM entries a slot (the short contexts' rows
+   and candidate blocks) runs the same passes in one program a slot instead
+   (``_select_one_kernel``: one launch, histograms in registers). For top-k rows past a query's ``visible`` become -1 (a consumer's list positions
    mapped back to rows first); for candidate blocks the kept mask is written (a block whose
    maximum is -inf is never kept).
 4. Large top-k calls (``_filters``: queries x rows past FILTER_MIN_SCORES, rows past
@@ -98,6 +100,11 @@ SCORE_TILES_PER_PROGRAM = 8  # row tiles per scoring program (the query is loade
 SCORE_WARPS = 4  # warps per scoring program (H200: 8 measured slower)
 PREFILL_WARPS = 4  # ... with PREFILL_TILE queries
 SELECT_CHUNK = 4096  # rows per selection program
+# A selection source of at most this many entries a slot (not a consumer's compact lists) is
+# selected by one program a slot, the radix select's four passes in one launch
+# (_select_one_kernel): a decode at short contexts (V4.1-Flash at 4K: the ratio-2 rows, the
+# candidate blocks and the ratio-1 rows) pays one launch instead of four per selection
+SELECT_ONE_PROGRAM = 4096
 BLOCK_KEYS = 128  # candidate blocks per block-key program
 LIST_CHUNK = 4096  # candidate blocks per list-compaction program
 # A candidate consumer scores over compact lists only past this many rows (below it, at
@@ -363,9 +370,9 @@ def _score_kernel(q_ptr, w_ptr, pool_ptr, bt_ptr, vis_ptr, row_ptr, keep_ptr, li
     them loads nothing). Grid (chunk tiles, cdiv(N, BN * tiles_per_prog), over lists at most
     COMPACT_PROGRAMS / tiles of them). CLIP (never with COMPACT): rows past the tile's
     queries' _clip_width for a top-k of k are neither scored nor written (no selection reads
-    them). hist: int32 [NZ, 2, slots, 256], the radix selections' histograms that follow
-    this launch: program (t, 0) zeroes its tile's slots in them (no zeroing launch of their
-    own).
+    them). hist: int32 [NZ, 2, slots, 256], the histograms of the radix selections that
+    follow this launch and need them (NZ = 0: none, hist None): program (t, 0) zeroes its
+    tile's slots in them (no zeroing launch of their own).
 
     The key elements are the reference's bf16 values (e2m1 times the block's power of two),
     the query elements the given bf16 ones: one bf16 dot over all D elements with fp32
@@ -469,23 +476,46 @@ def _block_key_kernel(src_ptr, key_ptr, vis_ptr, tile_tok_ptr, tile_cnt_ptr,
     tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                            HAS_TILES)
     if ok:
-        if CLIP or PIN:  # the query's visible rows: only these need them
+        vis = 0
+        if CLIP or PIN:  # the query's visible rows: only these read them
             vis = tl.load(vis_ptr + tok)
         live = _slot_width(None, vis_ptr, tok, ok, slot, nblk, k, BLOCK_SIZE, TILE, False, CLIP)
         if tl.program_id(1) * BB < live:
             offs_b = tl.program_id(1) * BB + tl.arange(0, BB)
-            offs_e = tl.arange(0, BS_PAD)
-            g = offs_b[:, None] * BLOCK_SIZE + offs_e[None, :]
-            m = (offs_e[None, :] < BLOCK_SIZE) & (g < N)
+            bk = _block_max_keys(src_ptr + slot.to(tl.int64) * N, offs_b, N, vis, BLOCK_SIZE,
+                                 BS_PAD, PIN, CLIP, False)
+            tl.store(key_ptr + slot.to(tl.int64) * nblk + offs_b, bk, mask=offs_b < live)
+
+
+@triton.jit
+def _block_max_keys(row_ptr, offs_b, N, vis, BLOCK_SIZE: tl.constexpr, BS_PAD: tl.constexpr,
+                    PIN: tl.constexpr, CLIP: tl.constexpr, BY_ROW: tl.constexpr):
+    """Keys of blocks offs_b of one slot's bf16 scores (row_ptr: int16 [N] bits): each
+    block's largest key over its rows (rows past N, and CLIP past the ``vis`` visible rows,
+    -inf: a clipped scoring may not have written them); PIN: the newest visible block
+    KEY_PINF (the candidate source's). BY_ROW: one load of every block's e-th row at a time
+    ([len(offs_b)] live keys instead of [len(offs_b), BS_PAD]): the same maxima."""
+    if BY_ROW:
+        bk = tl.full(offs_b.shape, KEY_NINF, tl.int32)
+        for e in tl.static_range(BLOCK_SIZE):
+            g = offs_b * BLOCK_SIZE + e
+            m = g < N
             if CLIP:
                 m = m & (g < vis)
-            keys = _load_keys(src_ptr + slot.to(tl.int64) * N, g, m, True)
-            keys = tl.where(m, keys, KEY_NINF)  # padding past N is -inf, as the reference's
-            bk = tl.max(keys, 1)
-            if PIN:
-                newest = tl.where(vis > 0, (vis - 1) // BLOCK_SIZE, -1)  # vis 0: none pinned
-                bk = tl.where(offs_b == newest, KEY_PINF, bk)
-            tl.store(key_ptr + slot.to(tl.int64) * nblk + offs_b, bk, mask=offs_b < live)
+            bk = tl.maximum(bk, tl.where(m, _load_keys(row_ptr, g, m, True), KEY_NINF))
+    else:
+        offs_e = tl.arange(0, BS_PAD)
+        g = offs_b[:, None] * BLOCK_SIZE + offs_e[None, :]
+        m = (offs_e[None, :] < BLOCK_SIZE) & (g < N)
+        if CLIP:
+            m = m & (g < vis)
+        keys = _load_keys(row_ptr, g, m, True)
+        keys = tl.where(m, keys, KEY_NINF)  # padding past N is -inf, as the reference's
+        bk = tl.max(keys, 1)
+    if PIN:
+        newest = tl.where(vis > 0, (vis - 1) // BLOCK_SIZE, -1)  # vis 0: none pinned
+        bk = tl.where(offs_b == newest, KEY_PINF, bk)
+    return bk
 
 
 @triton.jit
@@ -694,6 +724,43 @@ def _select_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, out_ptr, vis_ptr,
 
 
 @triton.jit
+def _select_one_kernel(src_ptr, out_ptr, vis_ptr, tile_tok_ptr, tile_cnt_ptr, tile_base,
+                       slot_base, N, k, out_stride, n_rows, CH: tl.constexpr,
+                       TILE: tl.constexpr, HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr,
+                       MASK_OUT: tl.constexpr, CLIP: tl.constexpr, UNIT: tl.constexpr,
+                       BLOCKS: tl.constexpr):
+    """_select's passes for a source of N <= CH entries a slot, in one program a slot: the
+    high bytes' histogram, the low bytes' inside its threshold bin (both in registers), then
+    the selection written as _select_kernel writes it (the whole source is its one chunk, so
+    nothing comes before it). BLOCKS (the candidate source's kept blocks, MASK_OUT): the
+    entries are the blocks of UNIT rows of bf16 scores src [slots, n_rows], each block's key
+    made here as _block_key_kernel makes it (PIN), so no block-key launch. Grid (slots,)."""
+    slot = tl.program_id(0)
+    tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
+                           HAS_TILES)
+    if ok:
+        n = _slot_width(None, vis_ptr, tok, ok, slot, N, k, UNIT, TILE, False, CLIP)
+        if BLOCKS:
+            offs = tl.arange(0, CH)
+            m = offs < n
+            key = _block_max_keys(src_ptr + slot.to(tl.int64) * n_rows, offs, n_rows,
+                                  tl.load(vis_ptr + tok), UNIT, UNIT, True, CLIP, True)
+        else:
+            offs, m, key = _chunk_keys(src_ptr, slot, 0, n, N, CH, FROM_SCORES)
+        b, above, in_bin = _threshold_of(_byte_hist(key >> 8, m), n, k)
+        lo, above_lo, _ = _threshold_of(_byte_hist(key & 0xFF, m & ((key >> 8) == b)),
+                                        in_bin, k - above)
+        take, pos, _, _ = _take(key, m, b * 256 + lo, k - above - above_lo, 0, 0)
+        if MASK_OUT:  # past n: not taken, so 0
+            tl.store(out_ptr + tok * out_stride + offs, (take & (key > KEY_NINF)).to(tl.uint8),
+                     mask=offs < N)
+        else:
+            vis = tl.load(vis_ptr + tok)
+            tl.store(out_ptr + tok * out_stride + pos, tl.where(offs < vis, offs, -1),
+                     mask=take)
+
+
+@triton.jit
 def _filter_write_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, cnt_ptr, gt_ptr, out_ptr, vis_ptr,
                          tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, N, k, nch, nb,
                          gcap, out_stride, CH: tl.constexpr, NCH_PAD: tl.constexpr,
@@ -788,14 +855,21 @@ def _select(src, k: int, out, visible, tiles, tile_base: int, slot_base: int, sl
     compact: None, or (row counts [owners] int32, block lists [owners, W] int32, block
     size): src holds each slot's candidate rows compactly (see _compact_candidates). clip:
     each slot's first _clip_width entries only, ``unit`` rows an entry (a prefill's). hist:
-    zeroed int32 [2, slots, 256] (None: made here)."""
+    zeroed int32 [2, slots, 256] (None: made here; not used where _one_program holds)."""
     dev = src.device
+    tile_tok, tile_cnt, tile = tiles
+    if _one_program(n, compact is not None):
+        _select_one_kernel[(slots,)](
+            src, out, visible, tile_tok, tile_cnt, tile_base, slot_base, n, k, out.stride(0), 0,
+            CH=_one_program_ch(n), TILE=tile, HAS_TILES=tile_tok is not None,
+            FROM_SCORES=from_scores, MASK_OUT=mask_out, CLIP=clip, UNIT=unit, BLOCKS=False,
+            num_warps=_one_program_warps(n))
+        return
     ch = SELECT_CHUNK if ch is None else ch  # rows per program
     if hist is None:
         hist = torch.zeros(2, slots, 256, dtype=torch.int32, device=dev)
     nch = triton.cdiv(n, ch)
     cnt = torch.empty(slots, 2, nch, dtype=torch.int32, device=dev)
-    tile_tok, tile_cnt, tile = tiles
     nvalid, blocks, bs = compact if compact is not None else (None, None, 1)
     common = (tile_tok, tile_cnt, tile_base, slot_base, n, k)
     meta = dict(CH=ch, TILE=tile, HAS_TILES=tile_tok is not None,
@@ -810,6 +884,46 @@ def _select(src, k: int, out, visible, tiles, tile_base: int, slot_base: int, sl
                          out.stride(0), blocks.stride(0) if blocks is not None else 0,
                          NCH_PAD=triton.next_power_of_2(nch), MASK_OUT=mask_out,
                          BLOCK_SIZE=bs, **meta, num_warps=4)
+
+
+def _candidate_blocks(scores, kb: int, keep, visible, tiles, tile_base: int, slot_base: int,
+                      slots: int, n_rows: int, block_size: int, clip: bool, hist) -> None:
+    """The candidate source's kept blocks (keep: uint8 [T, nblk] flags) from bf16 scores
+    [slots, n_rows]: the top-kb blocks by their largest score, the newest visible block
+    pinned. Block keys (_block_key_kernel) then _select's passes over them, or where the
+    blocks are few (_one_program) both in one launch. hist: as _select's."""
+    tile_tok, tile, nblk = tiles[0], tiles[2], -(-n_rows // block_size)
+    if _one_program(nblk, False):
+        _select_one_kernel[(slots,)](
+            scores, keep, visible, tile_tok, tiles[1], tile_base, slot_base, nblk, kb,
+            keep.stride(0), n_rows, CH=_one_program_ch(nblk), TILE=tile,
+            HAS_TILES=tile_tok is not None, FROM_SCORES=False, MASK_OUT=True, CLIP=clip,
+            UNIT=block_size, BLOCKS=True, num_warps=_one_program_warps(nblk))
+        return
+    bkeys = torch.empty(slots, nblk, dtype=torch.int32, device=scores.device)
+    _block_key_kernel[(slots, triton.cdiv(nblk, BLOCK_KEYS))](
+        scores, bkeys, visible, tile_tok, tiles[1], tile_base, slot_base, n_rows, nblk, kb,
+        BLOCK_SIZE=block_size, BS_PAD=triton.next_power_of_2(block_size), BB=BLOCK_KEYS,
+        TILE=tile, HAS_TILES=tile_tok is not None, PIN=True, CLIP=clip, num_warps=4)
+    _select(bkeys, kb, keep, visible, tiles, tile_base, slot_base, slots, nblk, False, True,
+            clip=clip, unit=block_size, hist=hist)
+
+
+def _one_program(n: int, compact: bool) -> bool:
+    """Whether _select runs a source of n entries a slot as _select_one_kernel."""
+    return not compact and n <= SELECT_ONE_PROGRAM
+
+
+def _one_program_ch(n: int) -> int:
+    """_select_one_kernel's CH for a source of n entries a slot."""
+    return triton.next_power_of_2(n)
+
+
+def _one_program_warps(n: int) -> int:
+    """Warps of _select_one_kernel for n entries a slot: 4 as the passes' programs, 8 from
+    4096 entries (sm_90a, Triton 3.6: the candidate-block form held 255 registers and spilled
+    832 bytes at 4 warps, 199 and none at 8)."""
+    return 8 if _one_program_ch(n) >= 4096 else 4
 
 
 def _filters(slots: int, n: int, k: int) -> bool:
@@ -998,7 +1112,6 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
     i_pad = max(triton.next_power_of_2(heads), 16 // tile)
     interpret = interpreting()
     rows_per_tile = PREFILL_SCORE_ROWS if prefill else SCORE_ROWS
-    bs_pad = triton.next_power_of_2(block_size)
     tiles = (tile_tok, tile_cnt, tile)
     for t0 in range(0, n_tiles, chunk_tiles):
         c = min(chunk_tiles, n_tiles - t0)
@@ -1008,8 +1121,12 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
         lists = _compact_candidates(cand, nblk, -(-k // block_size), n_rows, block_size, c,
                                     tiles, tile_base, slot_base) if compact else None
         scores = torch.empty(slots, width, dtype=torch.int16, device=dev)
-        # the selections' histograms (the candidate blocks', the rows'), zeroed by the scoring
-        hist = torch.empty(1 + (keep is not None), 2, slots, 256, dtype=torch.int32, device=dev)
+        # the histograms of the selections that need them (the candidate blocks', the rows'),
+        # zeroed by the scoring
+        hist_blocks = keep is not None and not _one_program(nblk, False)
+        hist_rows = filtered or not _one_program(width, compact)
+        nz = hist_blocks + hist_rows
+        hist = torch.empty(nz, 2, slots, 256, dtype=torch.int32, device=dev) if nz else None
         row_progs = triton.cdiv(width, rows_per_tile * tiles_per_prog)
         if compact:
             row_progs = min(row_progs, triton.cdiv(COMPACT_PROGRAMS, c))
@@ -1020,25 +1137,20 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
             cand.shape[1] if cand is not None else 0, nblk if compact else 0, tiles_per_prog,
             PAGE_ROWS=key_pool.shape[1], I=heads, I_PAD=i_pad, D=d, TILE=tile, BN=rows_per_tile,
             BLOCK_SIZE=block_size, WORDS=words, HAS_TILES=prefill, HAS_KEEP=cand is not None,
-            COMPACT=compact, CLIP=clip and not compact, NZ=hist.shape[0], INTERPRET=interpret,
+            COMPACT=compact, CLIP=clip and not compact, NZ=nz, INTERPRET=interpret,
             num_warps=PREFILL_WARPS if prefill else SCORE_WARPS)
         if reduce is not None:
             scores = reduce(scores.view(torch.bfloat16)).contiguous().view(torch.int16)
         if keep is not None:
-            bkeys = torch.empty(slots, nblk, dtype=torch.int32, device=dev)
-            kb = min(candidate_topk, nblk)
-            _block_key_kernel[(slots, triton.cdiv(nblk, BLOCK_KEYS))](
-                scores, bkeys, vis, tile_tok, tile_cnt, tile_base, slot_base, n_rows, nblk, kb,
-                BLOCK_SIZE=block_size, BS_PAD=bs_pad, BB=BLOCK_KEYS, TILE=tile,
-                HAS_TILES=prefill, PIN=True, CLIP=clip, num_warps=4)
-            _select(bkeys, kb, keep.view(torch.uint8), vis, tiles, tile_base, slot_base, slots,
-                    nblk, False, True, clip=clip, unit=block_size, hist=hist[0])
+            _candidate_blocks(scores, min(candidate_topk, nblk), keep.view(torch.uint8), vis,
+                              tiles, tile_base, slot_base, slots, n_rows, block_size, clip,
+                              hist[0] if hist_blocks else None)
         if filtered:
             _select_filtered(scores, k, selected, vis, tiles, tile_base, slot_base, slots, width,
-                             clip=clip, hist=hist[-1])
+                             clip=clip, hist=hist[-1])  # filtered: hist_rows
         else:
             _select(scores, k, selected, vis, tiles, tile_base, slot_base, slots, width, True,
                     False, compact=(lists[1], lists[0], block_size) if compact else None,
                     ch=COMPACT_SELECT_CHUNK if compact else SELECT_CHUNK, clip=clip,
-                    hist=hist[-1])
+                    hist=hist[-1] if hist_rows else None)
     return selected, keep
