@@ -394,9 +394,9 @@ def test_selection_above_and_at_the_threshold(path, selection):
 def test_flash_shapes_on_the_gpu(case):
     """V4.1-Flash's indexer (32 heads x 128, top-512, 2048 candidate blocks of 8) on the GPU
     with its default tiles: 64 decode queries over 48K rows each (the filtered top-k), a
-    candidate source over them, 8 queries over 40K rows (the radix select), 16 over 4K rows
-    (rows and candidate blocks selected by one program a query) and 4 over 30000 (the blocks
-    by one program, the rows by the radix select's passes), on shuffled
+    candidate source over them, 8 queries over 40K rows (the radix select's passes), 16 over
+    4K rows (the rows selected by one program a query), 4 over 70000 (the candidate blocks by
+    the passes; up to 64K rows one program a query selects them), on shuffled
     pages of random fp4 keys (distinct scores) or of four key words (tie-heavy scores, most
     selections decided by the lower row); visible limits from 0 to every row."""
     from dsv41attn.config import preset
@@ -405,10 +405,10 @@ def test_flash_shapes_on_the_gpu(case):
     cfg = preset("v41-flash")
     heads, d, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
     g = torch.Generator(device="cuda").manual_seed(41 if case == "distinct" else 43)
-    for b, n in ((64, 48 * 1024), (8, 40 * 1024), (16, 4096), (4, 30000)):
+    for b, n in ((64, 48 * 1024), (8, 40 * 1024), (16, 4096), (4, 70000)):
         assert tri._filters(b, n, k) == (b == 64)
         assert tri._one_program(n, False) == (n == 4096)
-        assert tri._one_program(-(-n // cfg.candidate_block_size), False) == (n < 40000)
+        assert tri._one_program(-(-n // cfg.candidate_block_size), False) == (n < 65536)
         page_rows = 256
         pages = b * (-(-n // page_rows)) + 3
         nbytes = index_key_bytes(d)

@@ -102,9 +102,10 @@ PREFILL_WARPS = 4  # ... with PREFILL_TILE queries
 SELECT_CHUNK = 4096  # rows per selection program
 # A selection source of at most this many entries a slot (not a consumer's compact lists) is
 # selected by one program a slot, the radix select's four passes in one launch
-# (_select_one_kernel): a decode at short contexts (V4.1-Flash at 4K: the ratio-2 rows, the
-# candidate blocks and the ratio-1 rows) pays one launch instead of four per selection
-SELECT_ONE_PROGRAM = 4096
+# (_select_one_kernel): a decode at short contexts (V4.1-Flash up to 8K: the ratio-1 rows,
+# up to 16K the ratio-2 rows, up to 64K the candidate blocks) pays one launch instead of four
+# per selection
+SELECT_ONE_PROGRAM = 8192
 BLOCK_KEYS = 128  # candidate blocks per block-key program
 LIST_CHUNK = 4096  # candidate blocks per list-compaction program
 # A candidate consumer scores over compact lists only past this many rows (below it, at
@@ -497,7 +498,7 @@ def _block_max_keys(row_ptr, offs_b, N, vis, BLOCK_SIZE: tl.constexpr, BS_PAD: t
     ([len(offs_b)] live keys instead of [len(offs_b), BS_PAD]): the same maxima."""
     if BY_ROW:
         bk = tl.full(offs_b.shape, KEY_NINF, tl.int32)
-        for e in tl.static_range(BLOCK_SIZE):
+        for e in range(BLOCK_SIZE):  # a loop, not unrolled: one row's keys live at a time
             g = offs_b * BLOCK_SIZE + e
             m = g < N
             if CLIP:
@@ -920,10 +921,10 @@ def _one_program_ch(n: int) -> int:
 
 
 def _one_program_warps(n: int) -> int:
-    """Warps of _select_one_kernel for n entries a slot: 4 as the passes' programs, 8 from
-    4096 entries (sm_90a, Triton 3.6: the candidate-block form held 255 registers and spilled
-    832 bytes at 4 warps, 199 and none at 8)."""
-    return 8 if _one_program_ch(n) >= 4096 else 4
+    """Warps of _select_one_kernel for n entries a slot: 4 (as the passes' programs) up to
+    2048, one per 512 entries above (sm_90a, Triton 3.6: no spill in any form up to 8192
+    entries; the rows' form at 8192 held 217 registers at 8 warps, 101 at 16)."""
+    return max(4, min(16, _one_program_ch(n) // 512))
 
 
 def _filters(slots: int, n: int, k: int) -> bool:
