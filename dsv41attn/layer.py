@@ -174,19 +174,22 @@ class AttentionLayer:
                 if spec.is_index_source else board.topk(spec.index_source)
             pool = state.sources[spec.kv_source].rows
 
-        # Sparse attention with sink (step 5, §6), the ring read in place.
+        # Sparse attention with sink (step 5, §6), the ring read in place. Its output comes
+        # with step 6's inverse RoPE applied (on the GPU by the split merge where there is
+        # one: no launch of its own), unless a trace hook reads the output before it.
         layer_state = state.layers[spec.layer]
+        turned = trace is None
         o = ops.sparse_attn_paged(q, w.attn_sink, cfg.softmax_scale, layer_state.window,
                                   new_rows, plan.window_ids, pool, state.block_table,
-                                  plan.token_row, selected)  # [T, H, D]
+                                  plan.token_row, selected,
+                                  out_rot=rot if turned else None)  # [T, H, D]
 
-        # Inverse RoPE and the grouped output projection (step 6).
+        # Inverse RoPE (unless done above) and the grouped output projection (step 6).
         if trace is not None:
             trace(self, {"plan": plan, "board": board, "q": q, "new_rows": new_rows,
                          "window_ring": layer_state.window, "pool": pool, "selected": selected,
                          "block_table": state.block_table, "o": o})
-        # [T, G * o_lora_rank]; o turns in place unless a trace hook has been handed it
-        u = ops.inverse_rope_wo_a(o, rot, w.wo_a, self.groups, in_place=trace is None)
+        u = ops.inverse_rope_wo_a(o, None if turned else rot, w.wo_a, self.groups)  # [T, G * Rk]
         if self.tp is None:
             y = ops.fp8_linear(u, w.wo_b.weight, w.wo_b.scale)
         else:  # this rank's fp32 partial, all-reduced in fp32, then bf16

@@ -161,6 +161,26 @@ def test_in_place_turns_o_and_gives_the_same_bits(fixed_order):
     assert torch.equal(o_ref, o)
 
 
+@pytest.mark.parametrize("fixed_order", [True, False], ids=["fixed", "step-sized"])
+def test_rot_none_projects_an_o_turned_back_already(fixed_order):
+    """rot None (the attention turned o back itself: sparse_attn_paged's out_rot): wo_a alone,
+    the same bits as the op given the unturned o and rot, on both backends; with num_splits
+    (the fused kernel's form) too, which then leaves the fused kernel."""
+    n = 5
+    o, rot, groups, rk = _inputs("rope64", n, seed=9)
+    w = _weight("rope64", "fp8", seed=10)
+    turned = rope_heads(o.to(DEV), rot.to(DEV), inverse=True)
+    want = _run_triton(o, rot, w, groups, rk, fixed_order=fixed_order)
+    got = T.inverse_rope_wo_a(turned, None, w.to(DEV), groups, fixed_order=fixed_order)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(T.inverse_rope_wo_a(turned, None, w.to(DEV), groups, num_splits=2,
+                                           fixed_order=fixed_order).cpu(), want)
+    assert torch.equal(R.inverse_rope_wo_a(turned.cpu(), None, w, groups),
+                       R.inverse_rope_wo_a(o, rot, w, groups))
+    with pytest.raises(ValueError, match="rot must be None or"):
+        R.inverse_rope_wo_a(o, rot.real, w, groups)
+
+
 def test_reference_is_the_layer_lines():
     """reference(o flattened over (b, m)) is §4.6's lines in the layer, on [b, m, ...]."""
     b, m = 2, 3

@@ -231,6 +231,44 @@ def test_paged_matches_reference(t, h, d, ww, k, page_rows, splits):
         assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("t,h,d,ww,k,page_rows,r2", [
+    (7, 8, 32, 70, 30, 4, 16),  # the whole head turns (R = D)
+    (7, 17, 64, 5, 0, 4, 4),  # window only; 17 heads: a partial head block
+    (3, 16, 512, 40, 40, 4, 32),  # the model's D and R: the tail inside the last 128 columns
+    (3, 8, 256, 10, 70, 8, 1),  # one pair
+])
+@pytest.mark.parametrize("splits", [1, 2, 3, None])
+def test_paged_out_rot_turns_the_output_back(t, h, d, ww, k, page_rows, r2, splits):
+    """out_rot: the attention output with each head's last R dims turned back (step 6's inverse
+    RoPE) by the split merge, or by rope_heads after an unsplit kernel: the same bits as
+    rope_heads(inverse=True) on the plain output, every element written, the reference's
+    out_rot alike."""
+    from dsv41attn.ops.common.rope import apply_rope
+    from dsv41attn.ops.common.triton import rope_heads
+
+    q, sink, args = make_step(t, h, d, ww, k, page_rows, seed=t + d + r2)
+    g = torch.Generator().manual_seed(d + r2)
+    rot = torch.polar(torch.ones(t, r2), torch.rand(t, r2, generator=g) * 6.3).to(DEV)
+    plain = tri_paged(q, sink, d ** -0.5, **args, num_splits=splits)
+    out = torch.full_like(q, float("nan"))
+    got = tri_paged(q, sink, d ** -0.5, **args, num_splits=splits, out=out, out_rot=rot)
+    assert got.data_ptr() == out.data_ptr() and not torch.isnan(got.float()).any()
+    assert torch.equal(got, rope_heads(plain, rot, inverse=True))
+    assert not torch.equal(got[:, :, d - 2 * r2:], plain[:, :, d - 2 * r2:])
+    assert torch.equal(got[:, :, :d - 2 * r2], plain[:, :, :d - 2 * r2])  # the nope dims
+    ref = ref_paged(q.cpu(), sink.cpu(), d ** -0.5, **{n: v if v is None else v.cpu()
+                                                      for n, v in args.items()},
+                    out_rot=rot.cpu())
+    assert torch.equal(ref, apply_rope(ref_paged(q.cpu(), sink.cpu(), d ** -0.5,
+                                                 **{n: v if v is None else v.cpu()
+                                                    for n, v in args.items()}),
+                                       rot.cpu().unsqueeze(1), inverse=True))
+    if interpreting() and splits == 1:
+        assert torch.equal(got.cpu(), ref)
+    with pytest.raises(ValueError, match="rot"):
+        tri_paged(q, sink, 1.0, **args, out_rot=rot[:-1])
+
+
 def test_paged_decodes_every_code_exactly():
     """One entry per token, q = 0 and sink = -inf: o is the decoded row itself (p = 1), from
     the ring, from new_rows and from the pool through each token's block-table row."""

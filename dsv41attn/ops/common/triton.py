@@ -179,17 +179,29 @@ def rms_scale(sum_sq, eps, DIM: tl.constexpr):
 
 
 @triton.jit
+def mul_rn(a, b, INTERPRET: tl.constexpr):
+    """fp32 a * b rounded to fp32 (PTX mul.rn.f32 on the GPU): never contracted with a later
+    add into a fused multiply-add, whatever the launch's enable_fp_fusion."""
+    if INTERPRET:
+        return a * b
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f32 x, y; mov.b32 x, $1; mov.b32 y, $2; mul.rn.f32 x, x, y; mov.b32 $0, x; }",
+            "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def rope_rotate(even, odd, cs_ptr, pair, mask, INVERSE: tl.constexpr, INTERPRET: tl.constexpr):
     """(even + i odd) * (cos + i sin) at the rotation pairs ``pair`` (cs_ptr: the row's [R/2, 2]
     fp32 from cos_sin; masked pairs turn by 1), conjugate if INVERSE. Each product is rounded
-    to fp32 and the sums then to bf16, as torch's CPU complex64 multiply (kernels using this
-    compile with enable_fp_fusion=False). Returns the bf16 values in fp32."""
+    to fp32 (mul_rn: in any launch) and the sums then to bf16, as torch's CPU complex64
+    multiply. Returns the bf16 values in fp32."""
     c = tl.load(cs_ptr + 2 * pair, mask=mask, other=1.0)
     s = tl.load(cs_ptr + 2 * pair + 1, mask=mask, other=0.0)
     if INVERSE:
         s = -s
-    re = even * c - odd * s
-    im = even * s + odd * c
+    re = mul_rn(even, c, INTERPRET) - mul_rn(odd, s, INTERPRET)
+    im = mul_rn(even, s, INTERPRET) + mul_rn(odd, c, INTERPRET)
     return round_bf16(re, INTERPRET), round_bf16(im, INTERPRET)
 
 

@@ -15,15 +15,17 @@ from ..common.cpu_kernels import torch_bf16_matmul
 from ..common.rope import apply_rope
 
 
-def check_inputs(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | Fp8Weight,
+def check_inputs(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Tensor | Fp8Weight,
                  groups: int) -> tuple[int, int]:
     """Validate ``inverse_rope_wo_a``'s arguments; returns (K per group, Rk). Raises ValueError."""
     if not isinstance(o, torch.Tensor) or o.dim() != 3 or o.dtype != torch.bfloat16:
         raise ValueError(f"o must be a bf16 [N, H, D] tensor, got "
                          f"{getattr(o, 'dtype', type(o))} {tuple(getattr(o, 'shape', ()))}")
     n, h, d = o.shape
+    if rot is None:  # o's tail already turned back (sparse_attn_paged's out_rot)
+        rot = torch.empty(n, 1, dtype=torch.complex64, device=o.device)
     if not isinstance(rot, torch.Tensor) or rot.dim() != 2 or rot.dtype != torch.complex64:
-        raise ValueError(f"rot must be a complex64 [N, R/2] tensor, got "
+        raise ValueError(f"rot must be None or a complex64 [N, R/2] tensor, got "
                          f"{getattr(rot, 'dtype', type(rot))} {tuple(getattr(rot, 'shape', ()))}")
     if rot.shape[0] != n or not 1 <= rot.shape[1] <= d // 2:
         raise ValueError(f"rot {tuple(rot.shape)} does not fit o {tuple(o.shape)}: want "
@@ -58,14 +60,15 @@ def check_out(out: torch.Tensor, o: torch.Tensor, columns: int) -> None:
                          f"{o.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
 
 
-def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | Fp8Weight,
+def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Tensor | Fp8Weight,
                       groups: int, *, out: torch.Tensor | None = None,
                       in_place: bool = False) -> torch.Tensor:
     """u[n, g*Rk + r] = sum_k rope^-1(o)[n, g*K + k] * wo_a[g*Rk + r, k], K = H*D/groups.
 
     o: [N, H, D] bf16 attention output of N query rows (flattened over head then dim, its
     group g is dims g*K..(g+1)*K); rot: [N, R/2] complex64 rotation of each row's position (the
-    last R dims of each head are rotated by its conjugate); wo_a: [groups*Rk, K] bf16, or the
+    last R dims of each head are rotated by its conjugate), or None: o is turned back already
+    (sparse_attn_paged's out_rot), only wo_a remains; wo_a: [groups*Rk, K] bf16, or the
     checkpoint's Fp8Weight (e4m3 + e8m0 32x32 block scales), dequantised exactly to bf16 first;
     out: optional contiguous bf16 [N, groups*Rk] to write into; in_place: the caller no longer
     needs o, which the Triton op then rotates in place (here: unused). Returns [N, groups*Rk]
@@ -76,7 +79,8 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | F
         check_out(out, o, groups * rk)
     weight = wo_a.dequantize() if isinstance(wo_a, Fp8Weight) else wo_a
     n = o.shape[0]
-    o = apply_rope(o, rot.unsqueeze(1), inverse=True)  # [N, H, D], rot over the heads
+    if rot is not None:
+        o = apply_rope(o, rot.unsqueeze(1), inverse=True)  # [N, H, D], rot over the heads
     with torch_bf16_matmul(o.device):  # the fixtures' kernel on any CPU (cpu_kernels)
         u = torch.einsum("ngd,grd->ngr", o.reshape(n, groups, k), weight.view(groups, rk, k))
     u = u.flatten(1)  # [N, groups*Rk] bf16

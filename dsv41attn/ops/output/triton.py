@@ -164,14 +164,15 @@ def _pick_splits(programs: int, k_blocks: int, partial_row_bytes: int, weight_by
     return max(1, s)
 
 
-def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | Fp8Weight,
+def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Tensor | Fp8Weight,
                       groups: int, *, out: torch.Tensor | None = None,
                       num_splits: int | None = None, fused_max_rows: int = 0,
                       fixed_order: bool = True, in_place: bool = False) -> torch.Tensor:
     """``reference.inverse_rope_wo_a`` as one Triton kernel (plus a split-K sum for decode).
 
     o: [N, H, D] bf16; rot: [N, R/2] complex64 (the last R dims of each head are rotated by
-    its conjugate); wo_a: [groups*Rk, H*D/groups] bf16, or an Fp8Weight (e4m3 [groups*Rk,
+    its conjugate), or None (o is turned back already: wo_a only, never the fused kernel);
+    wo_a: [groups*Rk, H*D/groups] bf16, or an Fp8Weight (e4m3 [groups*Rk,
     H*D/groups] + float8_e8m0fnu scales [ceil(groups*Rk/32), ceil(H*D/groups/32)]),
     dequantised in registers; out: optional contiguous bf16 [N, groups*Rk]; num_splits: K
     splits (>= 1; None = heuristic; given, the fused kernel runs at any N). Returns
@@ -191,7 +192,8 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | F
     gr = groups * rk
     fp8 = isinstance(wo_a, Fp8Weight)
     weight = wo_a.weight if fp8 else wo_a
-    check_device(o, rot, weight, *((wo_a.scale,) if fp8 else ()))
+    check_device(o, *((rot,) if rot is not None else ()), weight,
+                 *((wo_a.scale,) if fp8 else ()))
     if num_splits is not None and (isinstance(num_splits, bool) or
                                    not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be an int >= 1 or None, got {num_splits!r}")
@@ -203,10 +205,11 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor, wo_a: torch.Tensor | F
         check_out(out, o, gr)
     if out.numel() == 0:
         return out
-    if n > fused_max_rows and num_splits is None:
+    if (n > fused_max_rows and num_splits is None) or rot is None:
         # the rotation kernel, then the grouped GEMM (in its fixed summation order)
         w16 = wo_a.dequantize() if fp8 else weight
-        rotated = rope_heads(o, rot, inverse=True, in_place=in_place).view(n, h * d)
+        rotated = (o.contiguous() if rot is None else
+                   rope_heads(o, rot, inverse=True, in_place=in_place)).view(n, h * d)
         if not fixed_order:  # torch's batched GEMM writes straight into out's [G, N, Rk] view
             torch.bmm(rotated.view(n, groups, kg).transpose(0, 1),
                       w16.view(groups, rk, kg).transpose(1, 2),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..common.packing import paged_rows, unpack_compressed_rows, unpack_window_rows
+from ..common.rope import apply_rope
 
 BLOCK = 64
 NEG_INIT = -1e30
@@ -61,7 +62,8 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
                       window_ring: torch.Tensor, new_rows: torch.Tensor, window_ids: torch.Tensor,
                       compressed_pool: torch.Tensor | None, block_table: torch.Tensor | None,
                       token_row: torch.Tensor, compressed_idx: torch.Tensor,
-                      max_queries: int = 64) -> torch.Tensor:
+                      max_queries: int = 64, *, out_rot: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """Sparse attention over the packed caches, one query per packed token of a step: each
     query's list is its window entries then its compressed entries, walked as one list
     (``sparse_attn``'s numerics). The window ring is read in place: no copy of it.
@@ -75,7 +77,10 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     block_table: [B, pages] int64 page ids of every state row (None without any);
     token_row: [T] int64 state row of each token (its block-table row);
     compressed_idx: [T, K] int32 compressed row numbers g (row g = pool[block_table[row,
-    g // page_rows], g % page_rows]), -1 skips. Returns [T, H, D] bf16 (0 for an empty list).
+    g // page_rows], g % page_rows]), -1 skips; out_rot: None, or [T, R/2] complex64: the
+    output's last R dims of each head are then turned back by its conjugate (step 6's inverse
+    RoPE, as apply_rope(o, out_rot, inverse=True)). Returns [T, H, D] bf16 (0 for an empty
+    list).
     """
     t_all, h, d = q.shape
     out = torch.empty_like(q)
@@ -111,4 +116,6 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
             idx = torch.cat([idx, torch.where(g >= 0, own, -1)], dim=1)
         out[t] = sparse_attn(q[t].unsqueeze(1), kv, sink, idx.unsqueeze(1).to(torch.int32),
                              scale).squeeze(1)
+    if out_rot is not None:
+        out = apply_rope(out, out_rot.unsqueeze(1), inverse=True)  # rot over the heads
     return out

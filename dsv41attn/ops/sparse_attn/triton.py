@@ -43,21 +43,29 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.triton import e4m3_of_e2m1, e4m3_to_fp32, interpreting, sm_count, to_bf16
+from ..common.triton import (check_rot, cos_sin, e4m3_of_e2m1, e4m3_to_fp32, interpreting,
+                             rope_heads, rope_rotate, sm_count, to_bf16)
 
 BLOCK_N = 64  # index-list block, fixed by the rounding points (docs/numerics.md §6)
 BLOCK_H = 16  # head tile: tl.dot needs every dim >= 16
 
 
 @triton.jit
-def _finish(o_ptr, sink_ptr, bi, offs_h, h_mask, offs_d, m_i, l_i, acc, H, D: tl.constexpr,
-            INTERPRET: tl.constexpr):
-    """Add the sink to the denominator, divide, store o[bi, offs_h, offs_d] bf16. Empty row:
-    l = 0, m = -1e30: o = 0 / inf = 0; with sink = -inf too, l = 0 and o = 0 / 1 (no NaN)."""
+def _normalise(sink_ptr, offs_h, h_mask, m_i, l_i, acc, INTERPRET: tl.constexpr):
+    """Add the sink to the denominator and divide: o [BLOCK_H, columns] bf16 values (in fp32
+    under the interpreter). Empty row: l = 0, m = -1e30: o = 0 / inf = 0; with sink = -inf
+    too, l = 0 and o = 0 / 1 (no NaN)."""
     sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
     l_i = l_i + tl.exp(sink - m_i)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o = to_bf16(o, INTERPRET).to(tl.bfloat16)
+    return to_bf16(o, INTERPRET)
+
+
+@triton.jit
+def _finish(o_ptr, sink_ptr, bi, offs_h, h_mask, offs_d, m_i, l_i, acc, H, D: tl.constexpr,
+            INTERPRET: tl.constexpr):
+    """_normalise, then store o[bi, offs_h, offs_d] bf16."""
+    o = _normalise(sink_ptr, offs_h, h_mask, m_i, l_i, acc, INTERPRET).to(tl.bfloat16)
     tl.store(o_ptr + bi * H * D + offs_h[:, None] * D + offs_d[None, :], o, mask=h_mask[:, None])
 
 
@@ -547,13 +555,16 @@ def _sparse_attn_paged_kernel(
 
 
 @triton.jit
-def _combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, H, S, D: tl.constexpr,
+def _combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, cs_ptr, H, S, D: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+                    R2: tl.constexpr, INTERPRET: tl.constexpr):
     """Merge S partials: M = max m_s, l = sum l_s e^(m_s-M), acc = sum acc_s e^(m_s-M), the
     sums in split order. Grid: (T, cdiv(H, BLOCK_H), D / BLOCK_D); then the sink and the
     division as unsplit. S_PAD >= S, a power of two: all m_s load at once, and the loop's
     loads are software-pipelined (a decode merge is a few latency-bound loads per split).
+    R2 > 0: each head's last 2 R2 dims are then turned back by the conjugate rotation of the
+    token's row of cs [T, R2, 2] (cos, sin), as rope_heads(inverse=True) turns them: the same
+    products and roundings (rope_rotate), so the same bits, and no launch of its own.
     """
     bi, offs_h = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask, offs_d = offs_h < H, tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -568,7 +579,20 @@ def _combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, H, S, D: tl.constexpr,
         l_i += tl.load(ml_ptr + tl.num_programs(0) * S * H + part, mask=h_mask, other=0.) * w
         acc += tl.load(acc_ptr + part[:, None] * D + offs_d[None, :], mask=h_mask[:, None],
                        other=0.0) * w[:, None]
-    _finish(o_ptr, sink_ptr, bi, offs_h, h_mask, offs_d, m_max, l_i, acc, H, D, INTERPRET)
+    if R2 == 0:
+        _finish(o_ptr, sink_ptr, bi, offs_h, h_mask, offs_d, m_max, l_i, acc, H, D, INTERPRET)
+    else:
+        o = _normalise(sink_ptr, offs_h, h_mask, m_max, l_i, acc, INTERPRET).to(tl.float32)
+        even, odd = tl.split(tl.reshape(o, (BLOCK_H, BLOCK_D // 2, 2)))
+        col = tl.program_id(2) * BLOCK_D + 2 * tl.arange(0, BLOCK_D // 2)  # the even members
+        pair = col - (D - 2 * R2)  # 2 x the pair index in the tail (negative: not in it)
+        tail = pair >= 0
+        re, im = rope_rotate(even, odd, cs_ptr + bi * (2 * R2), tl.maximum(pair, 0) // 2,
+                             tail[None, :], True, INTERPRET)
+        o = tl.reshape(tl.join(tl.where(tail[None, :], re, even),
+                               tl.where(tail[None, :], im, odd)), (BLOCK_H, BLOCK_D))
+        tl.store(o_ptr + bi * H * D + offs_h[:, None] * D + offs_d[None, :],
+                 o.to(tl.bfloat16), mask=h_mask[:, None])
 
 
 def _pick_splits(n_blocks: int, split_blocks: int = SPLIT_BLOCKS) -> tuple[int, int]:
@@ -617,7 +641,8 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
                       max_queries: int = 64, *, out: torch.Tensor | None = None,
                       num_splits: int | None = None, split_blocks: int | None = None,
                       block_h: int | None = None, num_warps: int | None = None,
-                      d_chunks: int | None = None) -> torch.Tensor:
+                      d_chunks: int | None = None, out_rot: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """``reference.sparse_attn_paged`` in Triton: rows decoded in registers from the packed bytes,
     one query per packed token of a step; the window ring is read in place (never copied).
 
@@ -640,7 +665,10 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     (power of two >= 16), None = H rounded up to a power of two in [16, 64]; num_warps, None =
     4 (8 at D > 128); d_chunks, the column chunks a tile is decoded and multiplied in (1 or 2,
     see _attend; 2 needs D >= 64; the same bits either way), None = 1 (2 measured slower on an
-    H200 with Triton 3.6). Returns [T, H, D] bf16; a token without entries gives 0 (no NaN).
+    H200 with Triton 3.6); out_rot, None or [T, R/2] complex64: the output's last R dims of
+    each head turned back by its conjugate (the reference's out_rot), by the split merge where
+    the list splits (no launch of its own), else by rope_heads in place after the kernel.
+    Returns [T, H, D] bf16; a token without entries gives 0 (no NaN).
     """
     _check("q", q, ("T", "H", "D"), torch.bfloat16)
     t_all, h, d = q.shape
@@ -674,6 +702,7 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
         raise ValueError(f"d_chunks must be 1 or 2 (2 at D >= 64), got {d_chunks} at D = {d}")
     if split_blocks is not None and split_blocks < 0:
         raise ValueError(f"split_blocks must be >= 0, got {split_blocks}")
+    r2 = 0 if out_rot is None else check_rot(out_rot, t_all, d)
     tensors = {"q": q, "sink": sink, "window_ring": window_ring, "new_rows": new_rows,
                "window_ids": window_ids, "token_row": token_row, "compressed_idx": compressed_idx}
     if k:
@@ -685,7 +714,8 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     if out.numel() == 0:
         return out
     if ww + k == 0:  # no entries at all: every row is empty, o = 0 (as the reference)
-        return out.zero_()
+        out.zero_()
+        return out if out_rot is None else rope_heads(out, out_rot, inverse=True, in_place=True)
     q, sink, new_rows, token_row = (x.contiguous() for x in (q, sink, new_rows, token_row))
     n_ring = window_ring.shape[0] * window_ring.shape[1]
     ring = window_ring if n_ring else new_rows  # B*S = 0: a valid pointer, never read
@@ -722,6 +752,9 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     if s > 1:
         bd = min(d, 128)  # small merge tiles: enough programs to read the partials fast
         _combine_kernel[(t_all, triton.cdiv(h, BLOCK_H), d // bd)](
-            ml, acc, sink, out, h, s, D=d, BLOCK_H=BLOCK_H, BLOCK_D=bd,
-            S_PAD=triton.next_power_of_2(s), INTERPRET=interp)
+            ml, acc, sink, out, sink if out_rot is None else cos_sin(out_rot), h, s, D=d,
+            BLOCK_H=BLOCK_H, BLOCK_D=bd, S_PAD=triton.next_power_of_2(s), R2=r2,
+            INTERPRET=interp)
+    elif out_rot is not None:
+        out = rope_heads(out, out_rot, inverse=True, in_place=True)
     return out
