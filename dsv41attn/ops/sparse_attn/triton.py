@@ -723,7 +723,7 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     widx, cidx = (x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
                   for x in (window_ids, compressed_idx))
     pool, table = (compressed_pool.contiguous(), block_table.contiguous()) if k else \
-        (ring, token_row.new_zeros(1, 1))  # never read without k
+        (ring, token_row.view(1, -1))  # never read without k (a view: no fill launch)
     # D >= 128: rows load as int32 words when every base is 4-byte aligned (the row sizes are
     # multiples of 4 there); views that are not take the byte path instead of being copied
     nh = d_chunks or 1  # 2: fewer live registers per step, but more spills on Triton 3.6
