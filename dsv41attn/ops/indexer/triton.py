@@ -51,7 +51,8 @@ Flow of one call (every launch on the device, no host sync, so a decode step can
    the lowest-numbered rows equal to u, i.e. higher score first, ties to the lower row (SPEC
    §0.2). A source of at most SELECT_ONE_PROGRAM entries a slot (the short contexts' rows
    and candidate blocks) runs the same passes in one program a slot instead
-   (``_select_one_kernel``: one launch, histograms in registers). For top-k rows past a query's ``visible`` become -1 (a consumer's list positions
+   (``_select_one_kernel``: one launch, histograms in registers). For top-k rows past a
+   query's ``visible`` become -1 (a consumer's list positions
    mapped back to rows first); for candidate blocks the kept mask is written (a block whose
    maximum is -inf is never kept).
 4. Large top-k calls (``_filters``: queries x rows past FILTER_MIN_SCORES, rows past
