@@ -11,7 +11,7 @@ predicts. The oracle runs the backend under test because the triton backend agre
 reference within the fixtures' tolerances, not bit for bit (the role and fixture tests check
 that). The triton backend runs in its batch-invariant mode here: its default mode lets a
 row's last bits follow the call's row count where a fixed order costs (wo_a's batched GEMM:
-seed 74 once gave a 22-token step's layer-7 output other bits than the token alone, with
+a multi-token step's output can differ in its last bits from the same token alone, with
 equal attention outputs), while in the invariant mode, as in the reference backend, a
 token's outputs are the same bits whatever the batch, chunking or history: a state bug
 shows as a mismatch, a last-bit difference between backends or call sizes does not.

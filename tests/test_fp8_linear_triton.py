@@ -639,14 +639,26 @@ def test_linear_outputs_equal_gemm(m):
 
 
 def test_capture_counter_pool_hands_out_each_counter_once():
-    """The counters of captured launches: disjoint zeroed slices of one buffer, in order, until
-    it is spent (then None: the capture zeroes a buffer of its own)."""
-    pool = T._CounterPool(torch.zeros(10, dtype=torch.int32))
-    a, b = pool.take(4), pool.take(6)
-    assert a.numel() == 4 and b.numel() == 6 and (a == 0).all() and (b == 0).all()
+    """The counters of captured launches: disjoint zeroed slices, in order, until the buffer
+    is spent (then None: the capture zeroes a buffer of its own); top_up (eager launches)
+    starts a new buffer once less than half is left, leaving the slices handed out alone."""
+    pool = T._CounterPool("cpu", 10)
+    assert pool.take(1) is None  # nothing allocated before an eager launch
+    pool.top_up()
+    a, b = pool.take(4), pool.take(1)
+    first = pool.buffer
+    pool.top_up()  # 5 of 10 left: the same buffer
+    assert pool.buffer is first
+    c = pool.take(5)
+    assert all(t.numel() == n and (t == 0).all() for t, n in ((a, 4), (b, 1), (c, 5)))
     a.fill_(1)
-    assert (b == 0).all() and pool.take(1) is None
+    assert (b == 0).all() and (c == 0).all() and pool.take(1) is None
     assert b.data_ptr() == a.data_ptr() + 4 * a.element_size()
+    assert c.data_ptr() == b.data_ptr() + b.element_size()
+    pool.top_up()  # spent: a new buffer; the old slices stay as they are
+    d = pool.take(10)
+    assert pool.buffer is not first and d.numel() == 10 and (d == 0).all()
+    assert (a == 1).all() and pool.used == 20 and pool.take(1) is None
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="CUDA graphs")

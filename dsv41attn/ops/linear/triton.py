@@ -834,18 +834,29 @@ class _CounterPool:
     does, so the slice is ready for the next replay without a memset node in the graph (one
     per fused GEMM, on the critical path of a decode step), and no two launches that may run
     at once (a branch stream beside the query path, graphs replayed side by side) share one.
-    The buffer is allocated outside any capture (the first eager launch on the device); a
-    capture that finds none, or finds it spent, zeroes a buffer of its own as before."""
+    Buffers of ``ints`` counters are allocated outside any capture: ``top_up`` (every eager
+    launch on the device, so the warm-up step before a capture) starts a new one when less
+    than half of the current one is left; slices already handed out stay with the graphs that
+    hold them (a graph may live as long as the process: nothing is given back). A capture
+    that finds the buffer spent zeroes a buffer of its own, as before."""
 
-    def __init__(self, buffer: torch.Tensor):
-        self.buffer = buffer
-        self.used = 0
+    def __init__(self, device: torch.device | str, ints: int):
+        self.device, self.ints = device, ints
+        self.buffer: torch.Tensor | None = None
+        self.at = 0  # the current buffer's counters handed out
+        self.used = 0  # every buffer's
+
+    def top_up(self) -> None:
+        if self.buffer is None or self.ints - self.at < self.ints // 2:
+            self.buffer = torch.zeros(self.ints, dtype=torch.int32, device=self.device)
+            self.at = 0
 
     def take(self, n: int) -> torch.Tensor | None:
-        if self.used + n > self.buffer.numel():
+        if self.buffer is None or self.at + n > self.ints:
             return None
+        self.at += n
         self.used += n
-        return self.buffer[self.used - n:self.used]
+        return self.buffer[self.at - n:self.at]
 
 
 _CAPTURE_COUNTERS: dict = {}  # device -> _CounterPool
@@ -862,9 +873,11 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
         pool = _CAPTURE_COUNTERS.get(str(device))
         buf = pool.take(tiles) if pool is not None else None
         return buf if buf is not None else torch.zeros(tiles, dtype=torch.int32, device=device)
-    if str(device) not in _CAPTURE_COUNTERS and device.type == "cuda":
-        _CAPTURE_COUNTERS[str(device)] = _CounterPool(
-            torch.zeros(CAPTURE_COUNTER_INTS, dtype=torch.int32, device=device))
+    if device.type == "cuda":
+        pool = _CAPTURE_COUNTERS.get(str(device))
+        if pool is None:
+            pool = _CAPTURE_COUNTERS[str(device)] = _CounterPool(device, CAPTURE_COUNTER_INTS)
+        pool.top_up()
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream)
     buf = _COUNTERS.get(key)
