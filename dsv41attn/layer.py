@@ -147,23 +147,23 @@ class AttentionLayer:
                     head_weights = self._head_weights(x)
 
             # Query path (docs/numerics.md §5, step 1): wq_a, then q_norm inside wq_b's
-            # act-quant. An index source with rows to score this step projects the indexer's
-            # query from the same qr: one act-quant for both.
+            # act-quant and the query's RoPE as wq_b writes q. An index source with rows to
+            # score this step projects the indexer's query from the same qr: one act-quant
+            # for both.
             q_low = ops.fp8_linear(x, w.wq_a.weight, w.wq_a.scale)
-            q_norm = (w.q_norm, cfg.norm_eps)
+            q_norm, q_rope = (w.q_norm, cfg.norm_eps), (rot, cfg.head_dim)
             q_index = None
             if scoring:
                 q, q_index = ops.fp8_linear_pair(q_low, w.wq_b.weight, w.wq_b.scale,
                                                  w.index_wq_b.weight, w.index_wq_b.scale,
-                                                 norm=q_norm)
+                                                 norm=q_norm, rope=q_rope)
                 q_index = ops.rope_fp4_heads(q_index.view(t, self.index_heads,
                                                           cfg.index_head_dim), rot)
                 if compresses:
                     head_weights = self._head_weights(x)
             else:
-                q = ops.fp8_linear(q_low, w.wq_b.weight, w.wq_b.scale, norm=q_norm)
-            # [T, H, D]; q is this step's own: its tail turns in place
-            q = ops.rope_heads(q.view(t, self.heads, cfg.head_dim), rot, in_place=True)
+                q = ops.fp8_linear(q_low, w.wq_b.weight, w.wq_b.scale, norm=q_norm, rope=q_rope)
+            q = q.view(t, self.heads, cfg.head_dim)  # [T, H, D], RoPE'd
         # joined: the indexer and the attention read the rows the branch wrote
 
         # The selection of compressed rows (step 4).

@@ -605,6 +605,85 @@ def test_fp8_linear_with_norm_equals_norm_first(m):
     assert torch.equal(r2, R.fp8_linear(ref_normed, w2, s2))
 
 
+ROPE_CASES = {  # id: (M, N, head_dim D, R/2, num_splits): where the RoPE is applied
+    "m1-split-sum-in-kernel": (1, 256, 64, 16, None),  # 16-row tiles, last program's sum
+    "m5-unsplit": (5, 200, 100, 7, 1),  # one range: the unsplit store; D off the tiles
+    "m16-two-heads-a-tile": (16, 512, 64, 32, None),  # a 128-row tile spans heads
+    "m17-64-row-tiles": (17, 256, 128, 32, None),  # bf16 values; split sum by its own kernel
+    "m40-unsplit": (40, 256, 64, 1, 1),  # one pair a head, 64-row tiles written directly
+    "m70-square": (70, 192, 64, 8, None),  # square tiles (fp32 out, cast): rope_heads after
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES), ids=list(ROPE_CASES))
+def test_fp8_linear_rope_equals_rope_after(case, monkeypatch):
+    """fp8_linear(rope=(rot, D)) (the query's RoPE in wq_b's epilogue where the decode kernel
+    writes the output, else rope_heads in place after): the bits of rope_heads on the plain
+    output at every tile and split form, the output NaN-poisoned first (every element
+    written); fp8_linear_pair turns its first output only; the reference's rope= is its
+    apply_rope after the linear."""
+    from dsv41attn.ops.common.triton import rope_heads
+    from dsv41attn.ops.linear import reference as R
+    from dsv41attn.ops.window_kv.reference import rope_heads as ref_rope_heads
+
+    m, n, d, r2, splits = ROPE_CASES[case]
+    k = 32 * 10
+    w, ws = _quantized(n, k, seed=m + n)
+    w2, s2 = _quantized(33, k, seed=m + 1)
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, k, generator=g) * 2).bfloat16()
+    ang = torch.rand(m, r2, generator=g) * 50
+    rot = torch.polar(torch.ones_like(ang), ang)
+    xd, wd, wsd, rotd = x.to(DEV), w.to(DEV), ws.to(DEV), rot.to(DEV)
+    plain = fp8_linear(xd, wd, wsd, num_splits=splits)
+    want = rope_heads(plain.view(m, n // d, d), rotd).view(m, n)
+    empty = torch.empty
+
+    def poisoned(*shape, dtype=None, device=None):  # every buffer the op makes starts NaN
+        t = empty(*shape, dtype=dtype, device=device)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(T.torch, "empty", poisoned)
+    got = fp8_linear(xd, wd, wsd, num_splits=splits, rope=(rotd, d))
+    monkeypatch.undo()
+    assert torch.equal(got.cpu().view(torch.int16), want.cpu().view(torch.int16))
+    plan = T._linear_plan(m, wd, splits, True, xd.device)
+    assert plan.writes_out == (case != "m70-square" and case != "m17-64-row-tiles"), plan
+    y1, y2 = T.fp8_linear_pair(xd, wd, wsd, w2.to(DEV), s2.to(DEV), rope=(rotd, d))
+    assert torch.equal(y1.cpu().view(torch.int16), fp8_linear(xd, wd, wsd, rope=(rotd, d))
+                       .cpu().view(torch.int16))
+    assert torch.equal(y2.cpu(), fp8_linear(xd, w2.to(DEV), s2.to(DEV)).cpu())
+    ref = R.fp8_linear(x, w, ws, rope=(rot, d))
+    assert torch.equal(ref, ref_rope_heads(R.fp8_linear(x, w, ws).view(m, n // d, d), rot)
+                       .view(m, n))
+    r1, _ = R.fp8_linear_pair(x, w, ws, w2, s2, rope=(rot, d))
+    assert torch.equal(r1, ref)
+
+
+def test_fp8_linear_rope_bad_inputs():
+    """rope's argument errors on both backends, before anything runs."""
+    from dsv41attn.ops.linear import reference as R
+
+    w, ws = _quantized(128, 64, seed=5)
+    x = torch.randn(3, 64).bfloat16()
+    rot = torch.polar(torch.ones(3, 8), torch.rand(3, 8))
+    for fn in (R.fp8_linear, fp8_linear):
+        with pytest.raises(ValueError, match="pair"):
+            fn(x, w, ws, rope=rot)
+        with pytest.raises(ValueError, match="head_dim"):
+            fn(x, w, ws, rope=(rot, 48))  # does not divide 128
+        with pytest.raises(ValueError, match="head_dim"):
+            fn(x, w, ws, rope=(rot, True))
+        with pytest.raises(ValueError, match="rot"):
+            fn(x, w, ws, rope=(rot[:2], 64))  # rows
+        with pytest.raises(ValueError, match="rot"):
+            fn(x, w, ws, rope=(torch.polar(torch.ones(3, 40), torch.rand(3, 40)), 64))  # R > D
+        with pytest.raises(ValueError, match="rot"):
+            fn(x, w, ws, rope=(rot.real, 64))
+        with pytest.raises(ValueError, match="bf16"):
+            fn(x, w, ws, rope=(rot, 64), out_dtype=torch.float32)
+
+
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 65])
 def test_linear_outputs_equal_gemm(m):
     """fp8_linear's own epilogues (bf16 or fp32 written by the decode kernel, the fused

@@ -33,11 +33,11 @@ class Ops:
 
     name: str
     sparse_attn_paged: Callable
-    fp8_linear: Callable  # norm=(weight, eps): RMSNorm'd input (q_norm before wq_b)
+    fp8_linear: Callable  # norm=(weight, eps): RMSNorm'd input (q_norm before wq_b);
+    # rope=(rot, head_dim): the query's RoPE on the output's heads (after wq_b)
     fp8_linear_pair: Callable  # two fp8 linears of one input, one act-quant (wq_b and the
     # index wq_b)
     norm_rope_pack: Callable  # window K/V: RMSNorm + RoPE + fp8 + pack (+ ring write)
-    rope_heads: Callable  # the query's RoPE
     compressor_project: Callable  # r > 1 compressor: fp32 wkv and wgate of every token
     compressor_prepare: Callable  # (wkv, wgate) -> compressor_project's extra keyword
     # arguments, built once per layer
@@ -64,7 +64,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
         from .linear.reference import fp8_linear, fp8_linear_pair, linear
         from .output.reference import inverse_rope_wo_a
         from .sparse_attn.reference import sparse_attn_paged
-        from .window_kv.reference import norm_rope_pack, rope_heads
+        from .window_kv.reference import norm_rope_pack
         if batch_invariant:
             raise ValueError("batch_invariant=True needs backend 'triton' (the reference "
                              "backend runs torch's kernels, which promise no call-invariant order)")
@@ -81,7 +81,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
             from .linear.triton import fp8_linear, fp8_linear_pair
             from .output import triton as output
             from .sparse_attn.triton import sparse_attn_paged
-            from .window_kv.triton import norm_rope_pack, rope_heads
+            from .window_kv.triton import norm_rope_pack
         except ImportError as e:  # triton missing
             raise ValueError(f"backend 'triton' needs the triton package: {e}") from e
         if batch_invariant:
@@ -97,6 +97,6 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     # the reference ops write through boolean masks (host syncs): not capturable
     return Ops(backend, sparse_attn_paged, fp8_linear, fp8_linear_pair, norm_rope_pack,
-               rope_heads, compressor_project, compressor_prepare, recent_gather_write,
+               compressor_project, compressor_prepare, recent_gather_write,
                pool_norm_rope_pack, inverse_rope_wo_a, index_topk, rope_fp4_heads, linear,
                backend == "triton", batch_invariant)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from ..common.cpu_kernels import torch_bf16_matmul
 from ..common.norm import rms_norm
 from ..common.quant import FP8_BLOCK, act_quant
+from ..common.rope import apply_rope
 
 
 def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
@@ -42,32 +43,65 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     return out
 
 
+def check_rope(rope, m: int, n: int, out_dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:
+    """Validate fp8_linear's ``rope`` = (rot, head_dim) for an [m, n] output: rot [m, R/2]
+    complex64, head_dim an even divisor of n with R <= head_dim, a bf16 output. Returns (rot,
+    head_dim, R/2); raises ValueError naming what is wrong (before anything runs)."""
+    if not isinstance(rope, tuple) or len(rope) != 2:
+        raise ValueError(f"rope must be a (rot, head_dim) pair, got {type(rope).__name__}")
+    rot, d = rope
+    if isinstance(d, bool) or not isinstance(d, int) or d < 2 or d % 2 or n % d:
+        raise ValueError(f"rope's head_dim must be an even int dividing the output's {n} "
+                         f"columns, got {d!r}")
+    if not isinstance(rot, torch.Tensor) or rot.dtype != torch.complex64 or rot.dim() != 2 \
+            or rot.shape[0] != m or not 1 <= rot.shape[1] <= d // 2:
+        raise ValueError(f"rope's rot must be a complex64 [{m}, R/2] tensor with 1 <= R/2 <= "
+                         f"{d // 2}, got {getattr(rot, 'dtype', type(rot))} "
+                         f"{tuple(getattr(rot, 'shape', ()))}")
+    if out_dtype != torch.bfloat16:
+        raise ValueError(f"rope needs a bf16 output, got out_dtype={out_dtype}")
+    return rot, d, rot.shape[1]
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
                out_dtype: torch.dtype = torch.bfloat16,
-               norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+               norm: tuple[torch.Tensor, float] | None = None,
+               rope: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """y = x W^T for an fp8 weight: act_quant(x) then the blockwise fp8 GEMM.
 
     x: [..., K] bf16; weight [N, K] e4m3; weight_scale [ceil(N/32), ceil(K/32)] e8m0.
     Returns [..., N] in ``out_dtype``: bf16 (the layer's outputs), or torch.float32 for the
     GEMM's fp32 result before that cast (a tensor-parallel wo_b partial, all-reduced first).
     norm: (weight [K] bf16, eps): x is RMSNorm'd first (the query's q_norm before wq_b).
+    rope: (rot [M, R/2] complex64, head_dim D): the bf16 output's columns are heads of D,
+    and each head's last R dims turn by its row's rotation (the query's RoPE after wq_b:
+    apply_rope on the [M, N/D, D] view).
     """
+    lead = x.shape[:-1]
+    m = x.reshape(-1, x.shape[-1]).shape[0]
+    if rope is not None:
+        rot, d, _ = check_rope(rope, m, weight.shape[0], out_dtype)
     if norm is not None:
         x = rms_norm(x, *norm)
-    lead = x.shape[:-1]
     x_q, s = act_quant(x.reshape(-1, x.shape[-1]))
-    y = fp8_gemm(x_q, s, weight, weight_scale)
-    return y.to(out_dtype).reshape(*lead, weight.shape[0])
+    y = fp8_gemm(x_q, s, weight, weight_scale).to(out_dtype)
+    if rope is not None:
+        y = apply_rope(y.view(m, -1, d), rot.unsqueeze(1)).view(m, -1)
+    return y.reshape(*lead, weight.shape[0])
 
 
 def fp8_linear_pair(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor,
-                    s2: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None
+                    s2: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None,
+                    rope: tuple[torch.Tensor, int] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two fp8 linears of one input (wq_b and the index wq_b share the query's qr):
-    (fp8_linear(x, w1, s1, norm=norm), fp8_linear(x, w2, s2, norm=norm)), bf16."""
+    (fp8_linear(x, w1, s1, norm=norm, rope=rope), fp8_linear(x, w2, s2, norm=norm)), bf16:
+    rope turns the first output only (the query's heads)."""
+    if rope is not None:
+        check_rope(rope, x.reshape(-1, x.shape[-1]).shape[0], w1.shape[0], torch.bfloat16)
     if norm is not None:
         x = rms_norm(x, *norm)
-    return fp8_linear(x, w1, s1), fp8_linear(x, w2, s2)
+    return fp8_linear(x, w1, s1, rope=rope), fp8_linear(x, w2, s2)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -55,9 +55,11 @@ try:  # Triton >= 3.4 (the decode kernel's TMA weight loads)
 except ImportError:  # pragma: no cover - older Triton: plain loads
     TensorDescriptor = None
 
-from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, check_device, e4m3_code, e8m0_to_fp32,
-                             interpreting, require, rms_norm_warps, rms_row_scale, round_bf16,
-                             sm_count, to_bf16, ue8m0_exponent)
+from .reference import check_rope
+from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, check_device, cos_sin, e4m3_code,
+                             e8m0_to_fp32, interpreting, require, rms_norm_warps, rms_row_scale,
+                             rope_heads, rope_rotate, round_bf16, sm_count, to_bf16,
+                             ue8m0_exponent)
 
 QUANT_BLOCKS = 16  # act_quant: scale blocks per program (512 elements of a row)
 SPLIT_MAX_M = 64  # decode-sized M: narrow tiles, long K steps (weight-bandwidth bound)
@@ -291,13 +293,36 @@ def _store_out(ptrs, y, mask, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_desc, M, N, K,
-                       KB, CHUNKS, RANGES, GRANULE: tl.constexpr, BLOCK_M: tl.constexpr,
+def _store_rope_out(ptrs, y, mask, n0, offs_m, m_mask, cs_ptr, ROPE_D: tl.constexpr,
+                    ROPE_R2: tl.constexpr, INTERPRET: tl.constexpr):
+    """Store y [BLOCK_N, BLOCK_M] (columns n0.. of the output, one per row, tokens offs_m) as
+    bf16 with each head's last 2 ROPE_R2 columns (heads of ROPE_D columns) turned by its
+    token's rotation: cs [M, ROPE_R2, 2] fp32 (cos, sin). The rounding of rope_heads on the
+    stored bf16 output: y rounded to bf16 first, then each pair through rope_rotate."""
+    BN: tl.constexpr = y.shape[0]
+    BM: tl.constexpr = y.shape[1]
+    yb = round_bf16(y, INTERPRET)
+    # the (even, odd) column pairs: adjacent rows of the tile (n0 is even, so is ROPE_D)
+    even, odd = tl.split(tl.permute(tl.reshape(yb, (BN // 2, 2, BM)), (0, 2, 1)))
+    col = n0 + 2 * tl.arange(0, BN // 2)  # [BN / 2]: each pair's even column
+    pair = (col % ROPE_D - (ROPE_D - 2 * ROPE_R2)) // 2  # its pair in the head's tail (< 0: none)
+    tail = (pair >= 0)[:, None] & m_mask[None, :]
+    re, im = rope_rotate(even, odd, cs_ptr + offs_m.to(tl.int64)[None, :] * (2 * ROPE_R2),
+                         tl.maximum(pair, 0)[:, None], tail, False, INTERPRET)
+    out = tl.reshape(tl.permute(tl.join(tl.where(tail, re, even), tl.where(tail, im, odd)),
+                                (0, 2, 1)), (BN, BM))
+    tl.store(ptrs, out.to(tl.bfloat16), mask=mask)  # exact: bf16 values already
+
+
+@triton.jit
+def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_desc, cs_ptr, M,
+                       N, K, KB, CHUNKS, RANGES, GRANULE: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, KSUB: tl.constexpr, DOT_F16: tl.constexpr,
                        ALL_RANGES: tl.constexpr, PARTIALS: tl.constexpr,
                        SPLITS: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr,
                        OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
-                       VALUES: tl.constexpr = False):
+                       VALUES: tl.constexpr = False, ROPE_D: tl.constexpr = 0,
+                       ROPE_R2: tl.constexpr = 0):
     """_fp8_gemm_kernel for decode-sized M with the operands swapped: each 32-block's tl.dot is
     w [BLOCK_N, 32] . x^T [32, BLOCK_M] (weight rows on the MMA's 64-row side, the few token
     rows its narrow side), so a BLOCK_N x BLOCK_M tile of y^T per program; every output element
@@ -325,7 +350,10 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
     without spilling). Tiles past 16 token rows add each block dot as soon as it is made (four
     live [BLOCK_N, BLOCK_M] dots would spill). Bit-identical to _fp8_gemm_kernel at every M, on
     an H200 too (the same wgmma instruction, f16, bf16 or e4m3 operands; only its 64-row side
-    now holds the weight)."""
+    now holds the weight). ROPE_D > 0 (OUT_BF16, the kernel writing out itself): the output
+    is stored with the query's RoPE applied (_store_rope_out; cs_ptr [M, ROPE_R2, 2] fp32,
+    else unused), the bits of rope_heads on the stored output."""
+    tl.static_assert(ROPE_D == 0 or (OUT_BF16 and BLOCK_N % 2 == 0 and ROPE_D % 2 == 0))
     tl.static_assert(KSUB == 1 or KSUB == 2 or KSUB == 4)
     tl.static_assert(PREFETCH or not TMA)
     pid_n = tl.program_id(0)
@@ -463,10 +491,17 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
             for z in tl.static_range(1, SPLITS):  # range order, as _split_sum_kernel
                 y += tl.load(c_ptr + z * M * N + mn, mask=mask, other=0.0,
                              cache_modifier=".cg")
-            _store_out(out_ptr + mn, y, mask, OUT_BF16, INTERPRET)
+            if ROPE_D > 0:
+                _store_rope_out(out_ptr + mn, y, mask, pid_n * BLOCK_N, offs_m, m_mask, cs_ptr,
+                                ROPE_D, ROPE_R2, INTERPRET)
+            else:
+                _store_out(out_ptr + mn, y, mask, OUT_BF16, INTERPRET)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch
     elif PARTIALS:
         tl.store(c_ptr + split.to(tl.int64) * M * N + mn, acc, mask=mask)
+    elif ROPE_D > 0:
+        _store_rope_out(out_ptr + mn, acc, mask, pid_n * BLOCK_N, offs_m, m_mask, cs_ptr,
+                        ROPE_D, ROPE_R2, INTERPRET)
     else:
         _store_out(out_ptr + mn, acc, mask, OUT_BF16, INTERPRET)
 
@@ -550,6 +585,13 @@ class _GemmPlan:
     @property
     def granule(self) -> int:
         return self.order.granule
+
+    @property
+    def writes_out(self) -> bool:
+        """Whether the decode kernel writes the output itself: K unsplit (or its ranges summed
+        in one program), or split with the sum in its last program (16-row and TMA tiles);
+        else _split_sum_kernel does (and the square tiles' output is fp32, cast after)."""
+        return self.swap and (self.splits == 1 or self.block_m <= 16 or self.tma)
 
 
 # (largest M, BLOCK_M, BLOCK_N, warps, stages, most 32-blocks per K iteration), by M, for
@@ -887,12 +929,14 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
-def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out):
+def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out, cs=None,
+                  rope_d: int = 0):
     """Launch ``plan`` on checked operands (fp8_gemm's; x_codes e4m3 or fp16 values; for a
     ``prescaled`` plan x's bf16 values, and in the square tiles the weight's too, made here
     from its e4m3 codes when given those: one pass over the weight, ~1% of the GEMM at those
     M), into ``out`` ([M, N] fp32, or bf16 for the decode kernel: its fp32 result rounded
-    once)."""
+    once). rope_d > 0 (a plan that ``writes_out`` bf16): the kernel stores the output with
+    the RoPE of cs [M, R/2, 2] fp32 on each head of rope_d columns."""
     m, k = x_codes.shape
     n, kb = weight.shape[0], k // FP8_BLOCK
     s = plan.splits
@@ -908,19 +952,23 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out)
         # 16-row and TMA tiles: PREFETCH, the split-K sum in the kernel
         prefetch = plan.block_m <= 16 or plan.tma
         fused = s > 1 and prefetch
+        assert fused == (plan.writes_out and s > 1)
+        assert not rope_d or (plan.writes_out and out.dtype == torch.bfloat16)
         counters = _tile_counters(out.device, grid[0] * grid[2]) if fused else partials
         assert (x_codes.dtype == torch.bfloat16) == plan.prescaled
         assert weight.dtype == torch.float8_e4m3fn
         tma = plan.tma  # the planner's caller checked the weight (_tma_weight)
         # the weight's descriptor (TMA), else its pointer again (the argument is not read)
         w_desc = TensorDescriptor.from_tensor(args[2], [plan.block_n, 32]) if tma else args[2]
-        _fp8_decode_kernel[grid](*args, partials, out, counters, w_desc, m, n, k, kb,
+        _fp8_decode_kernel[grid](*args, partials, out, counters, w_desc,
+                                 cs if rope_d else args[1], m, n, k, kb,
                                  order.chunks, order.ranges, GRANULE=order.granule,
                                  BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, KSUB=plan.ksub,
                                  DOT_F16=plan.dot_f16, ALL_RANGES=all_ranges, PARTIALS=s > 1,
                                  SPLITS=s if fused else 1, PREFETCH=prefetch, TMA=tma,
                                  OUT_BF16=out.dtype == torch.bfloat16,
                                  INTERPRET=interpreting(), VALUES=plan.prescaled,
+                                 ROPE_D=rope_d, ROPE_R2=cs.shape[1] if rope_d else 0,
                                  num_warps=plan.num_warps, num_stages=plan.num_stages)
         if s > 1 and not fused:
             _split_sum_kernel[(triton.cdiv(m * n, SPLIT_SUM_BLOCK),)](
@@ -984,24 +1032,37 @@ def _act_operands(x2: torch.Tensor, plans, norm=None) -> dict:
             for form in dict.fromkeys(map(_x_form, plans))}
 
 
-def _linear_from_quant(x_q, s, plan, weight, weight_scale, num_splits, precise_dot, out_dtype):
+def _linear_from_quant(x_q, s, plan, weight, weight_scale, num_splits, precise_dot, out_dtype,
+                       rope=None):
     """``plan`` on act_quant's output (its ``_x_form``), [M, N] in out_dtype: where the decode
     kernel runs it writes bf16 (or fp32) itself, the one rounding torch's cast would do;
-    elsewhere the GEMM's fp32 result is cast."""
+    elsewhere the GEMM's fp32 result is cast. rope: (rot, head_dim, R/2), checked: the
+    decode kernel turns the heads' tails as it stores them where it writes the output
+    itself, else rope_heads turns them in place after (the same bits)."""
     m, n, kb = _check_gemm(x_q, s, weight, weight_scale, num_splits, precise_dot,
                            values=plan.prescaled)
     if m * n == 0 or kb == 0:
-        return torch.zeros(m, n, dtype=out_dtype, device=x_q.device)
-    direct = plan.swap and out_dtype in (torch.bfloat16, torch.float32)
-    out = torch.empty(m, n, dtype=out_dtype if direct else torch.float32, device=x_q.device)
-    y = _run_fp8_gemm(plan, x_q, s, weight, weight_scale, out)
-    return y if direct else y.to(out_dtype)
+        y = torch.zeros(m, n, dtype=out_dtype, device=x_q.device)
+    else:
+        direct = plan.swap and out_dtype in (torch.bfloat16, torch.float32)
+        out = torch.empty(m, n, dtype=out_dtype if direct else torch.float32,
+                          device=x_q.device)
+        if rope is not None and plan.writes_out:
+            check_device(x_q, rope[0])
+            return _run_fp8_gemm(plan, x_q, s, weight, weight_scale, out, cos_sin(rope[0]),
+                                 rope[1])
+        y = _run_fp8_gemm(plan, x_q, s, weight, weight_scale, out)
+        y = y if direct else y.to(out_dtype)
+    if rope is not None and y.numel():
+        rope_heads(y.view(m, n // rope[1], rope[1]), rope[0], in_place=True)
+    return y
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
                num_splits: int | None = None, precise_dot: bool = True,
                out_dtype: torch.dtype = torch.bfloat16,
-               norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+               norm: tuple[torch.Tensor, float] | None = None,
+               rope: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """y = x W^T for an fp8 weight: act_quant(x) then the blockwise fp8 GEMM (docs/numerics.md §4).
     norm: (weight, eps): y = rms_norm(x, weight, eps) W^T, the norm inside act_quant's launch
     (the same bits as common.triton.rms_norm, then this).
@@ -1015,34 +1076,42 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     M <= 16 (precise_dot) also quantises x to fp16 values and sums the split-K partials in the
     GEMM's last program: two launches in all (act_quant, the GEMM), the same bits. From
     PRESCALE_MIN_M rows (precise_dot) act_quant writes x's bf16 values and the GEMM reads them
-    and the weight's bf16 values (a copy made per call), the same bits again.
+    and the weight's bf16 values (a copy made per call), the same bits again. rope: (rot [M,
+    R/2] complex64, head_dim): the query's RoPE on the output's heads, as the reference's
+    (applied as the decode kernel stores the output where it writes it itself: no launch of
+    its own; else by rope_heads in place after).
     """
     _check_linear(x, weight, weight_scale)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if rope is not None:
+        rope = check_rope(rope, x2.shape[0], weight.shape[0], out_dtype)
     plan = _linear_plan(x2.shape[0], weight, num_splits, precise_dot, x.device)
     x_q, s = _act_operands(x2, [plan], norm)[_x_form(plan)]
     y = _linear_from_quant(x_q, s, plan, weight, weight_scale, num_splits, precise_dot,
-                           out_dtype)
+                           out_dtype, rope)
     return y.reshape(*lead, weight.shape[0])
 
 
 def fp8_linear_pair(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor,
                     s2: torch.Tensor, *, precise_dot: bool = True,
                     out_dtype: torch.dtype = torch.bfloat16,
-                    norm: tuple[torch.Tensor, float] | None = None
+                    norm: tuple[torch.Tensor, float] | None = None,
+                    rope: tuple[torch.Tensor, int] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8_linear(x, w1, s1, norm=norm), fp8_linear(x, w2, s2, norm=norm)) with one act_quant
-    of x (wq_b and the index wq_b share the query's qr): the same bits as the two calls, one
-    launch fewer."""
+    """(fp8_linear(x, w1, s1, norm=norm, rope=rope), fp8_linear(x, w2, s2, norm=norm)) with one
+    act_quant of x (wq_b and the index wq_b share the query's qr): the same bits as the two
+    calls, one launch fewer. rope turns the first output only (the query's heads)."""
     _check_linear(x, w1, s1)
     _check_linear(x, w2, s2)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if rope is not None:
+        rope = check_rope(rope, x2.shape[0], w1.shape[0], out_dtype)
     plans = [_linear_plan(x2.shape[0], w, None, precise_dot, x.device) for w in (w1, w2)]
     xs = _act_operands(x2, plans, norm)
-    y1, y2 = (_linear_from_quant(*xs[_x_form(p)], p, w, sc, None, precise_dot, out_dtype)
-              for p, w, sc in zip(plans, (w1, w2), (s1, s2)))
+    y1, y2 = (_linear_from_quant(*xs[_x_form(p)], p, w, sc, None, precise_dot, out_dtype, r)
+              for p, w, sc, r in zip(plans, (w1, w2), (s1, s2), (rope, None)))
     return y1.reshape(*lead, w1.shape[0]), y2.reshape(*lead, w2.shape[0])
 
 
