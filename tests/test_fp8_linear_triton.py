@@ -609,6 +609,7 @@ ROPE_CASES = {  # id: (M, N, head_dim D, R/2, num_splits): where the RoPE is app
     "m1-split-sum-in-kernel": (1, 256, 64, 16, None),  # 16-row tiles, last program's sum
     "m5-unsplit": (5, 200, 100, 7, 1),  # one range: the unsplit store; D off the tiles
     "m16-two-heads-a-tile": (16, 512, 64, 32, None),  # a 128-row tile spans heads
+    "m2-tiles-without-tail": (2, 512, 512, 16, 1),  # V4.1's head: 3 of 4 tiles hold no tail
     "m17-64-row-tiles": (17, 256, 128, 32, None),  # bf16 values; split sum by its own kernel
     "m40-unsplit": (40, 256, 64, 1, 1),  # one pair a head, 64-row tiles written directly
     "m70-square": (70, 192, 64, 8, None),  # square tiles (fp32 out, cast): rope_heads after

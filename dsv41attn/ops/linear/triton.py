@@ -293,6 +293,17 @@ def _store_out(ptrs, y, mask, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _has_tail(n0, BN: tl.constexpr, ROPE_D: tl.constexpr, ROPE_R2: tl.constexpr):
+    """Whether output columns n0 .. n0 + BN - 1 hold a RoPE'd column (ROPE_D > 0): the last
+    2 ROPE_R2 of a head of ROPE_D (a tile reaching past its first head's end holds that
+    head's tail)."""
+    if ROPE_D == 0:
+        return False
+    else:
+        return n0 % ROPE_D + BN > ROPE_D - 2 * ROPE_R2
+
+
+@triton.jit
 def _store_rope_out(ptrs, y, mask, n0, offs_m, m_mask, cs_ptr, ROPE_D: tl.constexpr,
                     ROPE_R2: tl.constexpr, INTERPRET: tl.constexpr):
     """Store y [BLOCK_N, BLOCK_M] (columns n0.. of the output, one per row, tokens offs_m) as
@@ -491,7 +502,7 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
             for z in tl.static_range(1, SPLITS):  # range order, as _split_sum_kernel
                 y += tl.load(c_ptr + z * M * N + mn, mask=mask, other=0.0,
                              cache_modifier=".cg")
-            if ROPE_D > 0:
+            if _has_tail(pid_n * BLOCK_N, BLOCK_N, ROPE_D, ROPE_R2):
                 _store_rope_out(out_ptr + mn, y, mask, pid_n * BLOCK_N, offs_m, m_mask, cs_ptr,
                                 ROPE_D, ROPE_R2, INTERPRET)
             else:
@@ -499,7 +510,7 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch
     elif PARTIALS:
         tl.store(c_ptr + split.to(tl.int64) * M * N + mn, acc, mask=mask)
-    elif ROPE_D > 0:
+    elif _has_tail(pid_n * BLOCK_N, BLOCK_N, ROPE_D, ROPE_R2):
         _store_rope_out(out_ptr + mn, acc, mask, pid_n * BLOCK_N, offs_m, m_mask, cs_ptr,
                         ROPE_D, ROPE_R2, INTERPRET)
     else:
