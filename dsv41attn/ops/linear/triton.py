@@ -1059,7 +1059,6 @@ def _linear_from_quant(x_q, s, plan, weight, weight_scale, num_splits, precise_d
         out = torch.empty(m, n, dtype=out_dtype if direct else torch.float32,
                           device=x_q.device)
         if rope is not None and plan.writes_out:
-            check_device(x_q, rope[0])
             return _run_fp8_gemm(plan, x_q, s, weight, weight_scale, out, cos_sin(rope[0]),
                                  rope[1])
         y = _run_fp8_gemm(plan, x_q, s, weight, weight_scale, out)
@@ -1097,6 +1096,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     x2 = x.reshape(-1, x.shape[-1])
     if rope is not None:
         rope = check_rope(rope, x2.shape[0], weight.shape[0], out_dtype)
+        check_device(x, rope[0])
     plan = _linear_plan(x2.shape[0], weight, num_splits, precise_dot, x.device)
     x_q, s = _act_operands(x2, [plan], norm)[_x_form(plan)]
     y = _linear_from_quant(x_q, s, plan, weight, weight_scale, num_splits, precise_dot,
@@ -1119,6 +1119,7 @@ def fp8_linear_pair(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
     x2 = x.reshape(-1, x.shape[-1])
     if rope is not None:
         rope = check_rope(rope, x2.shape[0], w1.shape[0], out_dtype)
+        check_device(x, rope[0])
     plans = [_linear_plan(x2.shape[0], w, None, precise_dot, x.device) for w in (w1, w2)]
     xs = _act_operands(x2, plans, norm)
     y1, y2 = (_linear_from_quant(*xs[_x_form(p)], p, w, sc, None, precise_dot, out_dtype, r)
