@@ -739,6 +739,8 @@ def test_capture_counter_pool_hands_out_each_counter_once():
     d = pool.take(10)
     assert pool.buffer is not first and d.numel() == 10 and (d == 0).all()
     assert (a == 1).all() and pool.used == 20 and pool.take(1) is None
+    # the spent buffer is kept: a graph holds only its slices' addresses
+    assert len(pool.buffers) == 2 and pool.buffers[0] is first
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="CUDA graphs")

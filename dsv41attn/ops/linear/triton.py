@@ -889,19 +889,24 @@ class _CounterPool:
     at once (a branch stream beside the query path, graphs replayed side by side) share one.
     Buffers of ``ints`` counters are allocated outside any capture: ``top_up`` (every eager
     launch on the device, so the warm-up step before a capture) starts a new one when less
-    than half of the current one is left; slices already handed out stay with the graphs that
-    hold them (a graph may live as long as the process: nothing is given back). A capture
-    that finds the buffer spent zeroes a buffer of its own, as before."""
+    than half of the current one is left. Every buffer is kept for the life of the process:
+    a captured graph holds only the raw addresses of its slices (a freed buffer's memory,
+    reused by another tensor, would be its counters). A capture that finds the buffer spent
+    zeroes a buffer of its own, as before (the graph's memory pool keeps that one)."""
 
     def __init__(self, device: torch.device | str, ints: int):
         self.device, self.ints = device, ints
-        self.buffer: torch.Tensor | None = None
-        self.at = 0  # the current buffer's counters handed out
+        self.buffers: list[torch.Tensor] = []  # every buffer made, never freed
+        self.at = 0  # the current (last) buffer's counters handed out
         self.used = 0  # every buffer's
 
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        return self.buffers[-1] if self.buffers else None
+
     def top_up(self) -> None:
-        if self.buffer is None or self.ints - self.at < self.ints // 2:
-            self.buffer = torch.zeros(self.ints, dtype=torch.int32, device=self.device)
+        if not self.buffers or self.ints - self.at < self.ints // 2:
+            self.buffers.append(torch.zeros(self.ints, dtype=torch.int32, device=self.device))
             self.at = 0
 
     def take(self, n: int) -> torch.Tensor | None:
