@@ -97,11 +97,9 @@ def fp8_linear_pair(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
     """Two fp8 linears of one input (wq_b and the index wq_b share the query's qr):
     (fp8_linear(x, w1, s1, norm=norm, rope=rope), fp8_linear(x, w2, s2, norm=norm)), bf16:
     rope turns the first output only (the query's heads)."""
-    if rope is not None:
-        check_rope(rope, x.reshape(-1, x.shape[-1]).shape[0], w1.shape[0], torch.bfloat16)
     if norm is not None:
         x = rms_norm(x, *norm)
-    return fp8_linear(x, w1, s1, rope=rope), fp8_linear(x, w2, s2)
+    return fp8_linear(x, w1, s1, rope=rope), fp8_linear(x, w2, s2)  # fp8_linear checks rope
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

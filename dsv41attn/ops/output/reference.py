@@ -22,14 +22,14 @@ def check_inputs(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Tensor |
         raise ValueError(f"o must be a bf16 [N, H, D] tensor, got "
                          f"{getattr(o, 'dtype', type(o))} {tuple(getattr(o, 'shape', ()))}")
     n, h, d = o.shape
-    # rot None: o's tail already turned back (sparse_attn_paged's out_rot), nothing to check
-    if rot is not None and (not isinstance(rot, torch.Tensor) or rot.dim() != 2
-                            or rot.dtype != torch.complex64):
-        raise ValueError(f"rot must be None or a complex64 [N, R/2] tensor, got "
-                         f"{getattr(rot, 'dtype', type(rot))} {tuple(getattr(rot, 'shape', ()))}")
-    if rot is not None and (rot.shape[0] != n or not 1 <= rot.shape[1] <= d // 2):
-        raise ValueError(f"rot {tuple(rot.shape)} does not fit o {tuple(o.shape)}: want "
-                         f"[{n}, R/2] with 1 <= R/2 <= {d // 2}")
+    if rot is not None:  # None: o's tail already turned back (sparse_attn_paged's out_rot)
+        if not isinstance(rot, torch.Tensor) or rot.dim() != 2 or rot.dtype != torch.complex64:
+            raise ValueError(f"rot must be None or a complex64 [N, R/2] tensor, got "
+                             f"{getattr(rot, 'dtype', type(rot))} "
+                             f"{tuple(getattr(rot, 'shape', ()))}")
+        if rot.shape[0] != n or not 1 <= rot.shape[1] <= d // 2:
+            raise ValueError(f"rot {tuple(rot.shape)} does not fit o {tuple(o.shape)}: want "
+                             f"[{n}, R/2] with 1 <= R/2 <= {d // 2}")
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 \
             or (h * d) % groups:
         raise ValueError(f"groups must be a positive int dividing H*D = {h * d}, got {groups!r}")
