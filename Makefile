@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PACKAGE_STAMP := $(VENV)/.dsv41attn-package
 TEST_STAMP := $(VENV)/.dsv41attn-test-extra
 
-.PHONY: demo test test-fast env clean
+.PHONY: demo test test-fast test-sharded env clean
 
 $(PACKAGE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ test: $(TEST_STAMP)
 
 test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# The suite over one pytest process per core or so (tests/sharded.py): for GPU machines, where
+# the kernel tests compile one kernel at a time per process. ARGS: e.g. ARGS="-j 8 tests/test_gpu_roles.py".
+test-sharded: $(TEST_STAMP)
+	$(PY) tests/sharded.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,142 @@
+"""Run the test suite split over several pytest processes, each test's outcome kept as it ends.
+
+    make test-sharded [ARGS="..."]              # every test, one process per core or so
+    python tests/sharded.py [-j N] [--limit S] [--out DIR] [selection ...]
+
+``selection`` is what pytest selects tests with (paths, node ids, ``-k``, ``-m``); by default
+the whole suite. Where torch and triton are already installed (a GPU image without internet,
+say) run the script with that Python instead of the Makefile's virtual environment.
+
+Why: on a GPU machine the Triton kernel tests spend most of their time compiling, one kernel
+at a time per process (one process did not get through the kernel test files inside ten
+minutes); N processes compile N kernels at once. Each process gets ``OMP_NUM_THREADS`` =
+cores // N (unless set), so the CPU reference ops beside the kernels do not oversubscribe
+the cores. The tests are dealt round-robin over the processes in collection order. Each
+process loads this file as a pytest plugin, which appends each test's outcome to the file
+``DSV41ATTN_RESULTS`` names the moment the test ends, so a process stopped at ``--limit``
+still reports what it finished, and what it did not finish is listed by node id. Exit status
+0 only when every collected test passed or was skipped; each process's output is in
+``--out`` (a new temporary folder unless given).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BAD = ("failed", "error", "unfinished")
+
+
+def pytest_runtest_logreport(report) -> None:
+    """The plugin side (each process loads this file with ``-p sharded``): each phase that
+    decides a test's outcome (its call, a skip or a failure at setup or teardown) appended to
+    $DSV41ATTN_RESULTS as it ends: phase, outcome, node id and the failure's message."""
+    path = os.environ.get("DSV41ATTN_RESULTS")
+    if not path or (report.when != "call" and report.outcome == "passed"):
+        return
+    message = ""
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)  # the exception's own message
+        text = crash.message if crash is not None else report.longreprtext.strip()
+        message = " ".join(text.split())[:300]
+    with open(path, "a") as f:
+        f.write(f"{report.when}\t{report.outcome}\t{report.nodeid}\t{message}\n")
+
+
+def collect(selection: list[str], root: Path, env: dict) -> list[str]:
+    """Node ids pytest selects, in its collection order (relative to ``root``)."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                           "no:cacheprovider", *selection], cwd=root, env=env,
+                          capture_output=True, text=True)
+    ids = [line.strip() for line in done.stdout.splitlines() if "::" in line]
+    if done.returncode not in (0, 5) or not ids:  # 5: nothing collected
+        sys.exit(f"collection failed (pytest exit {done.returncode}):\n"
+                 f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return ids
+
+
+def outcomes(path: Path) -> dict[str, tuple[str, str]]:
+    """node id -> (outcome, message) from one process's results file: a failure or error in
+    any phase wins over a pass, a skip at setup stands for the test."""
+    seen: dict[str, tuple[str, str]] = {}
+    if not path.exists():
+        return seen
+    for line in path.read_text().splitlines():
+        when, outcome, node, message = (line.split("\t") + ["", "", "", ""])[:4]
+        if outcome == "failed" and when != "call":
+            outcome = "error"
+        if seen.get(node, ("",))[0] not in BAD:
+            seen[node] = (outcome, message)
+    return seen
+
+
+def main(argv=None) -> int:
+    cores = os.cpu_count() or 1
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-j", "--jobs", type=int, default=max(1, min(16, cores - 2)),
+                    help="pytest processes (default: the cores less two, at most 16)")
+    ap.add_argument("--limit", type=float, default=None,
+                    help="seconds after which unfinished processes are stopped (default: none)")
+    ap.add_argument("--root", type=Path, default=ROOT,
+                    help="folder pytest runs in (default: this repository's root)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="folder for each process's output and results (default: a new temporary one)")
+    args, selection = ap.parse_known_args(argv)
+    if args.jobs < 1:
+        ap.error(f"--jobs must be at least 1, got {args.jobs}")
+    out = args.out or Path(tempfile.mkdtemp(prefix="dsv41attn-tests-"))
+    out.mkdir(parents=True, exist_ok=True)
+    here = str(Path(__file__).resolve().parent)
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // args.jobs)))
+    ids = collect(selection, args.root, env)
+    shards = [ids[i::args.jobs] for i in range(min(args.jobs, len(ids)))]
+    print(f"{len(ids)} tests over {len(shards)} processes, OMP_NUM_THREADS="
+          f"{env['OMP_NUM_THREADS']}; output in {out}", flush=True)
+    start = time.monotonic()
+    procs = []
+    for i, shard in enumerate(shards):
+        results = out / f"results{i}.tsv"
+        results.unlink(missing_ok=True)
+        with open(out / f"pytest{i}.log", "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "sharded",
+                 *shard], cwd=args.root,
+                env=dict(env, DSV41ATTN_RESULTS=str(results)), stdout=log,
+                stderr=subprocess.STDOUT))
+    for p in procs:
+        left = None if args.limit is None else max(0.0, args.limit - (time.monotonic() - start))
+        try:
+            p.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    seen: dict[str, tuple[str, str]] = {}
+    for i in range(len(shards)):
+        seen.update(outcomes(out / f"results{i}.tsv"))
+    per_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for node in ids:
+        per_file[node.split("::")[0]][seen.get(node, ("unfinished", ""))[0]] += 1
+    width = max(len(f) for f in per_file)
+    for f, counts in per_file.items():
+        print(f"{f:{width}}  " + "  ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    bad = [(node, *seen.get(node, ("unfinished", ""))) for node in ids
+           if seen.get(node, ("unfinished",))[0] in BAD]
+    for node, outcome, message in bad:
+        print(f"{outcome.upper()} {node}" + (f": {message}" if message else ""))
+    total = collections.Counter(seen.get(n, ("unfinished",))[0] for n in ids)
+    print(", ".join(f"{v} {k}" for k, v in sorted(total.items()))
+          + f" in {time.monotonic() - start:.0f} s")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
