@@ -252,29 +252,19 @@ class RoleBench:
                                                              list[tuple[str, float, int]]]:
         """Per-kernel GPU time in one eager decode step: (name, us, calls) for every kernel and
         copy, longest first (calls summed: the launches a CUDA graph holds, run as a graph runs
-        them, without the undo log's saves), of (the role's layer, the step's shared facts). A layer that is the step's first includes the
-        facts (``DecodePlan.derive_facts`` runs before it), so those are subtracted."""
-        from torch.profiler import ProfilerActivity, profile
-
-        def kernels(fn):
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                fn()
-                torch.cuda.synchronize()
-            rows = [(e.key, e.device_time_total if hasattr(e, "device_time_total")
-                     else e.cuda_time_total, e.count) for e in prof.key_averages()]
-            return {name: (us, n) for name, us, n in rows if us > 0}
-
+        them, without the undo log's saves), of (the role's layer, the step's shared facts). A
+        layer that is the step's first includes the facts (``DecodePlan.derive_facts`` runs
+        before it), so those are subtracted."""
         state, xs = self._decode_state(batch, ctx, 4)
         plan = self.stack.plan_decode(state, steps=3)
         plan.run(xs[0])
-        facts = kernels(plan.derive_facts)
+        facts = _kernel_times(plan.derive_facts)
         # the launches a captured graph holds: no undo log (this state is thrown away after)
         steps = plan._launch(plan._inputs(xs[1]), UndoLog(enabled=False))
         first = plan.layers.index(self.target) == 0
         for L in plan.layers[:plan.layers.index(self.target)]:  # sources run outside the profile
             next(steps)
-        layer = kernels(lambda: next(steps))
+        layer = _kernel_times(lambda: next(steps))
         steps.close()
         if first:
             for name, (us, n) in facts.items():
@@ -283,8 +273,40 @@ class RoleBench:
                     layer[name] = (max(us0 - us, 0.0), n0 - n)
                 else:
                     layer.pop(name, None)
-        order = lambda d: sorted(((k, us, n) for k, (us, n) in d.items()), key=lambda r: -r[1])
-        return order(layer), order(facts)
+        return _longest_first(layer), _longest_first(facts)
+
+    def profile_prefill(self, tokens: int) -> list[tuple[str, float, int]]:
+        """Per-kernel GPU time of the role's layer in one eager prefill of ``tokens`` tokens
+        from position 0 (the call ``prefill_us`` times, after one untimed call compiled it):
+        (name, us, calls), longest first. The sources run before it and the step's shared facts
+        are derived when the step opens, both outside the profile."""
+        x = torch.randn(1, tokens, self.cfg.dim, device="cuda").bfloat16()
+        for profiled in (False, True):
+            state = self.stack.new_state(1, capacity=tokens, rollback=0)
+            step = self.stack.step(state, tokens)
+            for L in self.layers:
+                call = lambda f=self.stack.layers[L], s=state, st=step: f(x, s, st)
+                if L == self.target and profiled:
+                    table = _kernel_times(call)
+                else:
+                    call()
+        return _longest_first(table)
+
+
+def _kernel_times(fn) -> dict[str, tuple[float, int]]:
+    """name -> (us, calls) of every kernel and copy ``fn`` runs on the GPU (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total if hasattr(e, "device_time_total")
+             else e.cuda_time_total, e.count) for e in prof.key_averages()]
+    return {name: (us, n) for name, us, n in rows if us > 0}
+
+
+def _longest_first(table: dict[str, tuple[float, int]]) -> list[tuple[str, float, int]]:
+    return sorted(((k, us, n) for k, (us, n) in table.items()), key=lambda r: -r[1])
 
 
 def _weights(cfg: AttentionConfig, layers, tp=None) -> dict:
@@ -657,28 +679,41 @@ def main(args) -> int:
     if args.profile:
         cfg = preset("v41-flash")
         weights = _weights(cfg, sorted({L for r in roles for L in role_layers(cfg, r)}), tp)
+        group = None if tp is None else tp.group
+        batches = sorted({b for b, n in decode if n == 4096}) or ((1, 64) if decode else ())
         for role in roles:
-            for batch in sorted({b for b, n in decode if n == 4096}) or (1, 64):
-                print(f"per-kernel GPU time, {role}, decode b={batch} 4K (one eager step):")
+            bench = RoleBench(cfg, role, "triton", weights, group)
+            cases = [(f"decode b={b} 4K (one eager step)", f"b={b}",
+                      lambda b=b: bench.profile_decode(b, 4096)) for b in batches]
+            cases += [(f"prefill {t} tokens (one eager call)", f"prefill {t}",
+                       lambda t=t: (bench.profile_prefill(t), None)) for t in prefill]
+            for title, case, run in cases:
+                print(f"per-kernel GPU time, {role}, {title}:")
                 try:
-                    top, facts = RoleBench(cfg, role, "triton", weights, None if tp is None
-                                           else tp.group).profile_decode(batch, 4096)
+                    top, facts = run()
                 except Exception as e:  # noqa: BLE001 - reported, the table above stands
                     print(f"  failed: {type(e).__name__}: {e}"[:300])
-                    failed.append(f"{role} profile b={batch}: {type(e).__name__}: {e}"[:300])
+                    failed.append(f"{role} profile {case}: {type(e).__name__}: {e}"[:300])
                     continue
-                print(f"  {sum(n for *_, n in top)} launches, {sum(us for _, us, _ in top):.1f} us "
-                      f"of GPU time in all (besides the step's facts: {sum(n for *_, n in facts)} "
-                      f"launches, {sum(us for _, us, _ in facts):.1f} us); the longest:")
-                for name, us, n in top[:12]:
-                    print(f"  {us:>8.1f} us {n:>4}x  {name[:90]}")
-                if len(top) > 12:
-                    print(f"  {sum(us for _, us, _ in top[12:]):>8.1f} us "
-                          f"{sum(n for *_, n in top[12:]):>4}x  the {len(top) - 12} other kernels")
+                _print_profile(top, facts)
     if failed:
         print(f"{len(failed)} case(s) failed:", *failed, sep="\n  ")
         return 1
     return 0
+
+
+def _print_profile(top, facts=None, shown: int = 12) -> None:
+    """One case of ``bench --profile``: launches and GPU time in all, then the longest
+    kernels (``facts``: the step's shared facts, reported beside the layer)."""
+    extra = "" if facts is None else (f" (besides the step's facts: {sum(n for *_, n in facts)} "
+                                      f"launches, {sum(us for _, us, _ in facts):.1f} us)")
+    print(f"  {sum(n for *_, n in top)} launches, {sum(us for _, us, _ in top):.1f} us of GPU "
+          f"time in all{extra}; the longest:")
+    for name, us, n in top[:shown]:
+        print(f"  {us:>8.1f} us {n:>4}x  {name[:90]}")
+    if len(top) > shown:
+        print(f"  {sum(us for _, us, _ in top[shown:]):>8.1f} us "
+              f"{sum(n for *_, n in top[shown:]):>4}x  the {len(top) - shown} other kernels")
 
 
 def plot_csv(csv_path: str, png_path: str) -> None:

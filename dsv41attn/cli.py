@@ -866,8 +866,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also time the reference path under torch.compile (decode b=64 4K)")
     bn.add_argument("--profile", action="store_true",
                     help="per-kernel breakdown of each role's decode step at 4K, at each "
-                         "batch of the 4K decode cases (none: b=1 and b=64): its launches, "
-                         "their GPU time, the longest kernels")
+                         "batch of the 4K decode cases (none at 4K: b=1 and b=64), and of "
+                         "each prefill case's layer call: its launches, their GPU time, the "
+                         "longest kernels")
     bn.add_argument("--batch-invariant", action="store_true",
                     help="also time every layer case in the batch-invariant mode (columns "
                          "invariant and cost: its time and its extra time over the default)")

@@ -41,3 +41,20 @@ def test_gemm_part_times_every_weight_of_the_layer():
                                                         for m in (1, 128)]
     for r in rows:
         assert math.isfinite(r["us"]) and r["ratio"] >= 0.9, r
+
+
+@pytest.mark.parametrize("role", ["SWA", "Full r=2"])
+def test_profiles_list_the_layers_kernels(weights, role):
+    """bench --profile: a decode step's and a prefill call's kernels, each with a positive GPU
+    time and call count, the sparse attention among them; the decode step's facts apart."""
+    from dsv41attn.bench import RoleBench
+    cfg, w = weights
+    bench = RoleBench(cfg, role, "triton", w)
+    layer, facts = bench.profile_decode(2, 640)
+    prefill = bench.profile_prefill(384)
+    for table in (layer, facts, prefill):
+        assert table and all(us > 0 and n >= 1 for _, us, n in table), table
+        assert [us for _, us, _ in table] == sorted((us for _, us, _ in table), reverse=True)
+    for table in (layer, prefill):
+        assert any("sparse_attn" in name for name, _, _ in table), [k for k, *_ in table]
+    assert not any("sparse_attn" in name for name, _, _ in facts)
