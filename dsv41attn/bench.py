@@ -432,6 +432,83 @@ def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128
     return rows
 
 
+def prefill_attn_case(tokens: int, heads: int, head_dim: int, window: int, topk: int,
+                      ratio: int, device="cuda", generator=None, page_rows: int = 256,
+                      chunk: int = 1024) -> tuple[tuple, int]:
+    """``sparse_attn_paged``'s arguments for one sequence prefilling ``tokens`` tokens from
+    position 0, as a compressed layer's step lays them out: token p's window list is positions
+    max(0, p - window + 1) .. p (the step's own rows, -1 pads last), its compressed list
+    ``topk`` random rows among the ``(p + 1) // ratio`` complete ones (all of them when fewer),
+    ascending, -1 pads last; the ring is empty. Returns (arguments, valid list entries in all)."""
+    g = generator
+    q = torch.randn(tokens, heads, head_dim, device=device, generator=g).bfloat16()
+    sink = torch.randn(heads, device=device, generator=g)
+    ring = pack_window_rows(torch.zeros(1, window, head_dim, device=device).bfloat16())
+    new_rows = pack_window_rows(torch.randn(tokens, head_dim, device=device,
+                                            generator=g).bfloat16())
+    pos = torch.arange(tokens, device=device)
+    first = (pos - window + 1).clamp_min(0)
+    slot = first[:, None] + torch.arange(window, device=device)  # [T, window] positions
+    widx = torch.where(slot <= pos[:, None], window + slot, -1).to(torch.int32)  # ring: window rows
+    n_rows = tokens // ratio  # compressed rows once the prompt is in
+    pages = max(1, -(-n_rows // page_rows))
+    pool = pack_compressed_rows(torch.randn(pages, page_rows, head_dim, device=device,
+                                            generator=g).bfloat16())
+    table = torch.randperm(pages, device=device, generator=g).view(1, -1)
+    k = min(topk, max(n_rows, 1))
+    cidx = torch.full((tokens, k), -1, dtype=torch.int32, device=device)
+    for t0 in range(0, tokens, chunk):  # random scores over the visible rows, top k of them
+        vis = (pos[t0:t0 + chunk] + 1) // ratio
+        score = torch.rand(vis.shape[0], max(n_rows, 1), device=device, generator=g)
+        score = score.masked_fill(torch.arange(score.shape[1], device=device) >= vis[:, None], -1)
+        val, ids = score.topk(k, dim=1)
+        ids = torch.where(val >= 0, ids, n_rows + 1).sort(dim=1).values  # -1 pads last
+        cidx[t0:t0 + chunk] = torch.where(ids <= n_rows, ids, -1).to(torch.int32)
+    valid = int((widx >= 0).sum() + (cidx >= 0).sum())
+    token_row = torch.zeros(tokens, dtype=torch.int64, device=device)
+    return (q, sink, head_dim ** -0.5, ring, new_rows, widx, pool, table, token_row, cidx), valid
+
+
+def bench_sparse_attn_prefill(copy_bw: float, tokens=(8192, 65536), ratio: int = 2,
+                              reference_max: int = 8192) -> list[dict]:
+    """The sparse-attention op alone in a prefill: one sequence of ``tokens`` tokens from
+    position 0 (``prefill_attn_case``: V4.1-Flash heads, 128 window rows and top-512 of the
+    ratio-``ratio`` compressed rows per query). FLOPs count the valid list entries; bytes
+    every row, query and output once; also the share of the bf16 peak the floor counts.
+    The reference's output is compared up to ``reference_max`` tokens."""
+    from .ops.backends import get_ops
+    from .ops.sparse_attn.reference import sparse_attn_paged as reference
+
+    cfg = preset("v41-flash")
+    h, d = cfg.n_heads, cfg.head_dim
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kernel = get_ops("triton").sparse_attn_paged  # the default mode: splits sized to the step
+    invariant = get_ops("triton", batch_invariant=True).sparse_attn_paged
+    rows = []
+    for t in tokens:
+        args, valid = prefill_attn_case(t, h, d, cfg.window_size, cfg.index_topk, ratio,
+                                        generator=g)
+        err = None
+        if t <= reference_max:
+            ref = reference(*args).double()
+            err = float((kernel(*args).double() - ref).norm() / ref.norm())
+            del ref
+        ms = _graph_ms(lambda: kernel(*args), reps=5)
+        ms_inv = _graph_ms(lambda: invariant(*args), reps=5)
+        q, _, _, _, new_rows, widx, pool, _, _, cidx = args
+        nbytes = (new_rows.numel() + min(pool.numel(), (t // ratio) * pool.shape[-1])
+                  + 2 * q.numel() * 2 + (widx.numel() + cidx.numel()) * 4)
+        flops = 4.0 * h * d * valid
+        floor = max(flops / BF16_FLOPS, nbytes / copy_bw)
+        rows.append({"tokens": t, "us": ms * 1e3, "floor_us": floor * 1e6,
+                     "ratio": ms * 1e-3 / floor, "TFLOP/s": flops / (ms * 1e-3) / 1e12,
+                     "peak%": 100 * flops / (ms * 1e-3) / BF16_FLOPS, "rel_err": err,
+                     "invariant_us": ms_inv * 1e3})
+        del args
+        torch.cuda.empty_cache()
+    return rows
+
+
 INDEXER_CASES = [("top-k", 1, 2048), ("candidate source", 1, 4096),  # short contexts (4K)
                  ("candidate source", 64, 4096),
                  ("candidate source", 64, 65536), ("candidate source", 256, 65536),
@@ -629,6 +706,15 @@ def main(args) -> int:
             print(f"{r['batch']:>6}{r['us']:>9.1f}{r['floor_us']:>9.1f}{r['ratio']:>7.1f}"
                   f"{r['GB/s']:>7.0f}{r['copy%']:>6.0f}%{r['rel_err']:>9.1e}"
                   f"{r['invariant_us']:>10.1f}{r['launch_us']:>8.1f}")
+        print(f"sparse attention alone, prefill: one sequence from position 0, 128 window + "
+              f"top-{preset('v41-flash').index_topk} ratio-2 compressed rows per query; us = "
+              "CUDA-graph replay; peak = the floor's bf16 FLOP/s")
+        print(f"{'tokens':>7}{'us':>10}{'floor':>10}{'ratio':>7}{'TFLOP/s':>9}{'peak%':>7}"
+              f"{'rel err':>9}{'invariant':>10}")
+        for r in bench_sparse_attn_prefill(copy_bw):
+            err = "-" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
+            print(f"{r['tokens']:>7}{r['us']:>10.1f}{r['floor_us']:>10.1f}{r['ratio']:>7.1f}"
+                  f"{r['TFLOP/s']:>9.0f}{r['peak%']:>6.0f}%{err:>9}{r['invariant_us']:>10.1f}")
         if args.part == "sparse_attn":
             return 0
     roles = tuple(args.roles.split(",")) if args.roles else tuple(ROLES)

@@ -58,3 +58,14 @@ def test_profiles_list_the_layers_kernels(weights, role):
     for table in (layer, prefill):
         assert any("sparse_attn" in name for name, _, _ in table), [k for k, *_ in table]
     assert not any("sparse_attn" in name for name, _, _ in facts)
+
+
+def test_sparse_attn_prefill_part():
+    """bench --part sparse_attn's prefill table: the kernel agrees with the reference on the
+    prefill case, and the times are finite and at or above the floor."""
+    from dsv41attn.bench import bench_sparse_attn_prefill, measure_copy_bandwidth
+    rows = bench_sparse_attn_prefill(measure_copy_bandwidth(256 << 20), tokens=(1024, 3000))
+    assert [r["tokens"] for r in rows] == [1024, 3000]
+    for r in rows:
+        assert r["rel_err"] < 1e-2, r
+        assert math.isfinite(r["us"]) and r["ratio"] >= 0.9 and r["invariant_us"] > 0, r
