@@ -449,7 +449,8 @@ def prefill_attn_case(tokens: int, heads: int, head_dim: int, window: int, topk:
     pos = torch.arange(tokens, device=device)
     first = (pos - window + 1).clamp_min(0)
     slot = first[:, None] + torch.arange(window, device=device)  # [T, window] positions
-    widx = torch.where(slot <= pos[:, None], window + slot, -1).to(torch.int32)  # ring: window rows
+    # ids 0 .. window - 1 are the (empty) ring's rows, window + p the step's row of position p
+    widx = torch.where(slot <= pos[:, None], window + slot, -1).to(torch.int32)
     n_rows = tokens // ratio  # compressed rows once the prompt is in
     pages = max(1, -(-n_rows // page_rows))
     pool = pack_compressed_rows(torch.randn(pages, page_rows, head_dim, device=device,
