@@ -30,7 +30,7 @@ from .ops.common.packing import (compressed_row_bytes, index_key_bytes, pack_com
                                  pack_index_keys, pack_window_rows, window_row_bytes)
 from .plan import UndoLog
 from .stack import AttentionStack
-from .tp import shard_layer_weights
+from .tp import shard_layer_weights, shard_slices, tp_shape
 
 BF16_FLOPS = 790e12
 ROLES = {"SWA": 0, "Full r=2": 2, "Full r=1 cand": 20, "Reindex": 24, "Reuse": 21}
@@ -84,17 +84,21 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (_events_ms(lambda: dst.copy_(src), 20) * 1e-3)
 
 
-def _weight_bytes_and_params(cfg: AttentionConfig, layer: int) -> tuple[int, int]:
-    """(bytes read, matrix elements of the projections) of one layer: weights as stored,
-    except the gated compressor's, which run (and are read) in fp32 as the reference holds
-    them (the floor counts them so)."""
+def _weight_bytes_and_params(cfg: AttentionConfig, layer: int,
+                             world: int = 1) -> tuple[int, int]:
+    """(bytes read, matrix elements of the projections) of one layer on one rank of ``world``
+    (its slices of the head-sharded tensors, ``tp.shard_slices``; the rest whole): weights as
+    stored, except the gated compressor's, which run (and are read) in fp32 as the reference
+    holds them (the floor counts them so)."""
     size = {torch.float8_e4m3fn: 1, torch.float8_e8m0fnu: 1, torch.bfloat16: 2, torch.float32: 4}
     gated = cfg.layer(layer).has_gate
+    cut = shard_slices(tp_shape(cfg, 0, world)) if world > 1 else {}
     nbytes = params = 0
     for name, (dtype, shape) in expected_tensors(cfg, layer).items():
+        held = [len(range(*sl.indices(d))) for d, sl in zip(shape, cut.get(name, ()))]
         n = 1
-        for s in shape:
-            n *= s
+        for d in held + list(shape[len(held):]):
+            n *= d
         fp32 = gated and name.startswith(("compressor.wkv", "compressor.wgate"))
         nbytes += n * (4 if fp32 else size[dtype])
         if name.endswith(".weight") and len(shape) == 2:
@@ -102,11 +106,43 @@ def _weight_bytes_and_params(cfg: AttentionConfig, layer: int) -> tuple[int, int
     return nbytes, params
 
 
-def layer_floor(cfg: AttentionConfig, layer: int, batch: int, start: int, tokens: int,
-                copy_bw: float) -> tuple[float, float, float]:
-    """(FLOPs, bytes, floor seconds) of one layer call: ``tokens`` per sequence from ``start``."""
+def _index_pairs(cfg: AttentionConfig, layer: int, start: int, end: int) -> tuple[int, int]:
+    """An index source's (rows scored per sequence, (query, scored row) pairs of one sequence)
+    for tokens at positions start .. end - 1; (0, 0) for other layers."""
     spec = cfg.layer(layer)
-    wbytes, params = _weight_bytes_and_params(cfg, layer)
+    if not spec.is_index_source:
+        return 0, 0
+    n_rows = end // spec.ratio
+    scored = n_rows
+    if spec.is_candidate_consumer:
+        scored = min(n_rows, cfg.candidate_topk_blocks * cfg.candidate_block_size)
+    return scored, sum(min((p + 1) // spec.ratio, scored) for p in range(start, end))
+
+
+def allreduce_bytes(cfg: AttentionConfig, layer: int, batch: int, start: int,
+                    tokens: int) -> int:
+    """Bytes a tensor-parallel layer call must all-reduce (docs/numerics.md §10): wo_b's fp32
+    partial output, and for an index source the bf16 index scores of every (query, scored
+    row) pair. (The layer reduces each query's whole row of scores, width the rows scored, so
+    a prefill moves about twice the pairs: the floor counts what the design needs.)"""
+    _, pairs = _index_pairs(cfg, layer, start, start + tokens)
+    return batch * tokens * cfg.dim * 4 + batch * pairs * 2
+
+
+def layer_floor(cfg: AttentionConfig, layer: int, batch: int, start: int, tokens: int,
+                copy_bw: float, world: int = 1,
+                allreduce_bw: float | None = None) -> tuple[float, float, float]:
+    """(FLOPs, bytes, floor seconds) of one layer call: ``tokens`` per sequence from ``start``.
+    ``world`` > 1: one rank's share under tensor parallelism (its weight slices, heads and
+    index heads; every cache row and index key read whole, as each rank holds them all), and
+    the floor adds ``allreduce_bytes`` at ``allreduce_bw`` bytes/s (measured: the collectives
+    sit between the layer's steps, nothing to overlap them with)."""
+    spec = cfg.layer(layer)
+    if world > 1 and not allreduce_bw:
+        raise ValueError(f"a per-rank floor (world={world}) needs the measured all-reduce "
+                         f"bandwidth, got allreduce_bw={allreduce_bw!r}")
+    wbytes, params = _weight_bytes_and_params(cfg, layer, world)
+    heads, index_heads = cfg.n_heads // world, cfg.index_n_heads // world
     q = batch * tokens
     flops = 2.0 * q * params
     nbytes = wbytes + 2 * q * cfg.dim * 2
@@ -116,16 +152,39 @@ def layer_floor(cfg: AttentionConfig, layer: int, batch: int, start: int, tokens
     cmp_rows = sum(min(cfg.index_topk, (p + 1) // spec.ratio) for p in range(start, end)) \
         if spec.ratio else 0
     nbytes += batch * (win_rows * window_row_bytes(cfg.head_dim) + cmp_rows * compressed_row_bytes(cfg.head_dim))
-    flops += 4.0 * batch * cfg.n_heads * cfg.head_dim * (win_rows + cmp_rows)
-    if spec.is_index_source:
-        n_rows = end // spec.ratio
-        scored = n_rows
-        if spec.is_candidate_consumer:
-            scored = min(n_rows, cfg.candidate_topk_blocks * cfg.candidate_block_size)
-        nbytes += batch * scored * index_key_bytes(cfg.index_head_dim)
-        pairs = sum(min((p + 1) // spec.ratio, scored) for p in range(start, end))
-        flops += 2.0 * batch * cfg.index_n_heads * cfg.index_head_dim * pairs
-    return flops, nbytes, max(flops / BF16_FLOPS, nbytes / copy_bw)
+    flops += 4.0 * batch * heads * cfg.head_dim * (win_rows + cmp_rows)
+    scored, pairs = _index_pairs(cfg, layer, start, end)
+    nbytes += batch * scored * index_key_bytes(cfg.index_head_dim)
+    flops += 2.0 * batch * index_heads * cfg.index_head_dim * pairs
+    floor = max(flops / BF16_FLOPS, nbytes / copy_bw)
+    if world > 1:
+        floor += allreduce_bytes(cfg, layer, batch, start, tokens) / allreduce_bw
+    return flops, nbytes, floor
+
+
+def measure_allreduce_bandwidth(group, nbytes: int = 256 << 20, device="cuda",
+                                reps: int = 10) -> float:
+    """Bytes per second of an fp32 SUM all-reduce of ``nbytes`` over ``group`` (None: the
+    default group): the buffer's bytes over the time, the median of ``reps`` after a warm-up,
+    the slowest rank's (every rank returns the same figure)."""
+    import torch.distributed as dist
+
+    def sync():
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+
+    buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    dist.all_reduce(buf, group=group)
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        sync()
+        times.append(time.perf_counter() - t0)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return nbytes / slowest.item()
 
 
 def fill_context(state, ctx: int, seed: int = 0) -> None:
@@ -325,11 +384,13 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
     included); ``compile_cases``: the reference path under torch.compile as well;
     ``invariant``: every case also in the batch-invariant mode (``invariant_us``); ``queued``:
     decode graphs timed back to back (else one by one from an idle GPU, see
-    ``RoleBench.decode_graph_us``). ``tp``:
-    the ranks of ``--tp`` (every rank runs the same cases on its shard; the floor stays one
-    GPU's whole layer)."""
+    ``RoleBench.decode_graph_us``). ``tp``: the ranks of ``--tp`` (every rank runs the same
+    cases on its shard; the floor is one rank's, ``layer_floor`` with the all-reduce bandwidth
+    measured here over the ranks)."""
     cfg = preset("v41-flash")
     copy_bw = measure_copy_bandwidth()
+    world = 1 if tp is None else tp.world
+    allreduce_bw = measure_allreduce_bandwidth(tp.group) if world > 1 else None
     layers = sorted({L for r in roles for L in role_layers(cfg, r)})
     weights = _weights(cfg, layers, tp)
     group = None if tp is None else tp.group
@@ -342,9 +403,13 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
         cases = [("decode", b, c) for b, c in decode] + [("prefill", 1, t) for t in prefill]
         for kind, batch, n in cases:
             start, tokens = (n, 1) if kind == "decode" else (0, n)
-            flops, nbytes, floor = layer_floor(cfg, ROLES[role], batch, start, tokens, copy_bw)
+            flops, nbytes, floor = layer_floor(cfg, ROLES[role], batch, start, tokens, copy_bw,
+                                               world, allreduce_bw)
             row = {"role": role, "kind": kind, "batch": batch, "context": n,
-                   "floor_us": floor * 1e6, "flops": flops, "bytes": nbytes}
+                   "floor_us": floor * 1e6, "flops": flops, "bytes": nbytes, "tp": world}
+            if world > 1:
+                row["allreduce_bytes"] = allreduce_bytes(cfg, ROLES[role], batch, start, tokens)
+                row["allreduce_GB/s"] = allreduce_bw / 1e9
             runs = [("triton_us", (tri.decode_graph_us, (batch, n, 20, queued)) if kind == "decode"
                      else (tri.prefill_us, (n, 2)))]
             if inv is not None:
@@ -733,7 +798,7 @@ def main(args) -> int:
     fields = ["role", "kind", "batch", "context", "triton_us", "triton_facts_us", "invariant_us",
               "invariant_cost%",
               "triton_eager_us", "reference_us", "compiled_us", "floor_us", "ratio", "TFLOP/s", "GB/s", "speedup_reference",
-              "speedup_compiled", "flops", "bytes"]
+              "speedup_compiled", "flops", "bytes", "tp", "allreduce_bytes", "allreduce_GB/s"]
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
@@ -743,6 +808,11 @@ def main(args) -> int:
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s; times in us (median); triton = CUDA-graph "
           f"replay of the layer ({replays}), eager = host launches included; facts = the step's shared facts "
           "(once per step for all layers, not in the layer's time)")
+    if tp is not None and tp.world > 1 and rows:
+        print(f"--tp {tp.world}: times and floors are one rank's (its weight slices, heads and index "
+              "heads; every cache row and index key read whole) plus its all-reduce bytes at "
+              f"{rows[0]['allreduce_GB/s']:.0f} GB/s, an fp32 all-reduce of 256 MB measured "
+              "over the ranks")
     print(f"{'role':<14}{'kind':<8}{'batch':>6}{'context':>9}{'triton':>9}{'facts':>7}"
           f"{'floor':>8}{'ratio':>7}"
           f"{'TFLOP/s':>8}{'GB/s':>7}{'eager':>8}{'ref':>8}{'compile':>8}{'speedup':>8}"

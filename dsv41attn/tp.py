@@ -217,6 +217,23 @@ def check_shard_weights(cfg: AttentionConfig, weights: LayerWeights, s: TPShape)
     check_layer_weights(cfg, dataclasses.replace(weights, **stand_in))
 
 
+def shard_slices(s: TPShape) -> dict[str, tuple[slice, ...]]:
+    """Checkpoint tensor name (relative to the layer) -> the slice of it rank ``s`` holds, for
+    the sharded tensors (the others: all of it); the wo_a rows' scale blocks included, as
+    stored (fp8 with block scales)."""
+    b0, b1 = s.o_col_blocks
+    (q0, q1), (a0, a1), (c0, c1), (i0, i1) = s.q_rows, s.o_rows, s.o_cols, s.index_rows
+    return {
+        "wq_b.weight": (slice(q0, q1),), "wq_b.scale": (slice(q0 // BLOCK, q1 // BLOCK),),
+        "attn_sink": (s.head_slice,),
+        "wo_a.weight": (slice(a0, a1),), "wo_a.scale": (slice(a0 // BLOCK, -(-a1 // BLOCK)),),
+        "wo_b.weight": (slice(None), slice(c0, c1)), "wo_b.scale": (slice(None), slice(b0, b1)),
+        "indexer.wq_b.weight": (slice(i0, i1),),
+        "indexer.wq_b.scale": (slice(i0 // BLOCK, i1 // BLOCK),),
+        "indexer.weights_proj.weight": (s.index_head_slice,),
+    }
+
+
 def load_layer_weights_tp(path: str | os.PathLike, cfg: AttentionConfig,
                           layers: int | Iterable[int] | None, rank: int, world: int,
                           device: torch.device | str = "cpu", progress: bool | None = None
@@ -232,18 +249,9 @@ def load_layer_weights_tp(path: str | os.PathLike, cfg: AttentionConfig,
     check_world_size(cfg, world)
     s = tp_shape(cfg, rank, world)
     sharded = world > 1
-    b0, b1 = s.o_col_blocks
-    (q0, q1), (a0, a1), (c0, c1), (i0, i1) = s.q_rows, s.o_rows, s.o_cols, s.index_rows
-    slices = {  # relative name -> the slice this rank reads (others: everything)
-        "wq_b.weight": (slice(q0, q1),), "wq_b.scale": (slice(q0 // BLOCK, q1 // BLOCK),),
-        "attn_sink": (s.head_slice,),
-        "wo_a.weight": (slice(a0, a1),), "wo_a.scale": (slice(a0 // BLOCK, -(-a1 // BLOCK)),),
-        "wo_b.weight": (slice(None), slice(c0, c1)), "wo_b.scale": (slice(None), slice(b0, b1)),
-        "indexer.wq_b.weight": (slice(i0, i1),),
-        "indexer.wq_b.scale": (slice(i0 // BLOCK, i1 // BLOCK),),
-        "indexer.weights_proj.weight": (s.index_head_slice,),
-    } if sharded else None
-    tensors, nbytes = read_layer_tensors(path, cfg, layers, slices=slices, progress=progress)
+    a0, a1 = s.o_rows
+    tensors, nbytes = read_layer_tensors(path, cfg, layers, slices=shard_slices(s) if sharded
+                                         else None, progress=progress)
     out = {}
     for layer, own in tensors.items():
         if sharded and own["wo_a.weight"].dtype != torch.bfloat16:
@@ -375,5 +383,6 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None
 
 
 __all__ = ["TPShape", "TensorParallel", "PeerFailure", "check_world_size", "tp_shape",
-           "shard_layer_weights", "check_shard_weights", "load_layer_weights_tp", "init_gloo",
+           "shard_layer_weights", "shard_slices", "check_shard_weights", "load_layer_weights_tp",
+           "init_gloo",
            "SCALE"]

@@ -57,3 +57,50 @@ def test_indexer_floor_of_a_prefill_is_the_causal_dots():
     assert flops == 2 * 32 * 128 * n * (n + 1) / 2
     assert nbytes == n * 68 + n * (32 * 128 * 2 + 32 * 2 + 512 * 4)
     assert floor * 1e3 == pytest.approx(22.27, abs=0.01)
+
+
+def test_per_rank_weight_bytes_are_the_loaders_slices(tmp_path):
+    """Under --tp the floor counts one rank's weights: the bytes it saves against w = 1 are
+    those the checkpoint loader does not read for that rank (tiny preset, every role)."""
+    from dsv41attn import write_synthetic_checkpoint
+    from dsv41attn.bench import _weight_bytes_and_params
+    from dsv41attn.tp import load_layer_weights_tp
+
+    cfg = preset("tiny")
+    layers = list(range(cfg.n_layers))
+    write_synthetic_checkpoint(tmp_path, cfg, seed=0, layers=layers)
+    full = {L: load_layer_weights_tp(tmp_path, cfg, [L], 0, 1)[1] for L in layers}
+    for L in layers:
+        one = _weight_bytes_and_params(cfg, L)[0]
+        for rank in range(2):
+            read = load_layer_weights_tp(tmp_path, cfg, [L], rank, 2)[1]
+            assert _weight_bytes_and_params(cfg, L, 2)[0] - one == read - full[L], (L, rank)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_per_rank_floor_at_v41_flash(world):
+    """One rank of ``world``: the head-sharded weights divide by world, the attention and
+    index FLOPs too, the cache bytes do not, and the all-reduce bytes (wo_b's fp32 output,
+    an index source's bf16 scores) are added at the measured bandwidth."""
+    from dsv41attn.bench import _weight_bytes_and_params, allreduce_bytes
+
+    sharded = (32768 * 1280 + 1024 * 40) + 64 * 4 + (8192 * 4096 + 256 * 128) \
+        + (5120 * 8192 + 160 * 256)  # wq_b, attn_sink, wo_a, wo_b (+ scales)
+    index = (4096 * 1280 + 128 * 40) + 32 * 5120 * 2  # indexer.wq_b, weights_proj
+    for role, extra in (("SWA", 0), ("Full r=1 cand", index)):
+        full = _weight_bytes_and_params(CFG, ROLES[role])[0]
+        got = _weight_bytes_and_params(CFG, ROLES[role], world)[0]
+        assert got == full - (sharded + extra) * (world - 1) // world, role
+    bw, ar = 4.3e12, 200e9
+    for role in ORDER:
+        f1, b1, _ = layer_floor(CFG, ROLES[role], 64, 4096, 1, bw)
+        fw, bw_bytes, floor = layer_floor(CFG, ROLES[role], 64, 4096, 1, bw, world, ar)
+        assert fw < f1 and bw_bytes < b1
+        moved = allreduce_bytes(CFG, ROLES[role], 64, 4096, 1)
+        assert floor == pytest.approx(max(fw / 790e12, bw_bytes / bw) + moved / ar)
+    assert allreduce_bytes(CFG, ROLES["SWA"], 1, 4096, 1) == 5120 * 4
+    assert allreduce_bytes(CFG, ROLES["Full r=1 cand"], 64, 4096, 1) == 64 * (5120 * 4 + 4097 * 2)
+    # a Reindex layer's scores are its candidate blocks' rows only
+    assert allreduce_bytes(CFG, ROLES["Reindex"], 1, 65536, 1) == 5120 * 4 + 2048 * 8 * 2
+    with pytest.raises(ValueError, match="all-reduce bandwidth"):
+        layer_floor(CFG, 0, 1, 4096, 1, bw, world)

@@ -249,6 +249,28 @@ def test_a_rank_failing_mid_step_undoes_the_step_on_every_rank(tmp_path):
     assert json.loads((tmp_path / "failures.json").read_text()) == len(FAILURES)
 
 
+def _bandwidth_worker(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from dsv41attn.bench import measure_allreduce_bandwidth
+    from dsv41attn.tp import init_gloo
+    torch.set_num_threads(1)
+    init_gloo(rank, WORLD, port, timeout_s=60)
+    try:
+        bw = measure_allreduce_bandwidth(None, nbytes=1 << 20, device="cpu", reps=3)
+        Path(out_dir, f"bw{rank}").write_text(repr(bw))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_allreduce_bandwidth_is_one_figure_for_every_rank(tmp_path):
+    """bench --tp's per-rank floor divides the all-reduce bytes by a bandwidth measured over
+    the ranks: every rank gets the same (the slowest rank's) positive figure."""
+    _spawn(_bandwidth_worker, tmp_path)
+    bws = [float((tmp_path / f"bw{r}").read_text()) for r in range(WORLD)]
+    assert bws[0] == bws[1] and 0 < bws[0] < float("inf"), bws
+
+
 # ---- no processes needed -------------------------------------------------------------------
 
 def test_shard_shapes_and_counts():
