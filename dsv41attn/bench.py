@@ -559,8 +559,8 @@ def bench_sparse_attn_prefill(copy_bw: float, tokens=(8192, 65536), ratio: int =
             ref = reference(*args).double()
             err = float((kernel(*args).double() - ref).norm() / ref.norm())
             del ref
-        ms = _graph_ms(lambda: kernel(*args), reps=5)
-        ms_inv = _graph_ms(lambda: invariant(*args), reps=5)
+        ms = _graph_ms(lambda a=args: kernel(*a), reps=5)
+        ms_inv = _graph_ms(lambda a=args: invariant(*a), reps=5)
         q, _, _, _, new_rows, widx, pool, _, _, cidx = args
         nbytes = (new_rows.numel() + min(pool.numel(), (t // ratio) * pool.shape[-1])
                   + 2 * q.numel() * 2 + (widx.numel() + cidx.numel()) * 4)

@@ -39,7 +39,8 @@ DESCRIPTION = """\
 The DeepSeek-V4.1 attention layer, as DeepSeek's reference defines it: run a prefill and
 decode steps through every layer role, replay a golden fixture, look inside a forward (what
 each query selected and where its attention went), report the environment for a bug report,
-time the Triton kernels on a GPU, plot those timings."""
+check tensor parallelism against one process, time the Triton kernels on a GPU, plot those
+timings."""
 
 EPILOG = """\
 examples:
@@ -53,6 +54,8 @@ examples:
   dsv41attn env                                   versions, GPU, Triton mode: for a bug report
   torchrun --nproc-per-node 2 -m dsv41attn demo --tp 2 --device cpu
                                                   heads split over 2 processes (gloo)
+  torchrun --nproc-per-node 2 -m dsv41attn tpcheck --tp 2 --config tiny
+                                                  sharded layers against whole ones
   dsv41attn COMMAND --help                        every option of COMMAND"""
 
 # The tiny fixtures (tests/fixtures/README.md): batch 2, tiny_roles 46 positions,
@@ -447,6 +450,53 @@ def replay_cmd(args: argparse.Namespace) -> int:
               f"{bad}/{total}; output error max {errs[-1]:.3e}, median {errs[len(errs) // 2]:.3e}; "
               f"per layer max {max(c['per_layer'].values()):.3e}")
     print(f"wrote {len(result)} tensors to {args.out}")
+    return 0
+
+
+# ---- tpcheck ---------------------------------------------------------------------------------
+
+def tpcheck_cmd(args: argparse.Namespace) -> int:
+    """The sharded layers against the unsharded ones per role, then each fixture at --tp N."""
+    from .tpcheck import check_fixtures, check_roles
+
+    _check_backend(args.backend, args.device, args.batch_invariant)
+    source = args.config
+    if source not in PRESETS and not os.path.isfile(source):
+        raise CliError(f"--config {source!r}: not a preset ({', '.join(PRESETS)}) or a "
+                       "config.json file")
+    try:
+        cfg = load_config(source)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CliError(f"--config {source}: not a JSON config file ({e})") from e
+    fixtures = [_load_fixture(p) for p in args.fixtures]
+    world = _tp_world(args, args.device)
+    if world < 2:
+        raise CliError("tpcheck compares a stack sharded over the ranks with a whole one: run it "
+                       "under torchrun --nproc-per-node N with --tp N, N >= 2")
+    check_world_size(cfg, world)
+    for fx in fixtures:
+        check_world_size(fx.config, world)
+    tp, device = _tp_start(args, world, args.device)
+    print(f"tensor-parallel check: {tp.world} ranks ({tp.backend}), {device}, backend "
+          f"{args.backend}{' (batch-invariant)' if args.batch_invariant else ''}, config "
+          f"{source}, seed {args.seed}")
+    t0 = time.perf_counter()
+    report = check_roles(cfg, tp.group, device, args.backend, args.batch_invariant, args.seed)
+    print(f"each role's layer at TP {tp.world} against one process's, outputs of the rows whose "
+          f"selection agrees ({time.perf_counter() - t0:.1f} s):")
+    print(f"{'layer':>6}  {'role':<34}{'max error':>10}  top-k rows differing")
+    for layer, name, err, bad, total in report.roles:
+        print(f"{layer:>6}  {name:<34}{err:>10.2e}  " + (f"{bad}/{total}" if total else "-"))
+    if fixtures:
+        t0 = time.perf_counter()
+        check_fixtures(fixtures, tp.group, device, args.backend, args.batch_invariant, report)
+        print(f"golden fixtures at TP {tp.world} ({time.perf_counter() - t0:.1f} s):")
+        for line in report.fixtures:
+            print(f"  {line}")
+    if report.problems:
+        print(f"FAILED: {len(report.problems)} problem(s):", *report.problems, sep="\n  ")
+        return 1
+    print("passed: every check within the fixtures' tolerances")
     return 0
 
 
@@ -886,6 +936,32 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("csv", metavar="CSV", help="a file written by bench --csv")
     pl.add_argument("png", metavar="PNG", help="the figure to write")
     pl.set_defaults(func=plot_cmd, parser=pl)
+
+    tc = sub.add_parser("tpcheck", parents=[common],
+                        help="tensor parallelism: sharded layers against whole ones, fixtures "
+                             "at --tp N (under torchrun)",
+                        description="Under torchrun, one process per rank: one layer of each "
+                                    "role of --config (and its sources), random weights, a "
+                                    "ragged schedule run whole and sharded over the ranks, "
+                                    "compared row by row; then each --fixtures file replayed "
+                                    "at --tp N. Both are held to the golden fixtures' "
+                                    "tolerances; exit status 1 when one is not met.")
+    tc.add_argument("--config", metavar="NAME|PATH", default="v41-flash",
+                    help=f"a preset ({', '.join(PRESETS)}) or a config.json (default: "
+                         "v41-flash; tiny runs in seconds on the CPU)")
+    tc.add_argument("--fixtures", nargs="*", default=[], metavar="FIXTURE",
+                    help="fixture files to replay at --tp N, e.g. tests/fixtures/*.safetensors "
+                         "(default: none)")
+    tc.add_argument("--seed", type=int, default=0,
+                    help="seed of the random weights and inputs (default: 0)")
+    tc.add_argument("--device", type=_device, default="cpu",
+                    help="cpu (gloo) or cuda (NCCL, one GPU per rank) (default: cpu)")
+    tc.add_argument("--backend", choices=BACKENDS, default="reference",
+                    help="ops backend of both stacks (default: reference)")
+    tc.add_argument("--batch-invariant", action="store_true",
+                    help="triton: the batch-invariant mode, both stacks")
+    tp_opt(tc, "gloo with --device cpu, NCCL (one GPU per rank) with --device cuda")
+    tc.set_defaults(func=tpcheck_cmd, parser=tc)
 
     sk = sub.add_parser("soak", parents=[common],
                         help="randomized serving soak: every output against token-by-token decode",

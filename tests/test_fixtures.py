@@ -6,7 +6,6 @@ error <= 1e-1, median <= 1e-2, per layer <= 1.5e-2; V4.1 geometry — <= 1% of t
 differing (left out of the errors), <= 2.5e-2 per output, median <= 1.5e-2, per layer <= 2e-2.
 The reference path reproduces the fixtures' rounding points, so we also demand bit equality.
 """
-import statistics
 import subprocess
 import sys
 
@@ -15,17 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, fixture_files
-from dsv41attn.fixtures import Fixture, compare, replay
+from dsv41attn.fixtures import Fixture, compare, replay, tolerance_problems
 
 FILES = fixture_files()
 assert FILES, "no golden fixtures found"
-
-
-def _tolerances(fx: Fixture) -> dict:
-    big = fx.config.head_dim >= 256
-    if big:
-        return {"topk_frac": 0.01, "output": 2.5e-2, "median": 1.5e-2, "layer": 2e-2}
-    return {"topk_frac": 0.0, "output": 1e-1, "median": 1e-2, "layer": 1.5e-2}
 
 
 @pytest.fixture(scope="module", ids=[f.stem for f in FILES], params=[
@@ -36,14 +28,9 @@ def replayed(request):
 
 
 def check_within_tolerances(fx: Fixture, c: dict, sem: str) -> None:
-    """The fixture README's tolerances on a ``compare`` result."""
-    tol = _tolerances(fx)
-    bad, total = c["topk_rows"]
-    assert bad <= tol["topk_frac"] * total, f"{sem}: {bad}/{total} top-k rows differ"
-    errs = [e for *_, e in c["per_output"]]
-    assert max(errs) <= tol["output"], f"{sem}: worst output error {max(errs):.3e}"
-    assert statistics.median(errs) <= tol["median"], sem
-    assert max(c["per_layer"].values()) <= tol["layer"], (sem, c["per_layer"])
+    """The fixture README's tolerances on a ``compare`` result (``fixtures.tolerances``)."""
+    problems = tolerance_problems(fx, c, sem)
+    assert not problems, problems
 
 
 def test_fixture_within_readme_tolerances(replayed):

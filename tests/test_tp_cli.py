@@ -74,6 +74,7 @@ def assert_replays_agree(tp_file: Path, ref_file: Path, fixture: Fixture) -> dic
 # The torchrun commands the tests run (and the README shows: test_readme_torchrun_commands).
 TORCHRUN_REPLAY = ["replay", str(SMALLEST), "--out", "OUT", "--tp", "2", "--device", "cpu"]
 TORCHRUN_DEMO = ["demo", "--tp", "2", "--device", "cpu"]
+TORCHRUN_TPCHECK = ["tpcheck", "--tp", "2", "--config", "tiny", "--fixtures", str(SMALLEST)]
 
 
 def test_replay_tp2_writes_the_tp1_contract_from_rank_0(capsys, tmp_path):
@@ -106,6 +107,19 @@ def test_demo_tp2_prints_the_tp1_table_once(capsys):
             for r in _table(p.stdout).values()] == rows
 
 
+def test_tpcheck_tp2_passes_and_prints_once():
+    """tpcheck at TP 2 on the CPU: every role of tiny and the fixture within tolerances, rank
+    0's report alone, exit 0."""
+    p = torchrun(TORCHRUN_TPCHECK)
+    assert p.returncode == 0, _errors(p) + p.stdout
+    assert p.stdout.count("tensor-parallel check: 2 ranks (gloo)") == 1, p.stdout
+    rows = re.findall(r"^ +(\d+)  (.+?) +(\S+e[-+]\d+)  (\S+)$", p.stdout, re.M)
+    assert [int(r[0]) for r in rows] == [0, 1, 2, 3, 4, 5], p.stdout  # one layer per role
+    assert all(r[3] in ("-", "0/47") for r in rows), rows
+    assert p.stdout.count("within the fixture's tolerances") == 2, p.stdout  # both semantics
+    assert p.stdout.rstrip().endswith("passed: every check within the fixtures' tolerances")
+
+
 def test_tp_not_matching_torchrun_is_one_line_from_rank_0():
     p = torchrun(["demo", "--tp", "3", "--device", "cpu"])
     assert p.returncode != 0
@@ -117,7 +131,8 @@ def test_tp_not_matching_torchrun_is_one_line_from_rank_0():
 
 # ---- in one process: what is refused before any process group exists ------------------------
 
-@pytest.mark.parametrize("command", [["demo"], ["replay", str(SMALLEST), "--out", "{tmp}/o"]])
+@pytest.mark.parametrize("command", [["demo"], ["replay", str(SMALLEST), "--out", "{tmp}/o"],
+                                     ["tpcheck", "--config", "tiny"]])
 def test_tp_without_torchrun_is_one_line_exit_2(capsys, monkeypatch, tmp_path, command):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in command] + ["--tp", "2"]
@@ -142,6 +157,22 @@ def test_tp_against_the_torchrun_environment(capsys, monkeypatch, world, rank, n
     assert out == ""
     if rank != "0":
         assert time.monotonic() - t0 >= 0.2  # it waited for rank 0 first
+
+
+def test_tpcheck_needs_two_ranks_and_known_inputs(capsys, monkeypatch, tmp_path):
+    """tpcheck refuses, in one line and before any process group: one rank (nothing to compare),
+    an unknown config, a missing fixture."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code, _, err = run_cli(capsys, ["tpcheck", "--config", "tiny"])
+    assert_one_line_error(code, err, "torchrun --nproc-per-node N", "--tp N", "N >= 2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    code, _, err = run_cli(capsys, ["tpcheck", "--tp", "2", "--config", "huge"])
+    assert_one_line_error(code, err, "--config 'huge'", "not a preset")
+    code, _, err = run_cli(capsys, ["tpcheck", "--tp", "2", "--config", "tiny", "--fixtures",
+                                    str(tmp_path / "none.safetensors")])
+    assert_one_line_error(code, err, "none.safetensors", "no such file")
+    assert not torch.distributed.is_initialized()
 
 
 def test_a_world_size_the_heads_do_not_split_over_is_refused_before_starting(capsys, monkeypatch):
@@ -176,10 +207,10 @@ def test_readme_torchrun_commands():
     """Every torchrun line of the README's sh blocks is a command the tests above run (the
     fixture from either copy, --out to a temporary file), and both are there."""
     cmds = _readme_torchrun()
-    tested = [_as_run(TORCHRUN_REPLAY), _as_run(TORCHRUN_DEMO)]
+    tested = [_as_run(TORCHRUN_REPLAY), _as_run(TORCHRUN_DEMO), _as_run(TORCHRUN_TPCHECK)]
     for words in cmds:
         assert words[:5] == ["torchrun", "--nproc-per-node", "2", "-m", "dsv41attn"], words
         assert _as_run(words[5:]) in tested, words
         if words[5] == "replay":
             assert (ROOT / words[6]).is_file(), words
-    assert {c[5] for c in cmds} == {"demo", "replay"}
+    assert {c[5] for c in cmds} == {"demo", "replay", "tpcheck"}

@@ -92,7 +92,7 @@ import triton.language as tl
 
 from ..common.packing import index_key_bytes
 from ..common.triton import (check_device, e4m3_of_e2m1, e4m3_to_fp32, interpreting,
-                             require, round_bf16, to_bf16)
+                             require, round_bf16)
 
 PREFILL_TILE = 4  # queries of one sequence per scoring program (they share the key loads)
 SCORE_ROWS = 128  # rows per scoring tile (decode)
