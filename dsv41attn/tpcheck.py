@@ -6,10 +6,16 @@ the golden fixtures replayed at the world size, within the fixtures' tolerances.
    one seed on every rank, run twice on each rank through the same ragged schedule (a batch
    of two sequences: a prefill past the window and past ``index_topk`` complete compressed
    rows, decodes, a chunk, an idle sequence): whole, then sharded over the group. Top-k and
-   candidate blocks are compared row by row; a near-tie at the k-th row may select another
-   row (the index scores are summed per rank and all-reduced in bf16, docs/numerics.md §10),
-   so the fixtures' bar applies: at most ``topk_frac`` of the rows differ, and the outputs of
-   the rows whose selection agrees are within ``output`` per (step, layer).
+   candidate blocks are compared row by row. The index scores are summed per rank and
+   all-reduced in bf16 (docs/numerics.md §10), so a row whose score is within a few bf16 ulps
+   of a query's k-th may swap places with another: with random weights at V4.1 geometry,
+   where a thousand rows share a few hundred bf16 values, that happens in about one query in
+   ten. So every differing selection must be explained: each row in the difference scores (on
+   one process, from the whole run's own index inputs) within ``TIE_ULPS`` ulps of the
+   query's k-th score, and each differing candidate block's maximum within as many of the
+   last kept block's; a consumer whose candidate blocks differ that way is excused. The
+   outputs of the rows whose selection agrees are held to the fixtures' ``output`` bound per
+   (step, layer).
 2. Fixtures: each replayed through a stack sharded over the group (``Fixture.stack``), held to
    its README's tolerances (``fixtures.tolerance_problems``).
 
@@ -28,8 +34,12 @@ from .checkpoint import random_layer_weights
 from .config import AttentionConfig
 from .fixtures import compare, rel_err, replay, tolerance_problems, tolerances, \
     topk_row_mismatches
+from .ops.common.packing import paged_index_keys
+from .ops.indexer.reference import index_scores, mask_invisible
 from .stack import AttentionStack
 from .tp import shard_layer_weights
+
+TIE_ULPS = 4  # bf16 ulps within which a differing selection counts as a near-tie
 
 
 @dataclass
@@ -68,24 +78,107 @@ def role_schedule(cfg: AttentionConfig) -> list[list[int]]:
     return [[longest, min(longest, w + 3)], [1, 1], [7, 2], [1, 1], [2, 0]]
 
 
-def _run(stack: AttentionStack, cfg: AttentionConfig, steps, device, seed: int):
+def _run(stack: AttentionStack, cfg: AttentionConfig, steps, device, seed: int,
+         keep_scores: bool = False):
     """Outputs per (step, layer), top-k per (step, index source), kept candidate blocks per
     step, of ``steps`` through every layer of ``stack``: the same seeded inputs on every
-    rank, made on the CPU."""
+    rank, made on the CPU. ``keep_scores``: also each index source's scores per (step, layer)
+    (``_scores``, from the inputs it scored)."""
     gen = torch.Generator().manual_seed(seed)
     state = stack.new_state(2, capacity=sum(max(c) for c in steps) + 8,
                             max_tokens_per_call=max(max(c) for c in steps))
-    outs, topk, cand = {}, {}, {}
+    outs, topk, cand, scores = {}, {}, {}, {}
     for s, counts in enumerate(steps):
-        step = stack.step(state, counts)
+        # a traced step keeps what each index source scored (the hook itself records nothing)
+        step = stack.step(state, counts, trace=(lambda layer, record: None) if keep_scores
+                          else None)
         for L in sorted(stack.layers):
+            spec = cfg.layer(L)
             x = torch.randn(sum(counts), cfg.dim, generator=gen).bfloat16().to(device)
             outs[s, L] = stack.layers[L](x, state, step).cpu()
-            if cfg.layer(L).is_index_source:
+            if spec.is_index_source:
                 topk[s, L] = step.topk(L).cpu()
-            if cfg.layer(L).is_candidate_source:
+                if keep_scores:
+                    kept = step.board.candidates() if spec.is_candidate_consumer else None
+                    scores[s, L] = _scores(step.board.index_inputs.get(L), state.block_table,
+                                           step.plan.token_row, kept, cfg.candidate_block_size,
+                                           topk[s, L].shape[0])
+            if spec.is_candidate_source:
                 cand[s] = step.board.candidates().cpu()
-    return outs, topk, cand
+    return outs, topk, cand, scores
+
+
+def _scores(inputs, block_table, token_row, kept, block_size: int, tokens: int) -> torch.Tensor:
+    """[T, scan] float32 on the CPU: each query's bf16 index scores (the reference's
+    ``index_scores`` over the paged keys), -inf where the query cannot see the row or (a
+    consumer, ``kept`` [T, nblk]) the row's block was not kept; [T, 0] when the layer scored
+    nothing (``inputs`` None: no row was complete)."""
+    if inputs is None or inputs[3].scan == 0:
+        return torch.empty(tokens, 0)
+    q, w, pool, facts = inputs
+    out = torch.full((q.shape[0], facts.scan), float("-inf"))
+    for row in torch.unique(token_row).tolist():
+        mine = (token_row == row).nonzero().squeeze(1)
+        keys = paged_index_keys(pool, block_table[row:row + 1], facts.scan)
+        sc = index_scores(q[mine].unsqueeze(0), w[mine].unsqueeze(0), keys)
+        out[mine.cpu()] = mask_invisible(sc, facts.visible[mine].unsqueeze(0))[0].float().cpu()
+    if kept is not None:
+        blocks = torch.arange(facts.scan) // block_size
+        out = out.masked_fill(~kept.cpu()[:, blocks], float("-inf"))
+    return out
+
+
+def _near(a: torch.Tensor, b: torch.Tensor, ulps: int = TIE_ULPS) -> torch.Tensor:
+    """Whether scores a and b (float32 holding bf16 values) are finite and within ``ulps``
+    bf16 ulps of the larger magnitude."""
+    big = torch.maximum(a.abs(), b.abs()).clamp_min(2.0 ** -126)
+    ulp = torch.exp2(torch.floor(torch.log2(big)) - 7)
+    return torch.isfinite(a) & torch.isfinite(b) & ((a - b).abs() <= ulps * ulp)
+
+
+def unexplained_rows(scores: torch.Tensor, got: torch.Tensor, want: torch.Tensor,
+                     k: int) -> torch.Tensor:
+    """[T] bool: queries whose selections ``got`` and ``want`` ([T, k] row numbers, -1 pads)
+    differ in a row that is not a near-tie: every row in the difference must score, in
+    ``scores`` [T, n] (one process's; -inf: not a candidate), within TIE_ULPS ulps of the
+    query's k-th largest score. A query with k or fewer candidate rows has no tie to explain
+    a difference."""
+    out = torch.zeros(got.shape[0], dtype=torch.bool)
+    for t in topk_row_mismatches(got, want).nonzero().flatten().tolist():
+        s = scores[t]
+        if int(torch.isfinite(s).sum()) <= k:
+            out[t] = True
+            continue
+        kth = s.topk(k).values[-1]
+        diff = set(got[t][got[t] >= 0].tolist()) ^ set(want[t][want[t] >= 0].tolist())
+        rows = torch.tensor(sorted(diff), dtype=torch.long)
+        inside = rows < s.numel()
+        near = _near(s[rows.clamp(max=s.numel() - 1)], kth.expand(rows.numel()))
+        out[t] = bool((~(inside & near)).any())
+    return out
+
+
+def unexplained_blocks(scores: torch.Tensor, got: torch.Tensor, want: torch.Tensor,
+                       visible: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:
+    """[T] bool: queries whose kept candidate blocks ``got`` / ``want`` [T, nblk] differ in a
+    block whose maximum score (``scores`` [T, n], one process's) is not within TIE_ULPS ulps
+    of the last kept block's (the newest visible block pinned, as the indexer does)."""
+    t_all, n = scores.shape
+    nblk = got.shape[1]
+    padded = torch.full((t_all, nblk * block_size), float("-inf"))
+    padded[:, :n] = scores
+    block = padded.view(t_all, nblk, block_size).amax(-1)
+    newest = (visible - 1).div(block_size, rounding_mode="floor")
+    block = block.masked_fill(torch.arange(nblk) == newest.unsqueeze(-1), float("inf"))
+    out = torch.zeros(t_all, dtype=torch.bool)
+    for t in (got != want).any(-1).nonzero().flatten().tolist():
+        if int((block[t] > float("-inf")).sum()) <= topk_blocks:
+            out[t] = True
+            continue
+        kth = block[t].topk(topk_blocks).values[-1]
+        d = (got[t] != want[t]).nonzero().flatten()
+        out[t] = bool((~_near(block[t, d], kth.expand(d.numel()))).any())
+    return out
 
 
 def check_roles(cfg: AttentionConfig, group, device, backend: str = "reference",
@@ -99,22 +192,36 @@ def check_roles(cfg: AttentionConfig, group, device, backend: str = "reference",
     shards = {L: shard_layer_weights(cfg, w, rank, world) for L, w in full.items()}
     steps = role_schedule(cfg)
     kw = dict(backend=backend, batch_invariant=batch_invariant)
-    want = _run(AttentionStack(cfg, full, **kw), cfg, steps, device, seed + 1)
+    want = _run(AttentionStack(cfg, full, **kw), cfg, steps, device, seed + 1, keep_scores=True)
     del full
     got = _run(AttentionStack(cfg, shards, tp_group=group, **kw), cfg, steps, device, seed + 1)
     tol = tolerances(cfg)
     differ: dict[tuple[int, int], torch.Tensor] = {}  # (step, index source) -> rows differing
     for key, sel in want[1].items():
         differ[key] = topk_row_mismatches(got[1][key], sel)
-    for s, kept in want[2].items():  # candidate blocks, under the same bar as the top-k
-        rows = (got[2][s] != kept).any(-1)
-        if int(rows.sum()) > tol["topk_frac"] * rows.numel():
-            report.problems.append(f"step {s}: the candidate blocks of {int(rows.sum())} of "
-                                   f"{rows.numel()} rows differ from one process's")
+    # candidate blocks: a differing block must be a near-tie at the last kept one; a
+    # consumer's queries whose blocks differ so are excused from its own near-tie test
+    excused: dict[int, torch.Tensor] = {}
+    for s, kept in want[2].items():
+        scores = want[3][s, cfg.candidate_source_layer]
+        bad_blocks = unexplained_blocks(scores, got[2][s], kept,
+                                        torch.isfinite(scores).sum(-1),
+                                        cfg.candidate_topk_blocks, cfg.candidate_block_size)
+        excused[s] = (got[2][s] != kept).any(-1) & ~bad_blocks
+        if bad_blocks.any():
+            report.problems.append(
+                f"step {s}: the candidate blocks of {int(bad_blocks.sum())} of "
+                f"{kept.shape[0]} queries differ from one process's beyond near-ties")
     for L in sorted(names):
         spec = cfg.layer(L)
-        errs, bad, total = [], 0, 0
+        errs, bad, total, unexplained = [], 0, 0, 0
         if spec.is_index_source:
+            for s in range(len(steps)):
+                rows = unexplained_rows(want[3][s, L], got[1][s, L], want[1][s, L],
+                                        want[1][s, L].shape[-1])
+                if spec.is_candidate_consumer and s in excused:
+                    rows &= ~excused[s]
+                unexplained += int(rows.sum())
             bad = sum(int(differ[s, L].sum()) for s in range(len(steps)))
             total = sum(differ[s, L].numel() for s in range(len(steps)))
         for s in range(len(steps)):
@@ -126,9 +233,10 @@ def check_roles(cfg: AttentionConfig, group, device, backend: str = "reference",
                 errs.append(rel_err(g, e))
         worst = max(errs, default=0.0)
         report.roles.append((L, names[L], worst, bad, total))
-        if bad > tol["topk_frac"] * total:
-            report.problems.append(f"layer {L} ({names[L]}): {bad}/{total} top-k rows differ "
-                                   f"from one process's (at most {tol['topk_frac']:.0%} may)")
+        if unexplained:
+            report.problems.append(f"layer {L} ({names[L]}): {unexplained} of the {bad}/{total} "
+                                   "top-k rows that differ from one process's differ beyond "
+                                   f"near-ties ({TIE_ULPS} bf16 ulps of the k-th score)")
         if worst > tol["output"]:
             report.problems.append(f"layer {L} ({names[L]}): output error {worst:.3e} against "
                                    f"one process's > {tol['output']:g}")

@@ -145,7 +145,8 @@ def test_the_check_catches_a_missing_collective(tmp_path):
     _spawn(_sabotage_worker, tmp_path)
     for rank in range(WORLD):
         found = json.loads((tmp_path / f"sabotage{rank}.json").read_text())
-        assert any("top-k rows differ" in p for p in found["scores"]), found["scores"]
+        assert any("top-k rows that differ" in p and "beyond near-ties" in p
+                   for p in found["scores"]), found["scores"]
         assert any("output error" in p for p in found["wo_b"]), found["wo_b"]
 
 
@@ -321,3 +322,25 @@ def test_wo_b_shard_off_its_scale_blocks_is_config_error():
     with pytest.raises(ConfigError, match="scale blocks"):
         check_world_size(cfg, 4)
     check_world_size(cfg, 2)  # 48 columns each: 0..48 and 48..96 touch 2 blocks each
+
+
+def test_near_tie_rules_of_the_check():
+    """tpcheck's explanation of a differing selection: a swapped row must score within
+    TIE_ULPS bf16 ulps of the query's k-th score; a differing candidate block's maximum
+    within as many of the last kept block's; with k or fewer candidates nothing explains a
+    difference."""
+    from dsv41attn.tpcheck import unexplained_blocks, unexplained_rows
+    ulp = 2.0 ** -7  # of scores in [1, 2)
+    s = torch.tensor([[1.5, 1.25, 1.0 + ulp, 1.0, 1.0 - 8 * ulp, -float("inf")]] * 3)
+    want = torch.tensor([[0, 1, 2]] * 3, dtype=torch.int32)
+    got = torch.tensor([[0, 1, 2], [0, 1, 3], [0, 1, 4]], dtype=torch.int32)
+    assert unexplained_rows(s, got, want, 3).tolist() == [False, False, True]
+    few = s.clone()
+    few[:, 3:] = -float("inf")  # three candidates for k = 3: the selection is forced
+    assert unexplained_rows(few, got[:2], want[:2], 3).tolist() == [False, True]
+    # blocks of 2 rows: maxima 1.5, 1.0 + ulp, 1.0, -inf; block 3 holds the newest visible row
+    blocks = torch.tensor([[1.5, 0.0, 1.0 + ulp, 0.0, 1.0, 0.5, -float("inf"), 0.25]] * 2)
+    visible = torch.tensor([8, 8])
+    kept = torch.tensor([[True, True, False, True]] * 2)
+    moved = torch.tensor([[True, False, True, True], [False, True, True, True]])
+    assert unexplained_blocks(blocks, moved, kept, visible, 3, 2).tolist() == [False, True]
