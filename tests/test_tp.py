@@ -325,22 +325,27 @@ def test_wo_b_shard_off_its_scale_blocks_is_config_error():
 
 
 def test_near_tie_rules_of_the_check():
-    """tpcheck's explanation of a differing selection: a swapped row must score within
-    TIE_ULPS bf16 ulps of the query's k-th score; a differing candidate block's maximum
-    within as many of the last kept block's; with k or fewer candidates nothing explains a
-    difference."""
+    """tpcheck's explanation of a differing selection: a swapped row must score within its
+    and the k-th row's slack (what the ranks' bf16 sums can move them) of the query's k-th
+    score; a differing candidate block's maximum likewise of the last kept block's; with k or
+    fewer candidates nothing explains a difference."""
     from dsv41attn.tpcheck import unexplained_blocks, unexplained_rows
     ulp = 2.0 ** -7  # of scores in [1, 2)
     s = torch.tensor([[1.5, 1.25, 1.0 + ulp, 1.0, 1.0 - 8 * ulp, -float("inf")]] * 3)
+    slack = torch.full_like(s, 2 * ulp)
     want = torch.tensor([[0, 1, 2]] * 3, dtype=torch.int32)
     got = torch.tensor([[0, 1, 2], [0, 1, 3], [0, 1, 4]], dtype=torch.int32)
-    assert unexplained_rows(s, got, want, 3).tolist() == [False, False, True]
+    assert unexplained_rows(s, slack, got, want, 3).tolist() == [False, False, True]
+    wide = slack.clone()
+    wide[2, 4] = 8 * ulp  # a row whose ranks' partials were large: it may move further
+    assert unexplained_rows(s, wide, got, want, 3).tolist() == [False, False, False]
     few = s.clone()
     few[:, 3:] = -float("inf")  # three candidates for k = 3: the selection is forced
-    assert unexplained_rows(few, got[:2], want[:2], 3).tolist() == [False, True]
+    assert unexplained_rows(few, slack, got[:2], want[:2], 3).tolist() == [False, True]
     # blocks of 2 rows: maxima 1.5, 1.0 + ulp, 1.0, -inf; block 3 holds the newest visible row
     blocks = torch.tensor([[1.5, 0.0, 1.0 + ulp, 0.0, 1.0, 0.5, -float("inf"), 0.25]] * 2)
     visible = torch.tensor([8, 8])
     kept = torch.tensor([[True, True, False, True]] * 2)
     moved = torch.tensor([[True, False, True, True], [False, True, True, True]])
-    assert unexplained_blocks(blocks, moved, kept, visible, 3, 2).tolist() == [False, True]
+    assert unexplained_blocks(blocks, torch.full_like(blocks, ulp), moved, kept, visible, 3,
+                              2).tolist() == [False, True]
