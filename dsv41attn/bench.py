@@ -293,18 +293,21 @@ class RoleBench:
             next(steps, None)  # the step counts once every layer ran
         return statistics.median(times[2:]) * 1e3  # the first two calls warm up (and compile)
 
+    def _prefill(self, tokens: int, measure):
+        """One prefill of ``tokens`` random tokens from position 0 on a new state, through the
+        role's sources, then its layer under ``measure`` (given the call; its result is
+        returned)."""
+        state = self.stack.new_state(1, capacity=tokens, rollback=0)
+        x = torch.randn(1, tokens, self.cfg.dim, device="cuda").bfloat16()
+        step = self.stack.step(state, tokens)
+        for L in self.layers:
+            call = lambda f=self.stack.layers[L]: f(x, state, step)
+            if L == self.target:
+                return measure(call)
+            call()
+
     def prefill_us(self, tokens: int, reps: int) -> float:
-        times = []
-        for k in range(reps + 1):
-            state = self.stack.new_state(1, capacity=tokens, rollback=0)
-            x = torch.randn(1, tokens, self.cfg.dim, device="cuda").bfloat16()
-            step = self.stack.step(state, tokens)
-            for L in self.layers:
-                if L == self.target:
-                    times.append(_events_ms(lambda f=self.stack.layers[L], x=x, s=state, st=step:
-                                            f(x, s, st), 1))
-                else:
-                    self.stack.layers[L](x, state, step)
+        times = [self._prefill(tokens, lambda call: _events_ms(call, 1)) for _ in range(reps + 1)]
         return statistics.median(times[1:]) * 1e3
 
     def profile_decode(self, batch: int, ctx: int) -> tuple[list[tuple[str, float, int]],
@@ -339,17 +342,8 @@ class RoleBench:
         from position 0 (the call ``prefill_us`` times, after one untimed call compiled it):
         (name, us, calls), longest first. The sources run before it and the step's shared facts
         are derived when the step opens, both outside the profile."""
-        x = torch.randn(1, tokens, self.cfg.dim, device="cuda").bfloat16()
-        for profiled in (False, True):
-            state = self.stack.new_state(1, capacity=tokens, rollback=0)
-            step = self.stack.step(state, tokens)
-            for L in self.layers:
-                call = lambda f=self.stack.layers[L], s=state, st=step: f(x, s, st)
-                if L == self.target and profiled:
-                    table = _kernel_times(call)
-                else:
-                    call()
-        return _longest_first(table)
+        self._prefill(tokens, lambda call: call())
+        return _longest_first(self._prefill(tokens, _kernel_times))
 
 
 def _kernel_times(fn) -> dict[str, tuple[float, int]]:

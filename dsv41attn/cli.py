@@ -250,12 +250,17 @@ def _demo_config(args: argparse.Namespace):
             raise CliError(f"--checkpoint {ckpt}: no config.json in {where}; pass --config "
                            f"(a preset: {', '.join(PRESETS)}; or a config.json)")
     source = source or "tiny"
+    overrides = {} if args.max_seq_len is None else {"max_seq_len": args.max_seq_len}
+    return _load_config_arg(source, **overrides), source
+
+
+def _load_config_arg(source: str, **overrides):
+    """--config's value: a preset, a config.json or a checkpoint directory holding one."""
     if source not in PRESETS and not os.path.exists(source):
         raise CliError(f"--config {source!r}: not a preset ({', '.join(PRESETS)}), "
                        "a config.json or a checkpoint directory")
-    overrides = {} if args.max_seq_len is None else {"max_seq_len": args.max_seq_len}
     try:
-        return load_config(source, **overrides), source
+        return load_config(source, **overrides)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CliError(f"--config {source}: not a JSON config file ({e})") from e
 
@@ -461,13 +466,7 @@ def tpcheck_cmd(args: argparse.Namespace) -> int:
 
     _check_backend(args.backend, args.device, args.batch_invariant)
     source = args.config
-    if source not in PRESETS and not os.path.isfile(source):
-        raise CliError(f"--config {source!r}: not a preset ({', '.join(PRESETS)}) or a "
-                       "config.json file")
-    try:
-        cfg = load_config(source)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CliError(f"--config {source}: not a JSON config file ({e})") from e
+    cfg = _load_config_arg(source)
     fixtures = [_load_fixture(p) for p in args.fixtures]
     world = _tp_world(args, args.device)
     if world < 2:
@@ -779,7 +778,7 @@ def build_parser() -> argparse.ArgumentParser:
                             f"torchrun --nproc-per-node N; {device}; rank 0 prints "
                             "(default: 1)")
 
-    def device_opt(q: argparse.ArgumentParser) -> None:
+    def device_opt(q: argparse.ArgumentParser, semantics: bool = True) -> None:
         q.add_argument("--device", type=_device, default="cpu",
                        help="torch device to run on: cpu, cuda or cuda:N (default: cpu)")
         q.add_argument("--backend", choices=BACKENDS, default="reference",
@@ -790,6 +789,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="triton: every reduction in a fixed order, so a sequence gets the "
                             "same bits alone, in any batch, chunked or token by token "
                             "(slower at large batches and prefill; docs/benchmarks.md)")
+        if not semantics:
+            return
         q.add_argument("--semantics", choices=SEMANTICS, default="fixed",
                        help="index-key semantics: fixed (each KV source publishes its own index "
                             "keys before scoring) or reference (DeepSeek's code as it is) "
@@ -947,19 +948,14 @@ def build_parser() -> argparse.ArgumentParser:
                                     "at --tp N. Both are held to the golden fixtures' "
                                     "tolerances; exit status 1 when one is not met.")
     tc.add_argument("--config", metavar="NAME|PATH", default="v41-flash",
-                    help=f"a preset ({', '.join(PRESETS)}) or a config.json (default: "
-                         "v41-flash; tiny runs in seconds on the CPU)")
+                    help=f"a preset ({', '.join(PRESETS)}), a config.json or a checkpoint "
+                         "directory (default: v41-flash; tiny runs in seconds on the CPU)")
     tc.add_argument("--fixtures", nargs="*", default=[], metavar="FIXTURE",
                     help="fixture files to replay at --tp N, e.g. tests/fixtures/*.safetensors "
                          "(default: none)")
     tc.add_argument("--seed", type=int, default=0,
                     help="seed of the random weights and inputs (default: 0)")
-    tc.add_argument("--device", type=_device, default="cpu",
-                    help="cpu (gloo) or cuda (NCCL, one GPU per rank) (default: cpu)")
-    tc.add_argument("--backend", choices=BACKENDS, default="reference",
-                    help="ops backend of both stacks (default: reference)")
-    tc.add_argument("--batch-invariant", action="store_true",
-                    help="triton: the batch-invariant mode, both stacks")
+    device_opt(tc, semantics=False)  # both stacks run the config's semantics
     tp_opt(tc, "gloo with --device cpu, NCCL (one GPU per rank) with --device cuda")
     tc.set_defaults(func=tpcheck_cmd, parser=tc)
 
