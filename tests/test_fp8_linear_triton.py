@@ -1,5 +1,6 @@
 """Triton fp8 linear against the reference (SPEC §2.1-2.2); runs under TRITON_INTERPRET=1 on CPU."""
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -430,12 +431,17 @@ def test_prescaled_kernel_equals_code_kernel(case):
     v, _ = act_quant(_split_x(m, k, seed=m + n).to(DEV), dequant=True)
     sms = DEFAULT_SM_COUNT if DEV == "cpu" else sm_count(torch.device(DEV))
     want = fp8_gemm(q, s, w, ws, num_splits=splits).cpu().view(torch.int32)
+    want_bf16 = want.view(torch.float32).to(torch.bfloat16).view(torch.int16)
     for workspace in (None, True, False):
-        plan = T._gemm_plan(m, n, k // 32, sms, splits, workspace=workspace, values=True)
-        assert plan.prescaled and not plan.swap
-        out = torch.full((m, n), float("nan"), device=DEV)
-        T._run_fp8_gemm(plan, v, s, w.to(torch.bfloat16), ws, out)
-        assert torch.equal(out.cpu().view(torch.int32), want), workspace
+        plan = T._gemm_plan(m, n, k // 32, sms, splits, workspace=workspace, values=True,
+                            tma=DEV == "cpu" or T._tma_weight(w))
+        assert plan.prescaled and not plan.swap and plan.tma == T.SQUARE_TMA
+        for tma, dt in itertools.product((False, True), (torch.float32, torch.bfloat16)):
+            run = dataclasses.replace(plan, tma=tma)
+            out = torch.full((m, n), float("nan"), dtype=dt, device=DEV)
+            T._run_fp8_gemm(run, v, s, w.to(torch.bfloat16), ws, out)
+            got = out.cpu().view(torch.int32 if dt == torch.float32 else torch.int16)
+            assert torch.equal(got, want if dt == torch.float32 else want_bf16), (workspace, tma)
     assert not T._gemm_plan(m, n, k // 32, sms, splits, values=True, precise_dot=False).prescaled
     decode = T._gemm_plan(64, n, k // 32, sms, splits, values=True)  # the decode kernel's
     assert decode.swap and decode.prescaled  # VALUES: x's values, the weight's e4m3 codes
@@ -612,7 +618,9 @@ ROPE_CASES = {  # id: (M, N, head_dim D, R/2, num_splits): where the RoPE is app
     "m2-tiles-without-tail": (2, 512, 512, 16, 1),  # V4.1's head: 3 of 4 tiles hold no tail
     "m17-64-row-tiles": (17, 256, 128, 32, None),  # bf16 values; split sum by its own kernel
     "m40-unsplit": (40, 256, 64, 1, 1),  # one pair a head, 64-row tiles written directly
-    "m70-square": (70, 192, 64, 8, None),  # square tiles (fp32 out, cast): rope_heads after
+    "m70-square": (70, 192, 64, 8, None),  # square tiles, split-K programs: rope_heads after
+    "m70-square-unsplit": (70, 192, 64, 8, 1),  # the square tiles' epilogue turns the tails
+    "m520-square-values": (520, 256, 128, 32, 1),  # PRESCALED square tiles (TMA), rope stored
 }
 
 
@@ -649,7 +657,9 @@ def test_fp8_linear_rope_equals_rope_after(case, monkeypatch):
     monkeypatch.undo()
     assert torch.equal(got.cpu().view(torch.int16), want.cpu().view(torch.int16))
     plan = T._linear_plan(m, wd, splits, True, xd.device)
-    assert plan.writes_out == (case != "m70-square" and case != "m17-64-row-tiles"), plan
+    assert plan.writes_out == (case not in ("m70-square", "m17-64-row-tiles")), plan
+    assert plan.swap == (m <= T.SPLIT_MAX_M)
+    assert plan.swap or plan.prescaled == (m >= T.PRESCALE_MIN_M)
     y1, y2 = T.fp8_linear_pair(xd, wd, wsd, w2.to(DEV), s2.to(DEV), rope=(rotd, d))
     assert torch.equal(y1.cpu().view(torch.int16), fp8_linear(xd, wd, wsd, rope=(rotd, d))
                        .cpu().view(torch.int16))

@@ -123,10 +123,13 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, nw_ptr, K, KB, inv_max, eps, QB: tl.c
 
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS, RANGES,
-                     GRANULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     KSUB: tl.constexpr, DOT_F16: tl.constexpr, ALL_RANGES: tl.constexpr,
-                     PRESCALED: tl.constexpr, INTERPRET: tl.constexpr):
+def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, a_desc, b_desc, cs_ptr, M, N, K, KB,
+                     CHUNKS, RANGES, GRANULE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, KSUB: tl.constexpr, DOT_F16: tl.constexpr,
+                     ALL_RANGES: tl.constexpr, PRESCALED: tl.constexpr,
+                     INTERPRET: tl.constexpr, TMA: tl.constexpr = False,
+                     OUT_BF16: tl.constexpr = False, ROPE_D: tl.constexpr = 0,
+                     ROPE_R2: tl.constexpr = 0):
     """a: [M, K] e4m3; sa: [M, KB] fp32; b: [N, K] e4m3; sb: [cdiv(N, 32), KB] uint8 (e8m0
     bytes); c: [S, M, N] fp32 (S = 1: the output). All contiguous.
     PRESCALED: a holds the activations' values (codes times their power-of-two row scales,
@@ -146,7 +149,15 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS, R
     partials for _split_sum_kernel, which adds them in the same order; S = RANGES = 1: all of K
     in order). INTERPRET (CPU only) sums each 32-block in fp64, exactly, then rounds once, as
     the reference.
+    TMA (PRESCALED): the [BLOCK_M, 32] and [BLOCK_N, 32] bf16 tiles come through the tensor
+    descriptors a_desc and b_desc (rows past M or N read as 0; a_ptr and b_ptr unused), bulk
+    copies the loop's software pipeline issues num_stages - 1 iterations ahead, with no
+    per-element addresses. OUT_BF16 (S = 1): c is the [M, N] bf16 output, the fp32 result
+    rounded once (RNE, torch's cast), and ROPE_D > 0 then stores each head's RoPE'd tail as
+    _fp8_decode_kernel does (_store_rope_out; cs_ptr [M, ROPE_R2, 2] fp32, else unused).
     """
+    tl.static_assert(ROPE_D == 0 or (OUT_BF16 and BLOCK_N % 2 == 0 and ROPE_D % 2 == 0))
+    tl.static_assert(PRESCALED or not TMA)
     tiles_m = tl.cdiv(M, BLOCK_M)
     width = GEMM_GROUP * tl.cdiv(N, BLOCK_N)  # programs per group of GEMM_GROUP row tiles
     pid = tl.program_id(0)
@@ -178,8 +189,12 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS, R
     acc = tl.full([BLOCK_M, BLOCK_N], -0.0, tl.float32)  # -0 + p == p for every p, as copy_
     for kb0 in range(kb_lo, kb_hi, KSUB):  # consecutive 32-blocks, in K order
         for j in tl.static_range(KSUB):  # KSUB loads per row in flight: KSUB * 32 bytes of K
-            a = tl.load(a_ptrs + j * 32, mask=m_mask[:, None], other=0.0)
-            b = tl.load(b_ptrs + j * 32, mask=n_mask[None, :], other=0.0)
+            if TMA:
+                a = a_desc.load([pid_m * BLOCK_M, (kb0 + j) * 32])
+                b = tl.trans(b_desc.load([pid_n * BLOCK_N, (kb0 + j) * 32]))
+            else:
+                a = tl.load(a_ptrs + j * 32, mask=m_mask[:, None], other=0.0)
+                b = tl.load(b_ptrs + j * 32, mask=n_mask[None, :], other=0.0)
             if INTERPRET:
                 a64 = a.to(tl.float32).to(tl.float64)  # its fp8 -> fp64 cast breaks on zeros
                 b64 = b.to(tl.float32).to(tl.float64)
@@ -205,8 +220,13 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, KB, CHUNKS, R
                 r_end = (r + 1) * CHUNKS // RANGES * GRANULE
     if ALL_RANGES:
         acc = total
-    c_ptrs = c_ptr + split.to(tl.int64) * M * N + offs_m64[:, None] * N + offs_n64[None, :]
-    tl.store(c_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+    if _has_tail(pid_n * BLOCK_N, BLOCK_N, ROPE_D, ROPE_R2):  # the store of _fp8_decode_kernel
+        mn = offs_m64[None, :] * N + offs_n64[:, None]  # [BLOCK_N, BLOCK_M]
+        _store_rope_out(c_ptr + mn, tl.trans(acc), n_mask[:, None] & m_mask[None, :],
+                        pid_n * BLOCK_N, offs_m, m_mask, cs_ptr, ROPE_D, ROPE_R2, INTERPRET)
+    else:
+        c_ptrs = c_ptr + split.to(tl.int64) * M * N + offs_m64[:, None] * N + offs_n64[None, :]
+        _store_out(c_ptrs, acc, m_mask[:, None] & n_mask[None, :], OUT_BF16, INTERPRET)
 
 
 @triton.jit
@@ -585,8 +605,9 @@ class _GemmPlan:
     workspace: bool  # the ranges run as separate programs into fp32 partials (split-K)
     swap: bool = False  # _fp8_decode_kernel (weight rows on the MMA's 64-row side)
     prescaled: bool = False  # _fp8_gemm_kernel's PRESCALED: bf16 values of x and the weight
-    tma: bool = False  # _fp8_decode_kernel's TMA: the 16-row tiles read the weight by
-    # descriptor (only for a weight _tma_weight accepts: the plan's maker checks it)
+    tma: bool = False  # TMA loads: _fp8_decode_kernel's 16-row and wide tiles read the weight
+    # by descriptor, _fp8_gemm_kernel's PRESCALED tiles both bf16 operands (only for a weight
+    # _tma_weight accepts: the plan's maker checks it)
 
     @property
     def splits(self) -> int:
@@ -599,10 +620,11 @@ class _GemmPlan:
 
     @property
     def writes_out(self) -> bool:
-        """Whether the decode kernel writes the output itself: K unsplit (or its ranges summed
-        in one program), or split with the sum in its last program (16-row and TMA tiles);
-        else _split_sum_kernel does (and the square tiles' output is fp32, cast after)."""
-        return self.swap and (self.splits == 1 or self.block_m <= 16 or self.tma)
+        """Whether the GEMM kernel writes the output itself (bf16 or fp32; RoPE'd where
+        asked): K unsplit (or its ranges summed in one program), or, in the decode kernel,
+        split with the sum in its last program (16-row and TMA tiles); else _split_sum_kernel
+        does (bf16 or fp32, no RoPE)."""
+        return self.splits == 1 or (self.swap and (self.block_m <= 16 or self.tma))
 
 
 # (largest M, BLOCK_M, BLOCK_N, warps, stages, most 32-blocks per K iteration), by M, for
@@ -617,8 +639,16 @@ _FP8_TILES = ((None, 128, 128, 8, 4, 1),)
 # so one's block sums overlap another's MMAs): H200, fp8_linear at M = 4096, wq_a / wq_b / wo_b
 # 335 / 1841 / 1532 us at 128 x 128 -> 314 / 1473 / 1417 (64 x 128: 303 / 1615 / 1370; 2
 # blocks per K iteration, 64 x 256: slower); 4 stages and the groups: wq_b 1782 -> 1574 us,
-# wo_b 1703 -> 1312 (128 x 128).
-_FP8_VALUE_TILES = ((None, 128, 64, 4, 4, 1),)
+# wo_b 1703 -> 1312 (128 x 128). Both operands through TMA (SQUARE_TMA), 2 blocks per K
+# iteration, 3 stages (H100, M = 8192, the GEMM alone, wq_a / wq_b / wkv / index wq_b / wo_b:
+# 398 / 2128 / 179 / 328 / 2289 us -> 335 / 1976 / 142 / 279 / 1984; the same bits; of 48
+# tables timed (128 x 128 and 256 x 64 on 8 warps, 64 x 128, 3 or 4 stages, 1 or 2 blocks,
+# with and without TMA, the weight's e4m3 codes widened in registers instead of its bf16 copy)
+# the fastest in all; the widened codes were 1.3-1.8x slower). 320-350 TFLOP/s, where cuBLAS's
+# bf16 GEMM of the same values, its fp32 sum chained through K (not the reference's rounding
+# points), runs 720-850: the per-32-block rounding costs ~2.4x at these shapes.
+_FP8_VALUE_TILES = ((None, 128, 64, 4, 3, 2),)
+SQUARE_TMA = True  # PRESCALED square tiles read x's and the weight's bf16 values through TMA
 # Decode (M <= SPLIT_MAX_M): _fp8_decode_kernel, whose 64-row MMA side is BLOCK_N weight rows
 # and whose narrow side is BLOCK_M (>= 16) token rows: the same wgmma, the same bits (checked on
 # an H200 against _fp8_gemm_kernel at M = 1, 2, 7, 8, 64 on the V4.1 shapes, f16 and e4m3
@@ -704,8 +734,8 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
     elif swap:
         tma = bool(tma and narrow)
         table = _FP8_DECODE_TMA_TILES if tma else _FP8_DECODE_TILES
-    else:
-        tma = False
+    else:  # the square tiles: TMA for the bf16 values (PRESCALED) only
+        tma = bool(tma and prescaled and SQUARE_TMA)
         table = _FP8_VALUE_TILES if prescaled else _FP8_TILES
     bm, bn, warps, stages, ksub_max = _tile_row(table, m)
     ksub = next(d for d in (8, 4, 2, 1) if d <= ksub_max and order.granule % d == 0)
@@ -990,18 +1020,26 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
                 partials, out, m * n, SPLITS=s, BLOCK=SPLIT_SUM_BLOCK,
                 OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interpreting(), num_warps=2)
         return out
-    assert out.dtype == torch.float32
+    assert out.dtype == torch.float32 or out.dtype == torch.bfloat16
+    assert not rope_d or (s == 1 and out.dtype == torch.bfloat16)
     assert (x_codes.dtype == torch.bfloat16) == plan.prescaled == (weight.dtype == torch.bfloat16)
     grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n), s)
-    _fp8_gemm_kernel[grid](*args, partials, m, n, k, kb, order.chunks, order.ranges,
-                           GRANULE=order.granule, BLOCK_M=plan.block_m,
-                           BLOCK_N=plan.block_n, KSUB=plan.ksub, DOT_F16=plan.dot_f16,
-                           ALL_RANGES=all_ranges, PRESCALED=plan.prescaled,
-                           INTERPRET=interpreting(), num_warps=plan.num_warps,
+    # TMA: descriptors of the bf16 values (else the pointers again: the arguments are not read)
+    descs = (TensorDescriptor.from_tensor(args[0], [plan.block_m, FP8_BLOCK]),
+             TensorDescriptor.from_tensor(args[2], [plan.block_n, FP8_BLOCK])) \
+        if plan.tma else (args[0], args[2])
+    _fp8_gemm_kernel[grid](*args, partials, *descs, cs if rope_d else args[1], m, n, k, kb,
+                           order.chunks, order.ranges, GRANULE=order.granule,
+                           BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, KSUB=plan.ksub,
+                           DOT_F16=plan.dot_f16, ALL_RANGES=all_ranges,
+                           PRESCALED=plan.prescaled, INTERPRET=interpreting(), TMA=plan.tma,
+                           OUT_BF16=s == 1 and out.dtype == torch.bfloat16, ROPE_D=rope_d,
+                           ROPE_R2=cs.shape[1] if rope_d else 0, num_warps=plan.num_warps,
                            num_stages=plan.num_stages)
     if s > 1:
         _split_sum_kernel[(triton.cdiv(m * n, SPLIT_SUM_BLOCK),)](
-            partials, out, m * n, SPLITS=s, BLOCK=SPLIT_SUM_BLOCK, num_warps=2)
+            partials, out, m * n, SPLITS=s, BLOCK=SPLIT_SUM_BLOCK,
+            OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interpreting(), num_warps=2)
     return out
 
 
@@ -1049,17 +1087,17 @@ def _act_operands(x2: torch.Tensor, plans, norm=None) -> dict:
 
 def _linear_from_quant(x_q, s, plan, weight, weight_scale, num_splits, precise_dot, out_dtype,
                        rope=None):
-    """``plan`` on act_quant's output (its ``_x_form``), [M, N] in out_dtype: where the decode
-    kernel runs it writes bf16 (or fp32) itself, the one rounding torch's cast would do;
-    elsewhere the GEMM's fp32 result is cast. rope: (rot, head_dim, R/2), checked: the
-    decode kernel turns the heads' tails as it stores them where it writes the output
-    itself, else rope_heads turns them in place after (the same bits)."""
+    """``plan`` on act_quant's output (its ``_x_form``), [M, N] in out_dtype (bf16 or fp32;
+    another dtype is cast from fp32): the GEMM (or its split-K sum) rounds its fp32 result
+    once, as torch's cast would. rope: (rot, head_dim, R/2), checked: the kernel turns the
+    heads' tails as it stores them where it writes the output itself (``writes_out``), else
+    rope_heads turns them in place after (the same bits)."""
     m, n, kb = _check_gemm(x_q, s, weight, weight_scale, num_splits, precise_dot,
                            values=plan.prescaled)
     if m * n == 0 or kb == 0:
         y = torch.zeros(m, n, dtype=out_dtype, device=x_q.device)
     else:
-        direct = plan.swap and out_dtype in (torch.bfloat16, torch.float32)
+        direct = out_dtype in (torch.bfloat16, torch.float32)
         out = torch.empty(m, n, dtype=out_dtype if direct else torch.float32,
                           device=x_q.device)
         if rope is not None and plan.writes_out:
