@@ -30,7 +30,9 @@ smaller one whose square tiles would idle most SMs unsplit, run its wide TMA til
 (_FP8_WIDE_TILES, _wide_swap). Larger M runs _fp8_gemm_kernel's MMA tiles, from
 PRESCALE_MIN_M rows (fp8_linear) on bf16 values: x's codes times their power-of-two scales and
 the weight's codes, so each block's dot comes out already scaled by the row scale, exactly,
-and no fp8 tile is widened in registers. Tile sizes and
+and no fp8 tile is widened in registers; both read through TMA descriptors, and the tiles
+write the bf16 output (with the query's RoPE) themselves wherever K's ranges are summed in
+one program. Tile sizes and
 operand roles change with M; the K walk, the mma instruction (wgmma: every tile has >= 64 rows
 on its weight or token side) and every rounding do not (bit-identical on an H200 at every M
 tried). One range keeps the reference's order (num_splits=1).
