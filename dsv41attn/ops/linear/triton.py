@@ -982,8 +982,8 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
     """Launch ``plan`` on checked operands (fp8_gemm's; x_codes e4m3 or fp16 values; for a
     ``prescaled`` plan x's bf16 values, and in the square tiles the weight's too, made here
     from its e4m3 codes when given those: one pass over the weight, ~1% of the GEMM at those
-    M), into ``out`` ([M, N] fp32, or bf16 for the decode kernel: its fp32 result rounded
-    once). rope_d > 0 (a plan that ``writes_out`` bf16): the kernel stores the output with
+    M), into ``out`` ([M, N] fp32, or bf16: the fp32 result rounded once, by the kernel or
+    the split-K sum). rope_d > 0 (a plan that ``writes_out`` bf16): the kernel stores the output with
     the RoPE of cs [M, R/2, 2] fp32 on each head of rope_d columns."""
     m, k = x_codes.shape
     n, kb = weight.shape[0], k // FP8_BLOCK
