@@ -578,7 +578,7 @@ INDEXER_CASES = [("top-k", 1, 2048), ("candidate source", 1, 4096),  # short con
 
 
 GEMM_WEIGHTS = ("wq_a", "wkv", "wq_b", "indexer.wq_b", "wo_b")  # the layer's fp8_linear calls
-GEMM_ROWS = (1, 8, 64, 256, 4096)
+GEMM_ROWS = (1, 8, 64, 256, 4096, 8192)  # 8192: an 8K prefill's projections
 
 
 def bench_gemm(copy_bw: float, rows=GEMM_ROWS, names=GEMM_WEIGHTS, layer: int = 2,
