@@ -646,7 +646,7 @@ _FP8_TILES = ((None, 128, 128, 8, 4, 1),)
 # 398 / 2128 / 179 / 328 / 2289 us -> 335 / 1976 / 142 / 279 / 1984; the same bits; of 48
 # tables timed (128 x 128 and 256 x 64 on 8 warps, 64 x 128, 3 or 4 stages, 1 or 2 blocks,
 # with and without TMA, the weight's e4m3 codes widened in registers instead of its bf16 copy)
-# the fastest in all; the widened codes were 1.3-1.8x slower). 320-350 TFLOP/s, where cuBLAS's
+# the fastest in all; the widened codes were 1.3-1.8x slower). 300-350 TFLOP/s, where cuBLAS's
 # bf16 GEMM of the same values, its fp32 sum chained through K (not the reference's rounding
 # points), runs 720-850: the per-32-block rounding costs ~2.4x at these shapes.
 _FP8_VALUE_TILES = ((None, 128, 64, 4, 3, 2),)
