@@ -132,11 +132,8 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, a_desc, b_desc, cs_ptr
                      INTERPRET: tl.constexpr, TMA: tl.constexpr = False,
                      OUT_BF16: tl.constexpr = False, ROPE_D: tl.constexpr = 0,
                      ROPE_R2: tl.constexpr = 0):
-    """a: [M, K] e4m3; sa: [M, KB] fp32; b: [N, K] e4m3; sb: [cdiv(N, 32), KB] fp32, the e8m0
-    scales' values (2^(e-127), torch's cast: decoding the bytes per element in the K loop
-    compiled to ~420 of its 816 instructions a thread per iteration of the 128 x 64
-    PRESCALED tiles, sm_90a); c: [S, M, N] fp32 (S = 1: the output).
-    All contiguous.
+    """a: [M, K] e4m3; sa: [M, KB] fp32; b: [N, K] e4m3; sb: [cdiv(N, 32), KB] uint8 (e8m0
+    bytes); c: [S, M, N] fp32 (S = 1: the output). All contiguous.
     PRESCALED: a holds the activations' values (codes times their power-of-two row scales,
     act_quant(dequant=True)) and b the weight's values, both bf16 (exact), and sa is not read:
     each 32-block's bf16 dot is then the e4m3 dot times the row scale, exactly (the same
@@ -208,7 +205,8 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, a_desc, b_desc, cs_ptr
                 part = tl.dot(a.to(tl.float16), b.to(tl.float16), out_dtype=tl.float32)
             else:  # e4m3 codes, or PRESCALED's bf16 values
                 part = tl.dot(a, b, out_dtype=tl.float32)
-            sb = tl.load(sb_ptrs + kb0 + j, mask=n_mask, other=1.0)  # made once per call
+            e = tl.load(sb_ptrs + kb0 + j, mask=n_mask, other=127).to(tl.int32)
+            sb = e8m0_to_fp32(e)  # 2^(e-127); 0 -> 2^-127, 255 -> NaN
             if PRESCALED:  # part is already the block dot times the row scale
                 acc += part * sb[None, :]
             else:
@@ -365,7 +363,7 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
     the row scale, times the column-block scale, added into the range's accumulator from -0 in
     K order, the ranges added in order). a: [M, K] e4m3 codes, or their fp16 values (exact;
     then no per-block widening and shared-memory round trip of the token rows); the other
-    operands as _fp8_gemm_kernel's, but sb the e8m0 bytes (uint8, decoded per block); out: [M, N] fp32, or bf16 (OUT_BF16). Grid (cdiv(N,
+    operands as _fp8_gemm_kernel's; out: [M, N] fp32, or bf16 (OUT_BF16). Grid (cdiv(N,
     BLOCK_N), S, cdiv(M, BLOCK_M)): program (n, z, m) sums range z (S = SPLITS = RANGES), or
     every range in turn (ALL_RANGES, S = 1). PARTIALS: each program writes its range's fp32
     partial into c [S, M, N] for _split_sum_kernel; SPLITS (= S > 1) also, then bumps the
@@ -1032,9 +1030,7 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
     descs = (TensorDescriptor.from_tensor(args[0], [plan.block_m, FP8_BLOCK]),
              TensorDescriptor.from_tensor(args[2], [plan.block_n, FP8_BLOCK])) \
         if plan.tma else (args[0], args[2])
-    sb = weight_scale.float().contiguous()  # [cdiv(N, 32), KB] fp32 (torch's cast)
-    _fp8_gemm_kernel[grid](args[0], args[1], args[2], sb, partials, *descs,
-                           cs if rope_d else args[1], m, n, k, kb,
+    _fp8_gemm_kernel[grid](*args, partials, *descs, cs if rope_d else args[1], m, n, k, kb,
                            order.chunks, order.ranges, GRANULE=order.granule,
                            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, KSUB=plan.ksub,
                            DOT_F16=plan.dot_f16, ALL_RANGES=all_ranges,
