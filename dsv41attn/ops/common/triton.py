@@ -24,7 +24,7 @@ import triton.language as tl
 from .quant import FP8_BLOCK, FP8_MAX
 
 __all__ = ["DEFAULT_SM_COUNT", "FP8_BLOCK", "INV_FP8_MAX", "check_device", "check_rot",
-           "cos_sin", "e4m3_code", "e4m3_of_e2m1", "e4m3_to_fp32", "e8m0_to_fp32",
+           "any_nan", "cos_sin", "e4m3_code", "e4m3_of_e2m1", "e4m3_to_fp32", "e8m0_to_fp32",
            "interpreting",
            "pow2_ceil_exponent", "require", "rms_norm", "rms_scale", "rope_heads", "rope_rotate",
            "round_bf16", "sm_count", "to_bf16", "ue8m0_exponent"]
@@ -148,10 +148,29 @@ def e4m3_code(v):
     return tl.where(a >= 0.015625, code_n, code_s) | sign
 
 
+INTERPRETER = tl.constexpr(interpreting())  # for jit bodies: the interpreter runs them
+
+
+@triton.jit
+def any_nan(x, axis: tl.constexpr, INF: tl.constexpr = False):
+    """Whether x holds a NaN (INF: or an infinity) along ``axis``, tested element by element
+    (the GPU's max drops a NaN, the interpreter's keeps it): a quantiser's block that must
+    decode as the reference's does."""
+    bad = x != x
+    if INF:
+        bad = bad | (tl.abs(x) == float("inf"))
+    return tl.max(bad.to(tl.int32), axis) > 0
+
+
 @triton.jit
 def e4m3_to_fp32(codes):
-    """e4m3 bytes (uint8) -> their fp32 values, exactly (the hardware conversion on the GPU)."""
-    return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    """e4m3 bytes (uint8) -> their fp32 values, exactly (the hardware conversion on the GPU),
+    NaN codes (0x7F, 0xFF) to NaN: the interpreter's widening makes them 480, so there they
+    are set apart (no instruction on the GPU)."""
+    v = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if INTERPRETER:
+        v = tl.where((codes & 0x7F) == 0x7F, float("nan"), v)
+    return v
 
 
 @triton.jit

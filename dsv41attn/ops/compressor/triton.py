@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.triton import (check_device, cos_sin, e4m3_code, e4m3_to_fp32, interpreting,
-                             pow2_ceil_exponent, require, rms_scale, rope_rotate, round_bf16,
-                             to_bf16)
+from ..common.triton import (any_nan, check_device, cos_sin, e4m3_code, e4m3_to_fp32,
+                             interpreting, pow2_ceil_exponent, require, rms_scale, rope_rotate,
+                             round_bf16, to_bf16)
 from ..linear.triton import _dense_sum_kernel, dense_linear
 from . import reference
 
@@ -80,6 +80,11 @@ def _latent_fp4(xe, xo, BLOCK_G: tl.constexpr, NB: tl.constexpr):
     code, s = _e4m3_scale(tl.div_rn(amax, tl.full((BLOCK_G, NB), 6.0, tl.float32)))
     s = tl.broadcast_to(s[:, :, None], (BLOCK_G, NB, 8))
     nib = _e2m1_nibble(tl.div_rn(ve, s)) | (_e2m1_nibble(tl.div_rn(vo, s)) << 4)
+    # a group holding a NaN: the reference's bytes, the NaN scale 0x7F over +6 nibbles (its
+    # NaN amax, scale and quotients), so the row decodes to NaN (an infinity saturates there)
+    nan = any_nan(ve, 2) | any_nan(vo, 2)
+    nib = tl.where(nan[:, :, None], 0x77, nib)
+    code = tl.where(nan, 0x7F, code)
     return tl.reshape(nib, (BLOCK_G, NB * 8)), code
 
 
@@ -97,6 +102,11 @@ def _index_fp4(xe, xo, inv_fp4_max, BLOCK_G: tl.constexpr, NB: tl.constexpr):
     e = pow2_ceil_exponent(amax * inv_fp4_max)  # the ue8m0 byte of 2^ceil(log2)
     s = tl.broadcast_to((e << 23).to(tl.float32, bitcast=True)[:, :, None], (BLOCK_G, NB, 16))
     nib = _e2m1_nibble(tl.div_rn(ve, s)) | (_e2m1_nibble(tl.div_rn(vo, s)) << 4)
+    # a block holding a NaN decodes to zeros, as the reference's (its NaN amax makes the
+    # scale -0, whose byte is 0)
+    nan = any_nan(ve, 2) | any_nan(vo, 2)
+    nib = tl.where(nan[:, :, None], 0, nib)
+    e = tl.where(nan, 0, e)
     return tl.reshape(nib, (BLOCK_G, NB * 16)), e
 
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.triton import (check_device, check_rot, cos_sin, interpreting,
+from ..common.triton import (any_nan, check_device, check_rot, cos_sin, interpreting,
                              pow2_ceil_exponent, require, rope_rotate)
 
 BLOCK_H = 4  # heads per program
@@ -49,6 +49,10 @@ def _fake_quant(xe, xo, inv_fp4_max, BLOCK_H: tl.constexpr, NB: tl.constexpr):
     s = tl.broadcast_to((e << 23).to(tl.float32, bitcast=True)[:, :, None], (BLOCK_H, NB, 16))
     qe = _e2m1_round(tl.div_rn(ve, s)) * s
     qo = _e2m1_round(tl.div_rn(vo, s)) * s
+    # a block holding a NaN gives zeros, as the reference's (its NaN amax makes the scale -0)
+    nan = (any_nan(ve, 2) | any_nan(vo, 2))[:, :, None]
+    qe = tl.where(nan, 0.0, qe)
+    qo = tl.where(nan, 0.0, qo)
     return tl.reshape(qe, (BLOCK_H, NB * 16)), tl.reshape(qo, (BLOCK_H, NB * 16))
 
 

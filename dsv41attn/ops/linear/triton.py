@@ -58,10 +58,10 @@ except ImportError:  # pragma: no cover - older Triton: plain loads
     TensorDescriptor = None
 
 from .reference import check_rope
-from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, check_device, cos_sin, e4m3_code,
-                             e8m0_to_fp32, interpreting, require, rms_norm_warps, rms_row_scale,
-                             rope_heads, rope_rotate, round_bf16, sm_count, to_bf16,
-                             ue8m0_exponent)
+from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, any_nan, check_device, cos_sin,
+                             e4m3_code, e8m0_to_fp32, interpreting, require, rms_norm_warps,
+                             rms_row_scale, rope_heads, rope_rotate, round_bf16, sm_count,
+                             to_bf16, ue8m0_exponent)
 
 QUANT_BLOCKS = 16  # act_quant: scale blocks per program (512 elements of a row)
 SPLIT_MAX_M = 64  # decode-sized M: narrow tiles, long K steps (weight-bandwidth bound)
@@ -114,6 +114,9 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, nw_ptr, K, KB, inv_max, eps, QB: tl.c
     s = (e << 23).to(tl.float32, bitcast=True)
     inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s, exact and normal
     code = e4m3_code(x * inv_s[:, None])  # x * (1/s) == x / s exactly
+    # a block holding a NaN or an infinity gets a NaN scale (and NaN values), so that every
+    # output it feeds is NaN, as the reference's (its codes hold the NaN), never finite
+    s = tl.where(any_nan(x, 1, INF=True), float("nan"), s)
     if F16:
         tl.store(q_ptr + offs, _e4m3_value(code).to(tl.float16), mask=b_mask[:, None])
     elif DEQUANT:  # 4 significant bits times a power of two >= 2^-23: exact in bf16
@@ -783,7 +786,9 @@ def act_quant(x: torch.Tensor, *, f16: bool = False, dequant: bool = False,
     """fp8 activation quantisation (docs/numerics.md §2), bit-exact with common.quant.act_quant.
 
     x: [M, K] bf16, K a multiple of 32. Returns (codes [M, K] float8_e4m3fn, scales [M, K/32]
-    fp32 powers of two) with x ~= codes * scales per block of 32. Finite inputs only. f16: the
+    fp32 powers of two) with x ~= codes * scales per block of 32. A block holding a NaN or an
+    infinity gets a NaN scale (dequant: NaN values), so the linears it feeds give NaN rows, as
+    the reference's do (its e4m3 codes carry the NaN; the scales differ). f16: the
     codes' values as fp16 instead (exact: what the decode GEMM's wgmma reads, so it skips the
     widening; fp8_gemm takes either). dequant: the codes' values times their scales, as bf16
     (exact: x fake-quantised; what fp8_linear's large-M GEMM reads). norm: (weight [K] bf16,

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, check_device, check_rot, cos_sin,
-                             e4m3_code, interpreting, require, rms_scale, rope_heads,
+from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, any_nan, check_device, check_rot,
+                             cos_sin, e4m3_code, interpreting, require, rms_scale, rope_heads,
                              rope_rotate, round_bf16, ue8m0_exponent)
 
 __all__ = ["norm_rope_pack", "rope_heads"]  # rope_heads lives in common.triton (output uses it)
@@ -70,6 +70,13 @@ def _norm_rope_pack_kernel(kv_ptr, w_ptr, cs_ptr, out_ptr, ring_ptr, ring_row_pt
     code_even = e4m3_code(y_even * inv_s).to(tl.uint8)
     code_odd = e4m3_code(y_odd * inv_s).to(tl.uint8)
     scale_byte = e.to(tl.uint8)  # the ue8m0 byte is the biased exponent
+    # a block holding a NaN or an infinity: zero codes under scale byte 255 (2^128 = inf), so
+    # every element decodes to 0 * inf = NaN and every logit that reads the row is NaN, as
+    # with the reference's bytes (whose NaN scale or codes decode to NaN); never finite
+    bad = any_nan(y_even, 1, INF=True) | any_nan(y_odd, 1, INF=True)
+    code_even = tl.where(bad[:, None], 0, code_even).to(tl.uint8)
+    code_odd = tl.where(bad[:, None], 0, code_odd).to(tl.uint8)
+    scale_byte = tl.where(bad, 255, e).to(tl.uint8)
 
     out_row = out_ptr + n * (D + KB)
     tl.store(out_row + 2 * pair, code_even, mask=mask)
