@@ -28,8 +28,13 @@ demo: $(PACKAGE_STAMP)
 env: $(PACKAGE_STAMP)
 	$(PY) -m dsv41attn env
 
+# test: the suite (kernels under Triton's interpreter where no GPU is present, each distinct
+# launch recorded), then every recorded kernel specialisation compiled for sm_90a (no GPU).
+LAUNCHES := .pytest_cache/sm90-launches.jsonl
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q
+	rm -f $(LAUNCHES) && mkdir -p .pytest_cache
+	DSV41ATTN_LAUNCH_RECORD=$(CURDIR)/$(LAUNCHES) $(PY) -m pytest -q
+	$(PY) tests/sm90_compile.py $(LAUNCHES)
 
 test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not slow"

@@ -296,6 +296,15 @@ def _interpreter_same_shape_and_type_answer_at_once() -> None:
 _interpreter_same_shape_and_type_answer_at_once()
 
 
+def pytest_configure(config):
+    """DSV41ATTN_LAUNCH_RECORD=FILE (make test sets it): every distinct interpreted kernel
+    launch goes to FILE, which tests/sm90_compile.py then compiles for sm_90a."""
+    path = os.environ.get("DSV41ATTN_LAUNCH_RECORD")
+    if path and os.environ.get("TRITON_INTERPRET") == "1":
+        from sm90_compile import record_launches
+        record_launches(path)
+
+
 def fixture_files() -> list[Path]:
     """Every golden fixture: $DSV41ATTN_FIXTURES, then ../shared/fixtures beside the checkout,
     then the copies committed in tests/fixtures (by file name, the first found wins)."""

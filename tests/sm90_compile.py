@@ -1,0 +1,248 @@
+"""Compile every Triton kernel specialisation the interpreter suite launches for an H100/H200
+(sm_90a), without a GPU.
+
+    make test                                   # the suite records its launches, then this
+    python tests/sm90_compile.py LAUNCHES [-j N] [--only NAME]
+
+Why: without a GPU the suite runs the kernels under Triton's CPU interpreter, which never
+lowers them to PTX. A kernel the GPU backend rejects (a type or layout it cannot lower, a
+constexpr branch only the GPU takes) or one asking for more shared memory than an sm_90 block
+may have passes every interpreter test and fails at its first launch on a GPU, which this
+project gets for minutes per session.
+
+How: ``pytest`` with ``DSV41ATTN_LAUNCH_RECORD=FILE`` (conftest loads ``record_launches``)
+writes one JSON line per distinct launch: the kernel's module and name, each argument as the
+JIT specialises it (a tensor's dtype, an integer's value, a host tensor descriptor's geometry),
+the constexprs and the launch options. This script then compiles each line through Triton's
+own JIT path (``warmup``: specialise and compile, no launch) with ``INTERPRET`` set to False,
+against a stand-in driver that reports an sm_90 target, down to a cubin by the ptxas in
+Triton's wheel. It prints, per kernel, the specialisations compiled, the most registers, the
+most stack (spilled bytes live there) and the most shared memory, and exits 1 on any compile
+error or a block over the 232448 B of shared memory an sm_90 block may use.
+
+Limits: the specialisations are the ones the interpreter tests pick (their tiles can be
+smaller than a GPU run's); pointers are taken as 16-byte aligned; the compiler is this
+machine's Triton, which can be newer than a GPU image's. Where this Triton's internals differ
+from what the stand-in driver needs, the check says so and is skipped (exit 0).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib
+import inspect
+import json
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SM90_SHARED_MAX = 232448  # bytes of shared memory one sm_90 block may use (227 KB)
+TESTS = Path(__file__).resolve().parent
+
+
+# ---- recording (a pytest plugin: conftest calls record_launches under the interpreter) ----
+
+def _describe(v):
+    """An argument as the JIT specialises it, in JSON."""
+    import torch
+    if isinstance(v, torch.Tensor):
+        return {"tensor": str(v.dtype).removeprefix("torch.")}
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).removeprefix("torch.")}
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    if isinstance(v, (tuple, list)):
+        return [_describe(x) for x in v]
+    if type(v).__name__ == "constexpr":
+        return _describe(v.value)
+    if type(v).__name__ == "TensorDescriptor":
+        return {"descriptor": str(v.base.dtype).removeprefix("torch."), "shape": list(v.shape),
+                "strides": list(v.strides), "block": list(v.block_shape),
+                "padding": getattr(v, "padding", "zero")}
+    raise TypeError(f"launch argument of type {type(v).__name__}: not recordable")
+
+
+def _spec_key(v):
+    """What of a described runtime argument is kept apart: an integer's width, not its value
+    (the JIT also specialises on 1 and on multiples of 16, which changes the code, hardly
+    whether it compiles: merged, which spares a third of the compiles), never a float's."""
+    if isinstance(v, bool) or v is None or isinstance(v, (str, dict)):
+        return v
+    if isinstance(v, int):
+        return "i32" if -2**31 <= v < 2**31 else "i64"
+    if isinstance(v, float):
+        return "f"
+    return [_spec_key(x) for x in v]
+
+
+def _constexpr(param) -> bool:
+    ann = param.annotation
+    return "constexpr" in (ann if isinstance(ann, str) else getattr(ann, "__name__", ""))
+
+
+def record_launches(path: str) -> None:
+    """Append each distinct interpreted launch of this process to ``path`` (JSON lines)."""
+    from triton.runtime import interpreter
+    seen: set[str] = set()
+    run = interpreter.InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        fn = self.fn
+        rec = {"module": fn.__module__, "name": fn.__qualname__,
+               "args": [_describe(a) for a in args],
+               "kwargs": {k: _describe(v) for k, v in kwargs.items()}}
+        params = list(inspect.signature(fn).parameters.values())
+        key = json.dumps([rec["module"], rec["name"],  # a constexpr or an option by its value
+                          [a if _constexpr(p) else _spec_key(a) for p, a in zip(params, rec["args"])],
+                          rec["kwargs"]], sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            with open(path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    interpreter.InterpretedFunction.run = recording_run
+
+
+# ---- compiling (worker processes, TRITON_INTERPRET=0, a stand-in sm_90 driver) ----
+
+def _stand_in_driver() -> None:
+    """Make Triton's JIT see an sm_90 device it can compile for but never launch on."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    class Utils:
+        def get_device_properties(self, device):
+            return {"max_shared_mem": SM90_SHARED_MAX, "multiprocessor_count": 132,
+                    "max_num_regs": 65536, "warpSize": 32}
+
+    class Sm90:
+        utils = Utils()
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def is_active(self):
+            return True
+
+    driver.set_active(Sm90())
+
+
+def _argument(v):
+    import torch
+    if isinstance(v, dict):
+        if "tensor" in v:  # JITFunction.warmup takes a dtype for a tensor
+            return getattr(torch, v["tensor"])
+        if "dtype" in v:
+            return getattr(torch, v["dtype"])
+        if "descriptor" in v:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+            base = torch.empty(16, dtype=getattr(torch, v["descriptor"]))
+            return TensorDescriptor(base, v["shape"], v["strides"], v["block"], v["padding"])
+    if isinstance(v, list):
+        return tuple(_argument(x) for x in v)
+    return v
+
+
+def _resources(cubin: bytes) -> tuple[int, int] | None:
+    """(registers, stack bytes) of a cubin's kernel, by the cuobjdump in Triton's wheel."""
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name],
+                             capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def _setup_worker() -> None:
+    import warnings
+    warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION")  # Triton 3.9's notice
+    os.environ["TRITON_INTERPRET"] = "0"
+    sys.path.insert(0, str(TESTS))  # probe kernels defined in test modules
+    _stand_in_driver()
+
+
+def _compile(rec: dict) -> dict:
+    """Compile one recorded launch; a dict of its resources or its error."""
+    out = {"name": rec["name"]}
+    try:
+        fn = getattr(importlib.import_module(rec["module"]), rec["name"])
+        args = [_argument(a) for a in rec["args"]]
+        kwargs = {k: _argument(v) for k, v in rec["kwargs"].items()}
+        if "INTERPRET" in kwargs:
+            kwargs["INTERPRET"] = False
+        elif "INTERPRET" in fn.arg_names[:len(args)]:
+            args[fn.arg_names.index("INTERPRET")] = False
+        kernel = fn.warmup(*args, grid=(1,), **kwargs)
+        out["shared"] = int(kernel.metadata.shared)
+        out["resources"] = _resources(kernel.asm["cubin"])
+    except Exception as e:  # noqa: BLE001 - every failure is reported by kernel
+        out["error"] = f"{type(e).__name__}: {e}"[:4000]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("launches", help="the JSON lines the suite recorded")
+    ap.add_argument("-j", type=int, default=os.cpu_count() or 1, help="compiling processes")
+    ap.add_argument("--only", help="kernels whose name contains this")
+    a = ap.parse_args(argv)
+    path = Path(a.launches)
+    if not path.exists() or path.stat().st_size == 0:
+        print(f"sm_90 compile check: no interpreted launches in {path} (where the suite runs on "
+              "a GPU its kernels compile there for real)")
+        return 0
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    recs = [r for r in recs if not a.only or a.only in r["name"]]
+    try:
+        _setup_worker()  # here too: a Triton this stand-in does not fit is told apart up front
+    except (ImportError, AttributeError, TypeError) as e:
+        print(f"sm_90 compile check skipped: this Triton's internals differ ({e})")
+        return 0
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max(1, a.j), mp_context=ctx,
+                                                initializer=_setup_worker) as pool:
+        results = list(pool.map(_compile, recs, chunksize=4))
+    table: dict[str, list[int]] = {}  # name -> [count, regs, stack, shared]
+    problems = []
+    for r in results:
+        if "error" in r:
+            problems.append(f"{r['name']}: {r['error']}")
+            continue
+        row = table.setdefault(r["name"], [0, 0, 0, 0])
+        regs, stack = r["resources"] or (0, 0)
+        row[0] += 1
+        row[1], row[2], row[3] = max(row[1], regs), max(row[2], stack), max(row[3], r["shared"])
+        if r["shared"] > SM90_SHARED_MAX:
+            problems.append(f"{r['name']}: {r['shared']} B of shared memory > {SM90_SHARED_MAX}")
+    print(f"{'kernel (sm_90a)':32s} {'launches':>8s} {'regs':>5s} {'stack B':>8s} {'smem B':>7s}")
+    for name in sorted(table):
+        n, regs, stack, shared = table[name]
+        print(f"{name:32s} {n:8d} {regs:5d} {stack:8d} {shared:7d}")
+    print(f"{len(results) - len(problems)} of {len(results)} recorded launches compiled for sm_90a")
+    for p in problems:
+        print("FAILED", p)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The sm_90a compile check (tests/sm90_compile.py) records launches under the interpreter and
+fails one that the interpreter runs but an H100/H200 cannot: a K loop of 128 x 128 fp16 tiles
+pipelined 5 deep asks for 320 KB of shared memory (2 stages: 128 KB, fine)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+
+
+@triton.jit
+def _matmul_kernel(a_ptr, b_ptr, o_ptr, K, B: tl.constexpr):
+    """o [B, B] = a [B, K] @ b [K, B] over K steps of B."""
+    i = tl.arange(0, B)
+    acc = tl.zeros((B, B), tl.float32)
+    for k in tl.range(0, K, B):
+        a = tl.load(a_ptr + i[:, None] * K + k + i[None, :])
+        b = tl.load(b_ptr + (k + i[:, None]) * B + i[None, :])
+        acc = tl.dot(a, b, acc)
+    tl.store(o_ptr + i[:, None] * B + i[None, :], acc)
+
+
+_LAUNCH = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import sm90_compile
+sm90_compile.record_launches({path!r})
+from test_sm90_compile import _matmul_kernel
+a = torch.randint(-2, 3, (128, 256)).half()  # small integers: every sum exact
+b = torch.randint(-2, 3, (256, 128)).half()
+for stages in {stages!r}:
+    o = torch.empty(128, 128)
+    _matmul_kernel[(1,)](a, b, o, 256, B=128, num_stages=stages, num_warps=8)
+    assert torch.equal(o, a.float() @ b.float())  # the interpreter runs every depth
+"""
+
+
+def _record(tmp_path: Path, stages) -> Path:
+    path = tmp_path / "launches.jsonl"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("DSV41ATTN_LAUNCH_RECORD", None)  # not into the suite's own record
+    subprocess.run([sys.executable, "-c", _LAUNCH.format(tests=str(TESTS), path=str(path),
+                                                         stages=list(stages))],
+                   env=env, check=True, timeout=300)
+    return path
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="records interpreted launches (on a GPU the kernels compile for real)")
+def test_the_check_passes_a_kernel_the_gpu_compiles_and_fails_one_it_rejects(tmp_path, capsys):
+    import sm90_compile
+    path = _record(tmp_path, (2, 5, 2))
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["kwargs"]["num_stages"] for r in recs] == [2, 5]  # one line per specialisation
+    assert recs[0]["args"] == [{"tensor": "float16"}, {"tensor": "float16"},
+                               {"tensor": "float32"}, 256]
+
+    assert sm90_compile.main([str(path), "-j", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "1 of 2 recorded launches compiled for sm_90a" in out
+    assert "FAILED _matmul_kernel: 327680 B of shared memory > 232448" in out
+
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps(recs[0]) + "\n")
+    assert sm90_compile.main([str(good), "-j", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "1 of 1 recorded launches compiled for sm_90a" in out
+    row = next(line.split() for line in out.splitlines() if line.startswith("_matmul_kernel"))
+    assert int(row[1]) == 1 and int(row[2]) > 0  # one launch; registers read from the cubin
+    assert 0 < int(row[4]) <= sm90_compile.SM90_SHARED_MAX
