@@ -145,8 +145,9 @@ def _stand_in_driver() -> None:
 def _argument(v):
     import torch
     if isinstance(v, dict):
-        if "tensor" in v:  # JITFunction.warmup takes a dtype for a tensor
-            return getattr(torch, v["tensor"])
+        if "tensor" in v:  # what JITFunction.warmup makes of a dtype (keywords too)
+            from triton.runtime.jit import MockTensor
+            return MockTensor(getattr(torch, v["tensor"]))
         if "dtype" in v:
             return getattr(torch, v["dtype"])
         if "descriptor" in v:
@@ -177,7 +178,8 @@ def _setup_worker() -> None:
     import warnings
     warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION")  # Triton 3.9's notice
     os.environ["TRITON_INTERPRET"] = "0"
-    sys.path.insert(0, str(TESTS))  # probe kernels defined in test modules
+    # this checkout's package (not another one installed), and probe kernels of test modules
+    sys.path[:0] = [str(TESTS.parent), str(TESTS)]
     _stand_in_driver()
 
 
