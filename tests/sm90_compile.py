@@ -3,6 +3,7 @@
 
     make test                                   # the suite records its launches, then this
     python tests/sm90_compile.py LAUNCHES [-j N] [--only NAME]
+    python tests/sm90_compile.py --layer v41-flash [--prefill 4096] [--batches 1,8,64,256]
 
 Why: without a GPU the suite runs the kernels under Triton's CPU interpreter, which never
 lowers them to PTX. A kernel the GPU backend rejects (a type or layout it cannot lower, a
@@ -19,6 +20,11 @@ against a stand-in driver that reports an sm_90 target, down to a cubin by the p
 Triton's wheel. It prints, per kernel, the specialisations compiled, the most registers, the
 most stack (spilled bytes live there) and the most shared memory, and exits 1 on any compile
 error or a block over the 232448 B of shared memory an sm_90 block may use.
+
+``--layer PRESET`` instead records, running no kernel (seconds at V4.1-Flash shapes), the
+launches of a triton-backend stack of one layer of each kind of the preset and its sources
+through a prefill and first decode steps, compiles them the same way and prints a row per
+launch: the registers, spills and shared memory of the tiles the GPU would run at those shapes.
 
 Limits: the specialisations are the ones the interpreter tests pick (their tiles can be
 smaller than a GPU run's); pointers are taken as 16-byte aligned; the compiler is this
@@ -84,8 +90,10 @@ def _constexpr(param) -> bool:
     return "constexpr" in (ann if isinstance(ann, str) else getattr(ann, "__name__", ""))
 
 
-def record_launches(path: str) -> None:
-    """Append each distinct interpreted launch of this process to ``path`` (JSON lines)."""
+def record_launches(path: str, execute: bool = True, tag: dict | None = None) -> None:
+    """Append each distinct interpreted launch of this process to ``path`` (JSON lines).
+    execute False: record only, run nothing (the outputs stay as allocated). tag: a dict whose
+    "tag" entry, when set, goes into each record (what the caller was doing)."""
     from triton.runtime import interpreter
     seen: set[str] = set()
     run = interpreter.InterpretedFunction.run
@@ -95,6 +103,8 @@ def record_launches(path: str) -> None:
         rec = {"module": fn.__module__, "name": fn.__qualname__,
                "args": [_describe(a) for a in args],
                "kwargs": {k: _describe(v) for k, v in kwargs.items()}}
+        if tag and tag.get("tag"):
+            rec["tag"] = tag["tag"]
         params = list(inspect.signature(fn).parameters.values())
         key = json.dumps([rec["module"], rec["name"],  # a constexpr or an option by its value
                           [a if _constexpr(p) else _spec_key(a) for p, a in zip(params, rec["args"])],
@@ -103,9 +113,51 @@ def record_launches(path: str) -> None:
             seen.add(key)
             with open(path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        if execute:
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     interpreter.InterpretedFunction.run = recording_run
+
+
+def _role_layers(cfg) -> list[int]:
+    """The first layer of each kind in the config (by ratio, whether it is its own KV source
+    and its own index source, whether it reads candidate blocks), with the layers it reads."""
+    first: dict[tuple, int] = {}
+    for i in range(cfg.n_layers):
+        spec = cfg.layer(i)
+        first.setdefault((spec.ratio, spec.kv_source == i, spec.index_source == i,
+                          spec.is_candidate_consumer), i)
+    layers = set()
+    for i in first.values():
+        spec = cfg.layer(i)
+        layers |= {i, spec.kv_source, spec.index_source,
+                   cfg.candidate_source_layer if spec.is_candidate_consumer else None}
+    return sorted(layers - {None})
+
+
+def record_layer_steps(preset_name: str, path: str, prefill: int, batches: list[int]) -> None:
+    """Record, running none, the kernel launches of a triton-backend stack of one layer of
+    each kind of the preset (and its sources) at the preset's shapes: a prefill of ``prefill``
+    tokens of one sequence, then a first decode step of each batch size. Under the interpreter
+    (the caller sets TRITON_INTERPRET=1 before triton is imported); nothing is computed, so it
+    takes seconds at V4.1-Flash shapes."""
+    import torch
+
+    from dsv41attn import AttentionStack, preset, random_layer_weights
+    tag: dict = {}
+    record_launches(path, execute=False, tag=tag)
+    cfg = preset(preset_name)
+    layers = _role_layers(cfg)
+    print(f"{preset_name}: layers {', '.join(map(str, layers))}", flush=True)
+    stack = AttentionStack(cfg, {L: random_layer_weights(cfg, L, seed=L) for L in layers},
+                           "triton")
+    steps = ([(f"prefill {prefill}", 1, prefill)] if prefill else []) + \
+        [(f"decode batch {b}", b, 1) for b in batches]
+    for name, b, m in steps:
+        tag["tag"] = name
+        state = stack.new_state(b, capacity=max(prefill, 1) + 1)
+        stack.forward({L: torch.zeros(b, m, cfg.dim, dtype=torch.bfloat16) for L in layers},
+                      state)
 
 
 # ---- compiling (worker processes, TRITON_INTERPRET=0, a stand-in sm_90 driver) ----
@@ -202,12 +254,55 @@ def _compile(rec: dict) -> dict:
     return out
 
 
+def _compile_all(recs: list[dict], jobs: int) -> list[dict]:
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max(1, jobs), mp_context=ctx,
+                                                initializer=_setup_worker) as pool:
+        return list(pool.map(_compile, recs, chunksize=4))
+
+
+def _layer_report(a) -> int:
+    """--layer: record (a subprocess under the interpreter), compile, a row per launch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "launches.jsonl"
+        code = (f"import sys; sys.path[:0] = {[str(TESTS.parent), str(TESTS)]!r}; "
+                f"import sm90_compile as s; s.record_layer_steps({a.layer!r}, {str(path)!r}, "
+                f"{a.prefill}, {[int(b) for b in a.batches.split(',') if b]!r})")
+        subprocess.run([sys.executable, "-c", code], check=True,
+                       env=dict(os.environ, TRITON_INTERPRET="1"))
+        recs = [json.loads(line) for line in path.read_text().splitlines()]
+    recs = [r for r in recs if not a.only or a.only in r["name"]]
+    results = _compile_all(recs, a.j)
+    print(f"{'step':18s} {'kernel (sm_90a)':28s} {'regs':>4s} {'stack':>5s} {'smem':>6s}  constexprs")
+    failed = 0
+    for rec, r in sorted(zip(recs, results), key=lambda p: (p[0]["name"], p[0].get("tag", ""))):
+        cx = " ".join(f"{k}={v}" for k, v in rec["kwargs"].items()
+                      if k != "INTERPRET" and (k.isupper() or k.startswith("num_")))
+        if "error" in r:
+            failed += 1
+            print(f"{rec.get('tag', ''):18s} {rec['name']:28s} FAILED {r['error'][:300]}")
+            continue
+        regs, stack = r["resources"] or (0, 0)
+        print(f"{rec.get('tag', ''):18s} {rec['name']:28s} {regs:4d} {stack:5d} {r['shared']:6d}  {cx}")
+    print(f"{len(recs) - failed} of {len(recs)} launches of a {a.layer} step compiled for sm_90a")
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("launches", help="the JSON lines the suite recorded")
+    ap.add_argument("launches", nargs="?", help="the JSON lines the suite recorded")
     ap.add_argument("-j", type=int, default=os.cpu_count() or 1, help="compiling processes")
     ap.add_argument("--only", help="kernels whose name contains this")
+    ap.add_argument("--layer", metavar="PRESET",
+                    help="instead: record a layer step of each kind at PRESET's shapes without "
+                         "running it (record_layer_steps), compile it, one row per launch")
+    ap.add_argument("--prefill", type=int, default=2048, help="--layer: prefill tokens")
+    ap.add_argument("--batches", default="1,64", help="--layer: decode batch sizes")
     a = ap.parse_args(argv)
+    if a.layer:
+        return _layer_report(a)
+    if not a.launches:
+        ap.error("give LAUNCHES or --layer PRESET")
     path = Path(a.launches)
     if not path.exists() or path.stat().st_size == 0:
         print(f"sm_90 compile check: no interpreted launches in {path} (where the suite runs on "
@@ -220,10 +315,7 @@ def main(argv=None) -> int:
     except (ImportError, AttributeError, TypeError) as e:
         print(f"sm_90 compile check skipped: this Triton's internals differ ({e})")
         return 0
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max(1, a.j), mp_context=ctx,
-                                                initializer=_setup_worker) as pool:
-        results = list(pool.map(_compile, recs, chunksize=4))
+    results = _compile_all(recs, a.j)
     table: dict[str, list[int]] = {}  # name -> [count, regs, stack, shared]
     problems = []
     for r in results:

@@ -75,3 +75,20 @@ def test_the_check_passes_a_kernel_the_gpu_compiles_and_fails_one_it_rejects(tmp
     row = next(line.split() for line in out.splitlines() if line.startswith("_matmul_kernel"))
     assert int(row[1]) == 1 and int(row[2]) > 0  # one launch; registers read from the cubin
     assert 0 < int(row[4]) <= sm90_compile.SM90_SHARED_MAX
+
+
+def test_a_layer_step_is_recorded_without_running_and_compiled(capsys):
+    """--layer: a stack of one layer of each kind, a prefill and two decode steps recorded at
+    the preset's shapes with no kernel run, each launch compiled: a row per launch."""
+    import sm90_compile
+    assert sm90_compile.main(["--layer", "tiny", "--prefill", "64", "--batches", "1,8",
+                              "-j", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "launches of a tiny step compiled for sm_90a" in out
+    rows = [line.split() for line in out.splitlines() if "_kernel" in line]
+    kernels = {r[2] if r[0] == "prefill" else r[3] for r in rows}
+    assert {"_sparse_attn_paged_kernel", "_fp8_decode_kernel", "_score_kernel",
+            "_latent_kernel", "_norm_rope_pack_kernel"} <= kernels
+    steps = {" ".join(r[:2]) if r[0] == "prefill" else " ".join(r[:3]) for r in rows}
+    assert {"prefill 64", "decode batch 1"} <= steps <= {"prefill 64", "decode batch 1",
+                                                        "decode batch 8"}
