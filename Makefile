@@ -29,12 +29,21 @@ env: $(PACKAGE_STAMP)
 	$(PY) -m dsv41attn env
 
 # test: the suite (kernels under Triton's interpreter where no GPU is present, each distinct
-# launch recorded), then every recorded kernel specialisation compiled for sm_90a (no GPU).
+# launch recorded), then every recorded kernel specialisation compiled for sm_90a (no GPU) by
+# the test extra's Triton and by the GPU image's (TRITON_GPU, installed beside the venv's and
+# put first on PYTHONPATH for that step only).
 LAUNCHES := .pytest_cache/sm90-launches.jsonl
-test: $(TEST_STAMP)
+TRITON_GPU := 3.6.0
+TRITON_GPU_DIR := $(VENV)/triton-$(TRITON_GPU)
+$(TRITON_GPU_DIR)/.stamp: $(TEST_STAMP)
+	$(PY) -m pip install -q --no-deps --target $(TRITON_GPU_DIR) triton==$(TRITON_GPU)
+	touch $@
+
+test: $(TEST_STAMP) $(TRITON_GPU_DIR)/.stamp
 	rm -f $(LAUNCHES) && mkdir -p .pytest_cache
 	DSV41ATTN_LAUNCH_RECORD=$(CURDIR)/$(LAUNCHES) $(PY) -m pytest -q
 	$(PY) tests/sm90_compile.py $(LAUNCHES)
+	PYTHONPATH=$(CURDIR)/$(TRITON_GPU_DIR) $(PY) tests/sm90_compile.py $(LAUNCHES)
 
 test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not slow"

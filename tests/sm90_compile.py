@@ -284,7 +284,9 @@ def _layer_report(a) -> int:
             continue
         regs, stack = r["resources"] or (0, 0)
         print(f"{rec.get('tag', ''):18s} {rec['name']:28s} {regs:4d} {stack:5d} {r['shared']:6d}  {cx}")
-    print(f"{len(recs) - failed} of {len(recs)} launches of a {a.layer} step compiled for sm_90a")
+    import triton
+    print(f"{len(recs) - failed} of {len(recs)} launches of a {a.layer} step compiled for sm_90a "
+          f"by Triton {triton.__version__}")
     return 1 if failed else 0
 
 
@@ -332,7 +334,9 @@ def main(argv=None) -> int:
     for name in sorted(table):
         n, regs, stack, shared = table[name]
         print(f"{name:32s} {n:8d} {regs:5d} {stack:8d} {shared:7d}")
-    print(f"{len(results) - len(problems)} of {len(results)} recorded launches compiled for sm_90a")
+    import triton
+    print(f"{len(results) - len(problems)} of {len(results)} recorded launches compiled for "
+          f"sm_90a by Triton {triton.__version__}")
     for p in problems:
         print("FAILED", p)
     return 1 if problems else 0
