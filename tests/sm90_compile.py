@@ -211,8 +211,10 @@ def _argument(v):
     return v
 
 
-def _resources(cubin: bytes) -> tuple[int, int] | None:
-    """(registers, stack bytes) of a cubin's kernel, by the cuobjdump in Triton's wheel."""
+def _resources(cubin: bytes) -> tuple[int, int, int] | None:
+    """(registers, stack bytes, local loads + stores) of a cubin's kernel, by the cuobjdump in
+    Triton's wheel: the LDL / STL instructions of its SASS (static count) are where spilled
+    registers move, the stack is where they live."""
     import triton
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
@@ -220,10 +222,12 @@ def _resources(cubin: bytes) -> tuple[int, int] | None:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([str(tool), "--dump-resource-usage", f.name],
-                             capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
-    return (int(m[1]), int(m[2])) if m else None
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    local = len(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?(?:LDL|STL)\b", sass, re.M))
+    return (int(m[1]), int(m[2]), local) if m else None
 
 
 def _setup_worker() -> None:
@@ -273,7 +277,8 @@ def _layer_report(a) -> int:
         recs = [json.loads(line) for line in path.read_text().splitlines()]
     recs = [r for r in recs if not a.only or a.only in r["name"]]
     results = _compile_all(recs, a.j)
-    print(f"{'step':18s} {'kernel (sm_90a)':28s} {'regs':>4s} {'stack':>5s} {'smem':>6s}  constexprs")
+    print(f"{'step':18s} {'kernel (sm_90a)':28s} {'regs':>4s} {'stack':>5s} {'ld/st':>5s} "
+          f"{'smem':>6s}  constexprs (ld/st: local loads and stores in the SASS)")
     failed = 0
     for rec, r in sorted(zip(recs, results), key=lambda p: (p[0]["name"], p[0].get("tag", ""))):
         cx = " ".join(f"{k}={v}" for k, v in rec["kwargs"].items()
@@ -282,8 +287,9 @@ def _layer_report(a) -> int:
             failed += 1
             print(f"{rec.get('tag', ''):18s} {rec['name']:28s} FAILED {r['error'][:300]}")
             continue
-        regs, stack = r["resources"] or (0, 0)
-        print(f"{rec.get('tag', ''):18s} {rec['name']:28s} {regs:4d} {stack:5d} {r['shared']:6d}  {cx}")
+        regs, stack, local = r["resources"] or (0, 0, 0)
+        print(f"{rec.get('tag', ''):18s} {rec['name']:28s} {regs:4d} {stack:5d} {local:5d} "
+              f"{r['shared']:6d}  {cx}")
     import triton
     print(f"{len(recs) - failed} of {len(recs)} launches of a {a.layer} step compiled for sm_90a "
           f"by Triton {triton.__version__}")
@@ -318,22 +324,24 @@ def main(argv=None) -> int:
         print(f"sm_90 compile check skipped: this Triton's internals differ ({e})")
         return 0
     results = _compile_all(recs, a.j)
-    table: dict[str, list[int]] = {}  # name -> [count, regs, stack, shared]
+    table: dict[str, list[int]] = {}  # name -> [count, regs, stack, shared, local ld/st]
     problems = []
     for r in results:
         if "error" in r:
             problems.append(f"{r['name']}: {r['error']}")
             continue
-        row = table.setdefault(r["name"], [0, 0, 0, 0])
-        regs, stack = r["resources"] or (0, 0)
+        row = table.setdefault(r["name"], [0, 0, 0, 0, 0])
+        regs, stack, local = r["resources"] or (0, 0, 0)
         row[0] += 1
-        row[1], row[2], row[3] = max(row[1], regs), max(row[2], stack), max(row[3], r["shared"])
+        row[1:] = (max(row[1], regs), max(row[2], stack), max(row[3], r["shared"]),
+                   max(row[4], local))
         if r["shared"] > SM90_SHARED_MAX:
             problems.append(f"{r['name']}: {r['shared']} B of shared memory > {SM90_SHARED_MAX}")
-    print(f"{'kernel (sm_90a)':32s} {'launches':>8s} {'regs':>5s} {'stack B':>8s} {'smem B':>7s}")
+    print(f"{'kernel (sm_90a)':32s} {'launches':>8s} {'regs':>5s} {'stack B':>8s} {'smem B':>7s} "
+          f"{'ld/st':>6s}  (most of any launch; ld/st: local loads and stores in the SASS)")
     for name in sorted(table):
-        n, regs, stack, shared = table[name]
-        print(f"{name:32s} {n:8d} {regs:5d} {stack:8d} {shared:7d}")
+        n, regs, stack, shared, local = table[name]
+        print(f"{name:32s} {n:8d} {regs:5d} {stack:8d} {shared:7d} {local:6d}")
     import triton
     print(f"{len(results) - len(problems)} of {len(results)} recorded launches compiled for "
           f"sm_90a by Triton {triton.__version__}")
