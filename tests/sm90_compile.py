@@ -18,8 +18,11 @@ the constexprs and the launch options. This script then compiles each line throu
 own JIT path (``warmup``: specialise and compile, no launch) with ``INTERPRET`` set to False,
 against a stand-in driver that reports an sm_90 target, down to a cubin by the ptxas in
 Triton's wheel. It prints, per kernel, the specialisations compiled, the most registers, the
-most stack (spilled bytes live there) and the most shared memory, and exits 1 on any compile
-error or a block over the 232448 B of shared memory an sm_90 block may use.
+most stack (spilled bytes live there), the most shared memory and the most local loads and
+stores in the SASS (how spills move), and exits 1 on any compile error or a block over the
+232448 B of shared memory an sm_90 block may use. Which Triton compiles is whichever the
+Python imports: `make test` runs it twice, with the test extra's and with the GPU image's
+3.6.0 first on PYTHONPATH.
 
 ``--layer PRESET`` instead records, running no kernel (seconds at V4.1-Flash shapes), the
 launches of a triton-backend stack of one layer of each kind of the preset and its sources
@@ -27,9 +30,10 @@ through a prefill and first decode steps, compiles them the same way and prints 
 launch: the registers, spills and shared memory of the tiles the GPU would run at those shapes.
 
 Limits: the specialisations are the ones the interpreter tests pick (their tiles can be
-smaller than a GPU run's); pointers are taken as 16-byte aligned; the compiler is this
-machine's Triton, which can be newer than a GPU image's. Where this Triton's internals differ
-from what the stand-in driver needs, the check says so and is skipped (exit 0).
+smaller than a GPU run's); pointers are taken as 16-byte aligned; ``--layer``'s decode steps
+start from empty caches, so a choice made by the context length (a split count, the indexer's
+tiles at long contexts) is a short context's. Where a Triton's internals differ from what the
+stand-in driver needs, the check says so and is skipped (exit 0).
 """
 from __future__ import annotations
 
