@@ -18,8 +18,8 @@ the constexprs and the launch options. This script then compiles each line throu
 own JIT path (``warmup``: specialise and compile, no launch) with ``INTERPRET`` set to False,
 against a stand-in driver that reports an sm_90 target, down to a cubin by the ptxas in
 Triton's wheel. It prints, per kernel, the specialisations compiled, the most registers, the
-most stack (spilled bytes live there), the most shared memory and the most local loads and
-stores in the SASS (how spills move), and exits 1 on any compile error or a block over the
+most stack (spilled bytes live there), the most shared memory and (``--sass``) the most local
+loads and stores in the SASS (how spills move), and exits 1 on any compile error or a block over the
 232448 B of shared memory an sm_90 block may use. Which Triton compiles is whichever the
 Python imports: `make test` runs it twice, with the test extra's and with the GPU image's
 3.6.0 first on PYTHONPATH.
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import importlib
 import inspect
 import json
@@ -215,10 +216,10 @@ def _argument(v):
     return v
 
 
-def _resources(cubin: bytes) -> tuple[int, int, int] | None:
+def _resources(cubin: bytes, sass: bool) -> tuple[int, int, int] | None:
     """(registers, stack bytes, local loads + stores) of a cubin's kernel, by the cuobjdump in
-    Triton's wheel: the LDL / STL instructions of its SASS (static count) are where spilled
-    registers move, the stack is where they live."""
+    Triton's wheel: the LDL / STL instructions of its SASS (static count; sass False: -1, not
+    disassembled) are where spilled registers move, the stack is where they live."""
     import triton
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
@@ -228,9 +229,11 @@ def _resources(cubin: bytes) -> tuple[int, int, int] | None:
         f.flush()
         usage = subprocess.run([str(tool), "--dump-resource-usage", f.name],
                                capture_output=True, text=True).stdout
-        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
+        code = subprocess.run([str(tool), "-sass", f.name], capture_output=True,
+                              text=True).stdout if sass else None
     m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    local = len(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?(?:LDL|STL)\b", sass, re.M))
+    local = -1 if code is None else len(re.findall(
+        r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?(?:LDL|STL)\b", code, re.M))
     return (int(m[1]), int(m[2]), local) if m else None
 
 
@@ -243,8 +246,9 @@ def _setup_worker() -> None:
     _stand_in_driver()
 
 
-def _compile(rec: dict) -> dict:
-    """Compile one recorded launch; a dict of its resources or its error."""
+def _compile(rec: dict, sass: bool = False) -> dict:
+    """Compile one recorded launch; a dict of its resources (sass: with the local loads and
+    stores counted in its disassembly) or its error."""
     out = {"name": rec["name"]}
     try:
         fn = getattr(importlib.import_module(rec["module"]), rec["name"])
@@ -256,17 +260,17 @@ def _compile(rec: dict) -> dict:
             args[fn.arg_names.index("INTERPRET")] = False
         kernel = fn.warmup(*args, grid=(1,), **kwargs)
         out["shared"] = int(kernel.metadata.shared)
-        out["resources"] = _resources(kernel.asm["cubin"])
+        out["resources"] = _resources(kernel.asm["cubin"], sass)
     except Exception as e:  # noqa: BLE001 - every failure is reported by kernel
         out["error"] = f"{type(e).__name__}: {e}"[:4000]
     return out
 
 
-def _compile_all(recs: list[dict], jobs: int) -> list[dict]:
+def _compile_all(recs: list[dict], jobs: int, sass: bool) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max(1, jobs), mp_context=ctx,
                                                 initializer=_setup_worker) as pool:
-        return list(pool.map(_compile, recs, chunksize=4))
+        return list(pool.map(functools.partial(_compile, sass=sass), recs, chunksize=4))
 
 
 def _layer_report(a) -> int:
@@ -280,7 +284,7 @@ def _layer_report(a) -> int:
                        env=dict(os.environ, TRITON_INTERPRET="1"))
         recs = [json.loads(line) for line in path.read_text().splitlines()]
     recs = [r for r in recs if not a.only or a.only in r["name"]]
-    results = _compile_all(recs, a.j)
+    results = _compile_all(recs, a.j, sass=True)
     print(f"{'step':18s} {'kernel (sm_90a)':28s} {'regs':>4s} {'stack':>5s} {'ld/st':>5s} "
           f"{'smem':>6s}  constexprs (ld/st: local loads and stores in the SASS)")
     failed = 0
@@ -305,6 +309,9 @@ def main(argv=None) -> int:
     ap.add_argument("launches", nargs="?", help="the JSON lines the suite recorded")
     ap.add_argument("-j", type=int, default=os.cpu_count() or 1, help="compiling processes")
     ap.add_argument("--only", help="kernels whose name contains this")
+    ap.add_argument("--sass", action="store_true",
+                    help="count local loads and stores in each SASS (--layer always does; "
+                         "a minute more over the suite's launches)")
     ap.add_argument("--layer", metavar="PRESET",
                     help="instead: record a layer step of each kind at PRESET's shapes without "
                          "running it (record_layer_steps), compile it, one row per launch")
@@ -327,14 +334,14 @@ def main(argv=None) -> int:
     except (ImportError, AttributeError, TypeError) as e:
         print(f"sm_90 compile check skipped: this Triton's internals differ ({e})")
         return 0
-    results = _compile_all(recs, a.j)
+    results = _compile_all(recs, a.j, a.sass)
     table: dict[str, list[int]] = {}  # name -> [count, regs, stack, shared, local ld/st]
     problems = []
     for r in results:
         if "error" in r:
             problems.append(f"{r['name']}: {r['error']}")
             continue
-        row = table.setdefault(r["name"], [0, 0, 0, 0, 0])
+        row = table.setdefault(r["name"], [0, 0, 0, 0, -1])
         regs, stack, local = r["resources"] or (0, 0, 0)
         row[0] += 1
         row[1:] = (max(row[1], regs), max(row[2], stack), max(row[3], r["shared"]),
@@ -342,7 +349,8 @@ def main(argv=None) -> int:
         if r["shared"] > SM90_SHARED_MAX:
             problems.append(f"{r['name']}: {r['shared']} B of shared memory > {SM90_SHARED_MAX}")
     print(f"{'kernel (sm_90a)':32s} {'launches':>8s} {'regs':>5s} {'stack B':>8s} {'smem B':>7s} "
-          f"{'ld/st':>6s}  (most of any launch; ld/st: local loads and stores in the SASS)")
+          f"{'ld/st':>6s}  (most of any launch; ld/st: local loads and stores in the SASS, "
+          f"-1 without --sass)")
     for name in sorted(table):
         n, regs, stack, shared, local = table[name]
         print(f"{name:32s} {n:8d} {regs:5d} {stack:8d} {shared:7d} {local:6d}")
