@@ -101,6 +101,7 @@ def record_launches(path: str, execute: bool = True, tag: dict | None = None) ->
     "tag" entry, when set, goes into each record (what the caller was doing)."""
     from triton.runtime import interpreter
     seen: set[str] = set()
+    constexpr: dict = {}  # kernel -> which positional parameters are constexprs
     run = interpreter.InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
@@ -110,9 +111,10 @@ def record_launches(path: str, execute: bool = True, tag: dict | None = None) ->
                "kwargs": {k: _describe(v) for k, v in kwargs.items()}}
         if tag and tag.get("tag"):
             rec["tag"] = tag["tag"]
-        params = list(inspect.signature(fn).parameters.values())
+        if fn not in constexpr:
+            constexpr[fn] = [_constexpr(p) for p in inspect.signature(fn).parameters.values()]
         key = json.dumps([rec["module"], rec["name"],  # a constexpr or an option by its value
-                          [a if _constexpr(p) else _spec_key(a) for p, a in zip(params, rec["args"])],
+                          [a if c else _spec_key(a) for c, a in zip(constexpr[fn], rec["args"])],
                           rec["kwargs"]], sort_keys=True)
         if key not in seen:
             seen.add(key)
@@ -124,35 +126,20 @@ def record_launches(path: str, execute: bool = True, tag: dict | None = None) ->
     interpreter.InterpretedFunction.run = recording_run
 
 
-def _role_layers(cfg) -> list[int]:
-    """The first layer of each kind in the config (by ratio, whether it is its own KV source
-    and its own index source, whether it reads candidate blocks), with the layers it reads."""
-    first: dict[tuple, int] = {}
-    for i in range(cfg.n_layers):
-        spec = cfg.layer(i)
-        first.setdefault((spec.ratio, spec.kv_source == i, spec.index_source == i,
-                          spec.is_candidate_consumer), i)
-    layers = set()
-    for i in first.values():
-        spec = cfg.layer(i)
-        layers |= {i, spec.kv_source, spec.index_source,
-                   cfg.candidate_source_layer if spec.is_candidate_consumer else None}
-    return sorted(layers - {None})
-
-
 def record_layer_steps(preset_name: str, path: str, prefill: int, batches: list[int]) -> None:
-    """Record, running none, the kernel launches of a triton-backend stack of one layer of
-    each kind of the preset (and its sources) at the preset's shapes: a prefill of ``prefill``
+    """Record, running none, the kernel launches of a triton-backend stack of the first
+    layer of each role of the preset (and its sources: tpcheck.check_layers) at the preset's shapes: a prefill of ``prefill``
     tokens of one sequence, then a first decode step of each batch size. Under the interpreter
     (the caller sets TRITON_INTERPRET=1 before triton is imported); nothing is computed, so it
     takes seconds at V4.1-Flash shapes."""
     import torch
 
     from dsv41attn import AttentionStack, preset, random_layer_weights
+    from dsv41attn.tpcheck import check_layers
     tag: dict = {}
     record_launches(path, execute=False, tag=tag)
     cfg = preset(preset_name)
-    layers = _role_layers(cfg)
+    _, layers = check_layers(cfg)  # the first layer of each role and the sources it reads
     print(f"{preset_name}: layers {', '.join(map(str, layers))}", flush=True)
     stack = AttentionStack(cfg, {L: random_layer_weights(cfg, L, seed=L) for L in layers},
                            "triton")
@@ -235,6 +222,18 @@ def _resources(cubin: bytes, sass: bool) -> tuple[int, int, int] | None:
     local = -1 if code is None else len(re.findall(
         r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?(?:LDL|STL)\b", code, re.M))
     return (int(m[1]), int(m[2]), local) if m else None
+
+
+def _stand_in_parts() -> None:
+    """Import what the stand-in driver and the compiles use (ImportError / AttributeError
+    where this Triton lacks it), without making it active: the calling process's Triton and
+    environment stay as they are (a pytest process keeps interpreting)."""
+    import triton.backends.compiler as compiler
+    import triton.runtime.jit as jit
+    from triton.runtime.driver import driver
+    for owner, name in ((compiler, "GPUTarget"), (jit, "MockTensor"), (jit.JITFunction, "warmup"),
+                        (driver, "set_active")):
+        getattr(owner, name)
 
 
 def _setup_worker() -> None:
@@ -329,9 +328,9 @@ def main(argv=None) -> int:
         return 0
     recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     recs = [r for r in recs if not a.only or a.only in r["name"]]
-    try:
-        _setup_worker()  # here too: a Triton this stand-in does not fit is told apart up front
-    except (ImportError, AttributeError, TypeError) as e:
+    try:  # a Triton the stand-in does not fit is told apart up front, changing nothing here
+        _stand_in_parts()
+    except (ImportError, AttributeError) as e:
         print(f"sm_90 compile check skipped: this Triton's internals differ ({e})")
         return 0
     results = _compile_all(recs, a.j, a.sass)
