@@ -443,10 +443,36 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
     return rows, copy_bw
 
 
+def decode_attn_case(batch: int, heads: int, head_dim: int, window: int, topk: int,
+                     context: int, device="cuda", generator=None, page_rows: int = 256) -> tuple:
+    """``sparse_attn_paged``'s arguments for one decode step of ``batch`` sequences at
+    ``context``: each query's window is the ring's newest ``window - 1`` rows and the step's
+    own row, then ``topk`` random compressed rows of the sequence's ``context`` (ascending),
+    in a paged pool whose pages are shuffled over the sequences."""
+    g = generator
+    pages = batch * context // page_rows
+    q = torch.randn(batch, heads, head_dim, device=device, generator=g).bfloat16()
+    # the ring holds the window before the step; the newest row is the step's own
+    ring = pack_window_rows(torch.randn(batch, window, head_dim, device=device,
+                                        generator=g).bfloat16())
+    new_rows = pack_window_rows(torch.randn(batch, head_dim, device=device, generator=g).bfloat16())
+    pool = pack_compressed_rows(torch.randn(pages, page_rows, head_dim, device=device,
+                                            generator=g).bfloat16())
+    table = torch.randperm(pages, device=device, generator=g).view(batch, -1)
+    seq = torch.arange(batch, device=device)
+    widx = torch.cat([seq[:, None] * window + torch.arange(1, window, device=device),
+                      batch * window + seq[:, None]], 1).to(torch.int32)  # [batch, W]
+    cidx = torch.rand(batch, context, device=device, generator=g).argsort(-1)[..., :topk]
+    cidx = cidx.sort(-1).values.to(torch.int32).contiguous()
+    sink = torch.randn(heads, device=device, generator=g)
+    return q, sink, head_dim ** -0.5, ring, new_rows, widx, pool, table, seq, cidx
+
+
 def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128,
                       topk: int = 512, context: int = 8192) -> list[dict]:
     """The sparse-attention op alone at decode: V4.1-Flash heads, 128 window rows (fp8, 528 B)
-    + 512 compressed rows (fp4, 288 B) per query, read from the packed ring and paged pool."""
+    + 512 compressed rows (fp4, 288 B) per query, read from the packed ring and paged pool
+    (``decode_attn_case``)."""
     from .ops.backends import get_ops
     from .ops.sparse_attn.reference import sparse_attn_paged as reference
 
@@ -458,24 +484,8 @@ def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for b in batches:
-        page_rows = 256
-        pages = b * context // page_rows
-        sets = []
-        for _ in range(3):  # rotate inputs so rows are not served from L2
-            q = torch.randn(b, h, d, device="cuda", generator=g).bfloat16()
-            # the ring holds the window before the step; the newest row is the step's own
-            ring = pack_window_rows(torch.randn(b, window, d, device="cuda", generator=g).bfloat16())
-            new_rows = pack_window_rows(torch.randn(b, d, device="cuda", generator=g).bfloat16())
-            pool = pack_compressed_rows(torch.randn(pages, page_rows, d, device="cuda",
-                                                    generator=g).bfloat16())
-            table = torch.randperm(pages, device="cuda", generator=g).view(b, -1)
-            seq = torch.arange(b, device="cuda")
-            widx = torch.cat([seq[:, None] * window + torch.arange(1, window, device="cuda"),
-                              b * window + seq[:, None]], 1).to(torch.int32)  # [b, W]
-            cidx = torch.rand(b, context, device="cuda", generator=g).argsort(-1)[..., :topk]
-            cidx = cidx.sort(-1).values.to(torch.int32).contiguous()
-            sink = torch.randn(h, device="cuda", generator=g)
-            sets.append((q, sink, d ** -0.5, ring, new_rows, widx, pool, table, seq, cidx))
+        # three input sets, rotated so rows are not served from L2
+        sets = [decode_attn_case(b, h, d, window, topk, context, generator=g) for _ in range(3)]
         ref = reference(*sets[0])
         err = float((kernel(*sets[0]).double() - ref.double()).norm() / ref.double().norm())
         ms_launch = _events_ms(lambda: kernel(*sets[0]), 20)  # eager: host launch included
