@@ -410,6 +410,23 @@ def test_act_quant_dequant_values():
         act_quant(x, f16=True, dequant=True)
 
 
+def test_e4m3_to_bf16_every_code():
+    """The square tiles' weight operand: every e4m3 byte (both zeros, subnormals, +-448, NaN)
+    widened to bf16 as torch's cast does, over a length that ends mid-program (8192 + 2 * 256 +
+    5 elements); a wrong dtype is refused."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    w = torch.cat([codes.repeat(34), codes[:5]]).view(torch.float8_e4m3fn).reshape(1, -1)
+    got = T.e4m3_to_bf16(w.to(DEV)).cpu()
+    want = w.to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == w.shape
+    nan = torch.isnan(want)
+    assert nan.sum() == 2 * 34 + 0 and torch.equal(torch.isnan(got), nan)  # 0x7F, 0xFF
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))  # -0 kept
+    assert T.e4m3_to_bf16(w[:, :0].to(DEV)).shape == (1, 0)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        T.e4m3_to_bf16(want.to(DEV))
+
+
 PRESCALED_CASES = {  # id: (M, N, K, num_splits): past SPLIT_MAX_M, N off the 128-wide tile
     "m65-n100-kb24-auto": (65, 100, 768, None),  # k_order's ranges, summed in the tile
     "m130-n70-kb13-s5": (130, 70, 416, 5),  # two row tiles; ragged ranges of 1-block chunks
@@ -555,6 +572,37 @@ def test_fp8_linear_pair_equals_two_calls(m):
         assert torch.equal(y2.cpu().float(), r2.cpu().float())
     with pytest.raises(ValueError):
         T.fp8_linear_pair(x, w1, s1, w2[:, :32].contiguous(), s2[:, :1].contiguous())
+
+
+@pytest.mark.parametrize("kb", [45, 160, 7], ids=["kb45-one-program", "kb160-three", "kb7"])
+def test_act_quant_wide_programs_same_bits(kb, monkeypatch):
+    """From QUANT_WIDE_MIN_M rows a program quantises up to QUANT_BLOCKS_WIDE blocks (masked
+    past the row's end): every form and the scales are the bits of the 16-block programs and
+    of the reference, with and without the fused RMSNorm; a NaN and an infinity mark their
+    blocks (and, through the norm, their rows) in both the same way."""
+    g = torch.Generator().manual_seed(kb)
+    k = 32 * kb
+    x = (torch.randn(8, k, generator=g) * torch.logspace(-8, 8, 8)[:, None]).bfloat16()
+    x[6, k // 2], x[7, k - 1] = float("nan"), float("-inf")
+    x = x.to(DEV)
+    w = (torch.randn(k, generator=g) * 0.5 + 1).bfloat16().to(DEV)
+
+    def bits(t):
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+    narrow = {}
+    for wide in (False, True):
+        monkeypatch.setattr(T, "QUANT_WIDE_MIN_M", 1 if wide else 1 << 30)
+        for norm in (None, (w, 1e-6)):
+            for kw in ({}, {"f16": True}, {"dequant": True}):
+                q, s = act_quant(x, norm=norm, **kw)
+                key = (norm is None, tuple(kw))
+                if not wide:
+                    narrow[key] = (q, s)
+                    continue
+                q0, s0 = narrow[key]
+                assert torch.equal(bits(s), bits(s0)) and torch.equal(bits(q), bits(q0))
+    _check_quant(x[:6].cpu())
 
 
 @pytest.mark.parametrize("k", [1024, 2560], ids=["k1024-4warps", "k2560-8warps"])

@@ -212,7 +212,9 @@ def test_norm_rope_pack_flat_slots_and_positions(dims):
 @pytest.mark.parametrize("n", [1, 3, 37])
 @pytest.mark.parametrize("dims,heads,inverse", [
     ("tiny", 8, False), ("tiny", 3, True), ("v41-flash", 3, False), ("v41-flash", 3, True),
-], ids=["tiny-8heads", "tiny-3heads-inverse", "v41-flash-3heads", "v41-flash-3heads-inverse"])
+    ("v41-flash", 40, True),  # in place: a full 32-head block and a masked one
+], ids=["tiny-8heads", "tiny-3heads-inverse", "v41-flash-3heads", "v41-flash-3heads-inverse",
+        "v41-flash-40heads-inverse"])
 def test_rope_heads(dims, heads, inverse, n):
     d, _, freqs = DIMS[dims]
     g = torch.Generator().manual_seed(n * heads)

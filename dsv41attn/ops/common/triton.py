@@ -231,8 +231,9 @@ def _rope_heads_kernel(x_ptr, cs_ptr, out_ptr, H, D: tl.constexpr, R2: tl.conste
                        BLOCK_H: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_R2: tl.constexpr,
                        INVERSE: tl.constexpr, COPY_NOPE: tl.constexpr,
                        INTERPRET: tl.constexpr):
-    """x, out: [N, H, D] bf16 (out may be x: COPY_NOPE false, each rotated pair read before the
-    same thread writes it); cs: [N, R2, 2] fp32; all contiguous. Grid (N, cdiv(H, BLOCK_H))."""
+    """x, out: [N, H, D] bf16 (out may be x: COPY_NOPE false; a tail value is stored only after
+    both members of its pair were loaded, as it is computed from them); cs: [N, R2, 2] fp32;
+    all contiguous. Grid (N, cdiv(H, BLOCK_H))."""
     n = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h[:, None] < H
@@ -242,16 +243,18 @@ def _rope_heads_kernel(x_ptr, cs_ptr, out_ptr, H, D: tl.constexpr, R2: tl.conste
         nope_mask = h_mask & (offs_nope < D - 2 * R2)
         tl.store(out_ptr + row + offs_nope, tl.load(x_ptr + row + offs_nope, mask=nope_mask),
                  mask=nope_mask)
+    # the tail as one contiguous [BLOCK_H, 2 R2] load per head (coalesced), split into pairs
+    offs_t = tl.arange(0, 2 * BLOCK_R2)[None, :]
+    t_mask = h_mask & (offs_t < 2 * R2)
+    tail = out_ptr + row + (D - 2 * R2) + offs_t
+    x_even, x_odd = tl.split(tl.reshape(
+        tl.load(x_ptr + row + (D - 2 * R2) + offs_t, mask=t_mask, other=0.0).to(tl.float32),
+        (BLOCK_H, BLOCK_R2, 2)))
     pair = tl.arange(0, BLOCK_R2)[None, :]
-    pair_mask = pair < R2
-    mask = h_mask & pair_mask
-    col = D - 2 * R2 + 2 * pair
-    x_even = tl.load(x_ptr + row + col, mask=mask, other=0.0).to(tl.float32)
-    x_odd = tl.load(x_ptr + row + col + 1, mask=mask, other=0.0).to(tl.float32)
-    y_even, y_odd = rope_rotate(x_even, x_odd, cs_ptr + n * (2 * R2), pair, pair_mask, INVERSE,
+    y_even, y_odd = rope_rotate(x_even, x_odd, cs_ptr + n * (2 * R2), pair, pair < R2, INVERSE,
                                 INTERPRET)
-    tl.store(out_ptr + row + col, y_even.to(tl.bfloat16), mask=mask)  # exact: already bf16
-    tl.store(out_ptr + row + col + 1, y_odd.to(tl.bfloat16), mask=mask)
+    y = tl.reshape(tl.join(y_even, y_odd), (BLOCK_H, 2 * BLOCK_R2))
+    tl.store(tail, y.to(tl.bfloat16), mask=t_mask)  # exact: already bf16
 
 
 def rope_heads(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False, *,
@@ -274,7 +277,8 @@ def rope_heads(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False, *,
     out = x if in_place else torch.empty_like(x, memory_format=torch.contiguous_format)
     if out.numel() == 0:
         return out
-    block_h = min(triton.next_power_of_2(h), 8)
+    # in place, a program turns up to 32 heads' tails (64 B-256 B each): few, longer programs
+    block_h = min(triton.next_power_of_2(h), 32 if in_place else 8)
     _rope_heads_kernel[(n, triton.cdiv(h, block_h))](
         x.contiguous(), cos_sin(rot), out, h, D=d, R2=r2, BLOCK_H=block_h,
         BLOCK_NOPE=triton.next_power_of_2(max(d - 2 * r2, 1)),
