@@ -61,6 +61,35 @@ def _queued_ms(fn, reps: int, rounds: int = 5) -> float:
     return _events_ms(fn, rounds, calls=reps)
 
 
+_SPIN_CYCLES_PER_MS: list[float] = []  # torch.cuda._sleep's rate, measured once
+
+
+def _spin_cycles_per_ms() -> float:
+    if not _SPIN_CYCLES_PER_MS:
+        cycles = 20_000_000
+        torch.cuda._sleep(cycles // 10)  # warm-up
+        _SPIN_CYCLES_PER_MS.append(cycles / _events_ms(lambda: torch.cuda._sleep(cycles), 3))
+    return _SPIN_CYCLES_PER_MS[0]
+
+
+def _held_ms(fn, hold_ms: float) -> tuple[float, bool]:
+    """(ms, ahead) of one call of ``fn`` whose launches the host queues while a spin kernel
+    holds the GPU for ``hold_ms``: the time from the GPU reaching the call to its end, so the
+    host's own time (before the first launch and between launches) hides behind the hold as
+    it hides behind a model's previous layer, and what is timed is the GPU's work and the
+    gaps its dependencies make. ahead: the host had queued the whole call before the hold
+    ended (else the host's time leaked into ms: hold longer)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(hold_ms * _spin_cycles_per_ms()))
+    start.record()
+    fn()
+    ahead = not start.query()  # the start event not reached yet: the GPU still held
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end), ahead
+
+
 def _graph_ms(fn, calls: int = 1, reps: int = 20, queued: bool = False) -> float:
     """ms per call of ``fn`` (which makes ``calls`` calls) captured in a CUDA graph: median of
     ``reps`` timed replays (queued: ``_queued_ms`` of them), after a warm-up run on a side
@@ -306,9 +335,26 @@ class RoleBench:
                 return measure(call)
             call()
 
-    def prefill_us(self, tokens: int, reps: int) -> float:
-        times = [self._prefill(tokens, lambda call: _events_ms(call, 1)) for _ in range(reps + 1)]
-        return statistics.median(times[1:]) * 1e3
+    def prefill_us(self, tokens: int, reps: int, queued: bool = True,
+                   hold_ms: float = 10.0) -> float:
+        """Median of ``reps`` prefill calls of the layer after one that warms up (and
+        compiles). queued (the default): each call's launches queued while the GPU is held
+        (``_held_ms``; the hold doubles until the host is ahead), as a model's layers follow
+        one another; else from an idle GPU, the host's time to each launch included (the
+        tables before the twenty-fifth session)."""
+        self._prefill(tokens, lambda call: call())
+        times = []
+        for _ in range(reps):
+            if not queued:
+                times.append(self._prefill(tokens, lambda call: _events_ms(call, 1)))
+                continue
+            while True:
+                ms, ahead = self._prefill(tokens, lambda call: _held_ms(call, hold_ms))
+                if ahead or hold_ms > 2000:
+                    break
+                hold_ms *= 2
+            times.append(ms)
+        return statistics.median(times) * 1e3
 
     def profile_decode(self, batch: int, ctx: int) -> tuple[list[tuple[str, float, int]],
                                                              list[tuple[str, float, int]]]:
@@ -377,8 +423,8 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
     ``reference_cases`` the reference path eager and the triton path eager (host launches
     included); ``compile_cases``: the reference path under torch.compile as well;
     ``invariant``: every case also in the batch-invariant mode (``invariant_us``); ``queued``:
-    decode graphs timed back to back (else one by one from an idle GPU, see
-    ``RoleBench.decode_graph_us``). ``tp``: the ranks of ``--tp`` (every rank runs the same
+    decode graphs timed back to back and prefill calls queued behind a hold of the GPU (else
+    both from an idle GPU, see ``RoleBench.decode_graph_us`` and ``prefill_us``). ``tp``: the ranks of ``--tp`` (every rank runs the same
     cases on its shard; the floor is one rank's, ``layer_floor`` with the all-reduce bandwidth
     measured here over the ranks)."""
     cfg = preset("v41-flash")
@@ -405,10 +451,10 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
                 row["allreduce_bytes"] = allreduce_bytes(cfg, ROLES[role], batch, start, tokens)
                 row["allreduce_GB/s"] = allreduce_bw / 1e9
             runs = [("triton_us", (tri.decode_graph_us, (batch, n, 20, queued)) if kind == "decode"
-                     else (tri.prefill_us, (n, 2)))]
+                     else (tri.prefill_us, (n, 2, queued)))]
             if inv is not None:
                 runs += [("invariant_us", (inv.decode_graph_us, (batch, n, 20, queued))
-                          if kind == "decode" else (inv.prefill_us, (n, 2)))]
+                          if kind == "decode" else (inv.prefill_us, (n, 2, queued)))]
             if kind == "decode" and (batch, n) in reference_cases:
                 runs += [("triton_eager_us", (tri.decode_eager_us, (batch, n, 5))),
                          ("reference_us", (ref.decode_eager_us, (batch, n, 3)))]
@@ -808,7 +854,8 @@ def main(args) -> int:
             w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
-    replays = "one by one from an idle GPU" if args.idle_replays else "steps queued back to back"
+    replays = "one by one from an idle GPU" if args.idle_replays else \
+        "steps queued back to back; a prefill call queued while the GPU is held"
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s; times in us (median); triton = CUDA-graph "
           f"replay of the layer ({replays}), eager = host launches included; facts = the step's shared facts "
           "(once per step for all layers, not in the layer's time)")

@@ -926,7 +926,11 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--idle-replays", action="store_true",
                     help="time each decode graph replay alone from an idle GPU (its launch "
                          "latency and input copy included: the tables before the eleventh "
-                         "session); default: steps queued back to back, as a serving loop")
+                         "session) and each prefill call from an idle GPU (the host's time to "
+                         "its launches included: before the twenty-fifth session); default: "
+                         "decode steps queued back to back, as a serving loop, and each "
+                         "prefill call queued while a spin kernel holds the GPU, as behind "
+                         "a model's previous layer")
     tp_opt(bn, "NCCL, one GPU per rank; times are rank 0's")
     bn.set_defaults(func=bench_cmd, parser=bn)
 

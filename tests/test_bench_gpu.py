@@ -4,6 +4,7 @@ here: the facts plan was made after the sources ran ahead of the target layer). 
 compiled kernels (TRITON_INTERPRET=0); skipped elsewhere."""
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -69,3 +70,26 @@ def test_sparse_attn_prefill_part():
     for r in rows:
         assert r["rel_err"] < 1e-2, r
         assert math.isfinite(r["us"]) and r["ratio"] >= 0.9 and r["invariant_us"] > 0, r
+
+
+def test_prefill_timing_queued_behind_a_hold_hides_the_host(weights):
+    """bench's prefill timing: queued behind a spin kernel (the default) a call's time is the
+    GPU's, the host's time hidden. A call that sleeps 20 ms on the host before its one small
+    kernel: held 100 ms it times well under 20 ms (the host ahead), unheld over 20 ms (and
+    the host not ahead). A role's prefill is finite both ways and faster queued (at 384
+    tokens the host's launches take longer than the GPU's work)."""
+    from dsv41attn.bench import RoleBench, _events_ms, _held_ms
+    x = torch.ones(1 << 20, device="cuda")
+
+    def fn():
+        time.sleep(0.02)
+        x.add_(1)
+    ms, ahead = _held_ms(fn, 100.0)
+    assert ahead and ms < 5, ms
+    ms, ahead = _held_ms(fn, 0.0)
+    assert not ahead and ms >= 20, ms
+    assert _events_ms(fn, 1) >= 20
+    cfg, w = weights
+    bench = RoleBench(cfg, "SWA", "triton", w)
+    queued, idle = bench.prefill_us(384, 2), bench.prefill_us(384, 2, queued=False)
+    assert math.isfinite(queued) and math.isfinite(idle) and 0 < queued < idle, (queued, idle)
