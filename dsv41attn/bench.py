@@ -547,6 +547,53 @@ def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128
     return rows
 
 
+# sparse_attn_paged's launch options (block_h, num_warps, d_chunks) timed against its defaults
+ATTN_VARIANTS = {"default": {}, "block_h=32": {"block_h": 32},
+                 "block_h=32, 4 warps": {"block_h": 32, "num_warps": 4},
+                 "block_h=16": {"block_h": 16}, "block_h=16, 4 warps": {"block_h": 16, "num_warps": 4},
+                 "16 warps": {"num_warps": 16}, "block_h=32, d_chunks=2": {"block_h": 32, "d_chunks": 2}}
+
+
+def bench_attn_variants(batches=(1, 8, 64, 256), prefill: int = 8192, context: int = 8192,
+                        variants=ATTN_VARIANTS) -> list[dict]:
+    """The sparse-attention kernel in each launch variant of ``variants`` (keyword arguments
+    of ``sparse_attn_paged``; the default mode: splits sized to the step): the decode cases of
+    ``bench_sparse_attn`` (``decode_attn_case``, three input sets rotated) and one prefill of
+    ``prefill`` tokens (``prefill_attn_case``, ratio 2), us in a CUDA graph, and how many
+    output elements differ from the default launch's (another head tile can change the MMA's
+    form, so its sums)."""
+    from .ops.sparse_attn.triton import sparse_attn_paged
+
+    cfg = preset("v41-flash")
+    h, d = cfg.n_heads, cfg.head_dim
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cases = {f"b={b}": [decode_attn_case(b, h, d, cfg.window_size, cfg.index_topk, context,
+                                         generator=g) for _ in range(3)] for b in batches}
+    if prefill:
+        cases[f"prefill {prefill}"] = [prefill_attn_case(prefill, h, d, cfg.window_size,
+                                                         cfg.index_topk, 2, generator=g)[0]]
+    rows, base = [], {}
+    for name, kw in variants.items():
+        def call(*args, kw=kw):
+            return sparse_attn_paged(*args, split_blocks=0, **kw)
+        for case, sets in cases.items():
+            row = {"variant": name, "case": case}
+            try:
+                out = call(*sets[0])
+                row["us"] = _graph_ms(lambda: [call(*a) for a in sets], len(sets),
+                                      reps=10 if case.startswith("prefill") else 20) * 1e3
+            except Exception as e:  # noqa: BLE001 - a variant that does not compile or fit
+                row["us"], row["failed"] = float("nan"), f"{type(e).__name__}: {e}"[:200]
+                rows.append(row)
+                continue
+            if not kw:
+                base[case] = out
+            row["differing"] = int((out != base[case]).sum()) if case in base else None
+            rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def prefill_attn_case(tokens: int, heads: int, head_dim: int, window: int, topk: int,
                       ratio: int, device="cuda", generator=None, page_rows: int = 256,
                       chunk: int = 1024) -> tuple[tuple, int]:
@@ -811,6 +858,23 @@ def main(args) -> int:
                   f"{r['TFLOP/s']:>9.0f}")
         if args.part == "gemm":
             return 0
+    if args.part == "attn_variants":
+        rows = bench_attn_variants()
+        cases = list(dict.fromkeys(r["case"] for r in rows))
+        print("sparse attention by launch variant (sparse_attn_paged's block_h, num_warps, "
+              "d_chunks), V4.1-Flash; us = CUDA-graph replay; [n] = output elements that "
+              "differ from the default launch's")
+        print(f"{'variant':<24}" + "".join(f"{c:>22}" for c in cases))
+        for name in dict.fromkeys(r["variant"] for r in rows):
+            cells = []
+            for r in (r for r in rows if r["variant"] == name):
+                diff = "" if r.get("differing") in (None, 0) else f" [{r['differing']}]"
+                cells.append(f"{r['us']:.1f}{diff}" if "failed" not in r else "failed")
+            print(f"{name:<24}" + "".join(f"{c:>22}" for c in cells))
+        for r in rows:
+            if "failed" in r:
+                print(f"  {r['variant']} {r['case']}: {r['failed']}")
+        return 0
     if args.part in ("sparse_attn", "all"):
         copy_bw = measure_copy_bandwidth()
         print(f"sparse attention alone, decode, 640 packed rows per query; copy {copy_bw / 1e12:.2f} "

@@ -900,11 +900,14 @@ def build_parser() -> argparse.ArgumentParser:
                                     "kernel alone on a CUDA GPU, against the reference path "
                                     "and the floor (FLOPs and bytes moved).")
     bn.add_argument("--csv", metavar="FILE", help="also write the layer rows as CSV")
-    bn.add_argument("--part", choices=("layers", "sparse_attn", "indexer", "gemm", "all"),
+    bn.add_argument("--part", choices=("layers", "sparse_attn", "indexer", "gemm", "all",
+                                       "attn_variants"),
                     default="all",
                     help="layers: one layer per role; sparse_attn: the sparse-attention kernel "
                          "alone; indexer: the lightning indexer alone; gemm: each fp8 linear "
-                         "alone; all: every part (default: all)")
+                         "alone; all: every part (default: all); attn_variants (not in all): "
+                         "the sparse-attention kernel's launch options (head tile, warps, "
+                         "column chunks) against its defaults, decode and an 8K prefill")
     bn.add_argument("--roles", metavar="LIST",
                     help="comma-separated subset of: SWA,Full r=2,Full r=1 cand,Reindex,Reuse "
                          "(default: all)")

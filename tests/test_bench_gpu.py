@@ -93,3 +93,42 @@ def test_prefill_timing_queued_behind_a_hold_hides_the_host(weights):
     bench = RoleBench(cfg, "SWA", "triton", w)
     queued, idle = bench.prefill_us(384, 2), bench.prefill_us(384, 2, queued=False)
     assert math.isfinite(queued) and math.isfinite(idle) and 0 < queued < idle, (queued, idle)
+
+
+@pytest.mark.parametrize("role", ["SWA", "Full r=2", "Full r=1 cand", "Reindex", "Reuse"])
+def test_layer_calls_make_no_synchronising_call(weights, role):
+    """Once its step is open, a layer call (a prefill of 384 tokens, then two decode steps,
+    the role's sources included) makes no synchronising CUDA call (torch's sync debug mode
+    raises on one): its launches queue behind whatever the GPU still runs, a model's previous
+    layer say, which the queued prefill timing assumes. A first pass compiles the kernels."""
+    from dsv41attn.bench import RoleBench
+    cfg, w = weights
+    bench = RoleBench(cfg, role, "triton", w)
+    stack = bench.stack
+    for check in (False, True):
+        state = stack.new_state(1, capacity=400, rollback=0)
+        for tokens in (384, 1, 1):
+            xs = {L: torch.randn(1, tokens, cfg.dim, device="cuda").bfloat16()
+                  for L in bench.layers}
+            step = stack.step(state, tokens)
+            torch.cuda.synchronize()
+            if check:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = stack.run(step, xs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            assert all(torch.isfinite(y).all() for y in out.values())
+
+
+def test_attention_launch_variants_part():
+    """bench --part attn_variants at small cases: every variant times each case, the default
+    launch differs from itself nowhere, and a variant's differing count is a count."""
+    from dsv41attn.bench import ATTN_VARIANTS, bench_attn_variants
+    variants = {k: ATTN_VARIANTS[k] for k in ("default", "block_h=32", "16 warps")}
+    rows = bench_attn_variants(batches=(1, 2), prefill=256, context=1024, variants=variants)
+    assert [(r["variant"], r["case"]) for r in rows] == [
+        (v, c) for v in variants for c in ("b=1", "b=2", "prefill 256")]
+    for r in rows:
+        assert "failed" not in r and math.isfinite(r["us"]) and r["us"] > 0, r
+        assert r["differing"] == 0 if r["variant"] == "default" else r["differing"] >= 0, r
