@@ -350,8 +350,11 @@ class RoleBench:
                 continue
             while True:
                 ms, ahead = self._prefill(tokens, lambda call: _held_ms(call, hold_ms))
-                if ahead or hold_ms > 2000:
+                if ahead:
                     break
+                if hold_ms > 2000:  # no time of the GPU's alone to report
+                    raise RuntimeError(f"the host did not queue the layer call within a "
+                                       f"{hold_ms:.0f} ms hold of the GPU: does it synchronise?")
                 hold_ms *= 2
             times.append(ms)
         return statistics.median(times) * 1e3
@@ -424,9 +427,9 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
     included); ``compile_cases``: the reference path under torch.compile as well;
     ``invariant``: every case also in the batch-invariant mode (``invariant_us``); ``queued``:
     decode graphs timed back to back and prefill calls queued behind a hold of the GPU (else
-    both from an idle GPU, see ``RoleBench.decode_graph_us`` and ``prefill_us``). ``tp``: the ranks of ``--tp`` (every rank runs the same
-    cases on its shard; the floor is one rank's, ``layer_floor`` with the all-reduce bandwidth
-    measured here over the ranks)."""
+    both from an idle GPU, see ``RoleBench.decode_graph_us`` and ``prefill_us``). ``tp``: the
+    ranks of ``--tp`` (every rank runs the same cases on its shard; the floor is one rank's,
+    ``layer_floor`` with the all-reduce bandwidth measured here over the ranks)."""
     cfg = preset("v41-flash")
     copy_bw = measure_copy_bandwidth()
     world = 1 if tp is None else tp.world
