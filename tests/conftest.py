@@ -388,7 +388,9 @@ def snapshot(state: AttentionState) -> dict[str, object]:
     return snap
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes, flat: two tensors are bit-identical (NaN payloads and -0 included) when
+    these are equal."""
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -399,7 +401,7 @@ def assert_same(before: dict[str, object], after: dict[str, object]) -> None:
         if isinstance(a, torch.Tensor):
             assert isinstance(b, torch.Tensor), k
             assert (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device), k
-            assert torch.equal(_bits(a), _bits(b)), f"{k} changed"
+            assert torch.equal(bytes_of(a), bytes_of(b)), f"{k} changed"
         else:
             assert a == b, f"{k}: {a!r} -> {b!r}"
 

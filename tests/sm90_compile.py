@@ -265,6 +265,20 @@ def _compile(rec: dict, sass: bool = False) -> dict:
     return out
 
 
+def _problem(r: dict) -> str | None:
+    """Why a compiled launch fails the check (its compile error, or more shared memory than
+    an sm_90 block may use), else None."""
+    if "error" in r:
+        return r["error"]
+    if r["shared"] > SM90_SHARED_MAX:
+        return f"{r['shared']} B of shared memory > {SM90_SHARED_MAX}"
+    return None
+
+
+def _only(recs: list[dict], only: str | None) -> list[dict]:
+    return [r for r in recs if not only or only in r["name"]]
+
+
 def _compile_all(recs: list[dict], jobs: int, sass: bool) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max(1, jobs), mp_context=ctx,
@@ -282,7 +296,7 @@ def _layer_report(a) -> int:
         subprocess.run([sys.executable, "-c", code], check=True,
                        env=dict(os.environ, TRITON_INTERPRET="1"))
         recs = [json.loads(line) for line in path.read_text().splitlines()]
-    recs = [r for r in recs if not a.only or a.only in r["name"]]
+    recs = _only(recs, a.only)
     results = _compile_all(recs, a.j, sass=True)
     print(f"{'step':18s} {'kernel (sm_90a)':28s} {'regs':>4s} {'stack':>5s} {'ld/st':>5s} "
           f"{'smem':>6s}  constexprs (ld/st: local loads and stores in the SASS)")
@@ -290,9 +304,10 @@ def _layer_report(a) -> int:
     for rec, r in sorted(zip(recs, results), key=lambda p: (p[0]["name"], p[0].get("tag", ""))):
         cx = " ".join(f"{k}={v}" for k, v in rec["kwargs"].items()
                       if k != "INTERPRET" and (k.isupper() or k.startswith("num_")))
-        if "error" in r:
+        problem = _problem(r)
+        if problem:
             failed += 1
-            print(f"{rec.get('tag', ''):18s} {rec['name']:28s} FAILED {r['error'][:300]}")
+            print(f"{rec.get('tag', ''):18s} {rec['name']:28s} FAILED {problem[:300]}")
             continue
         regs, stack, local = r["resources"] or (0, 0, 0)
         print(f"{rec.get('tag', ''):18s} {rec['name']:28s} {regs:4d} {stack:5d} {local:5d} "
@@ -326,8 +341,8 @@ def main(argv=None) -> int:
         print(f"sm_90 compile check: no interpreted launches in {path} (where the suite runs on "
               "a GPU its kernels compile there for real)")
         return 0
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    recs = [r for r in recs if not a.only or a.only in r["name"]]
+    recs = _only([json.loads(line) for line in path.read_text().splitlines() if line.strip()],
+                 a.only)
     try:  # a Triton the stand-in does not fit is told apart up front, changing nothing here
         _stand_in_parts()
     except (ImportError, AttributeError) as e:
@@ -345,8 +360,8 @@ def main(argv=None) -> int:
         row[0] += 1
         row[1:] = (max(row[1], regs), max(row[2], stack), max(row[3], r["shared"]),
                    max(row[4], local))
-        if r["shared"] > SM90_SHARED_MAX:
-            problems.append(f"{r['name']}: {r['shared']} B of shared memory > {SM90_SHARED_MAX}")
+        if _problem(r):  # compiled, but over the shared-memory limit
+            problems.append(f"{r['name']}: {_problem(r)}")
     print(f"{'kernel (sm_90a)':32s} {'launches':>8s} {'regs':>5s} {'stack B':>8s} {'smem B':>7s} "
           f"{'ld/st':>6s}  (most of any launch; ld/st: local loads and stores in the SASS, "
           f"-1 without --sass)")

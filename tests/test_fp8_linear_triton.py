@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("triton")
 
 import dsv41attn.ops.linear.triton as T
+from conftest import bytes_of
 from dsv41attn.checkpoint import quantize_fp8
 from dsv41attn.ops.common.quant import act_quant as ref_act_quant
 from dsv41attn.ops.common.triton import DEFAULT_SM_COUNT, interpreting, sm_count
@@ -586,10 +587,6 @@ def test_act_quant_wide_programs_same_bits(kb, monkeypatch):
     x[6, k // 2], x[7, k - 1] = float("nan"), float("-inf")
     x = x.to(DEV)
     w = (torch.randn(k, generator=g) * 0.5 + 1).bfloat16().to(DEV)
-
-    def bits(t):
-        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
     narrow = {}
     for wide in (False, True):
         monkeypatch.setattr(T, "QUANT_WIDE_MIN_M", 1 if wide else 1 << 30)
@@ -601,7 +598,8 @@ def test_act_quant_wide_programs_same_bits(kb, monkeypatch):
                     narrow[key] = (q, s)
                     continue
                 q0, s0 = narrow[key]
-                assert torch.equal(bits(s), bits(s0)) and torch.equal(bits(q), bits(q0))
+                assert torch.equal(bytes_of(s), bytes_of(s0))
+                assert torch.equal(bytes_of(q), bytes_of(q0))
     _check_quant(x[:6].cpu())
 
 

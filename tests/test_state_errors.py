@@ -19,7 +19,7 @@ from dsv41attn.config import ConfigError, preset
 from dsv41attn.layer import AttentionLayer
 from dsv41attn.stack import AttentionStack
 
-from conftest import (_bits, assert_same, assert_unchanged, clone_state, make_x, make_xs, rejected,
+from conftest import (bytes_of, assert_same, assert_unchanged, clone_state, make_x, make_xs, rejected,
                       run_valid, snapshot)
 
 B, CAP = 3, 16
@@ -408,9 +408,9 @@ def test_rejections_leave_no_trace_in_later_outputs(stack, cfg, base):
     ref_f = stack.run(stack.step(fresh, [1, 0, 2]), f_xs)
 
     for L in range(cfg.n_layers):
-        assert torch.equal(_bits(out_d[L]), _bits(ref_d[L])), f"step D, layer {L}"
-        assert torch.equal(_bits(out_e[L]), _bits(ref_e[L])), f"step E, layer {L}"
-        assert torch.equal(_bits(out_f[L]), _bits(ref_f[L])), f"step F, layer {L}"
+        assert torch.equal(bytes_of(out_d[L]), bytes_of(ref_d[L])), f"step D, layer {L}"
+        assert torch.equal(bytes_of(out_e[L]), bytes_of(ref_e[L])), f"step E, layer {L}"
+        assert torch.equal(bytes_of(out_f[L]), bytes_of(ref_f[L])), f"step F, layer {L}"
     assert_same(snapshot(fresh), snapshot(s))
     assert s.layers[0].positions.tolist() == [15, 14, 16]
 

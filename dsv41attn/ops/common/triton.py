@@ -246,15 +246,14 @@ def _rope_heads_kernel(x_ptr, cs_ptr, out_ptr, H, D: tl.constexpr, R2: tl.conste
     # the tail as one contiguous [BLOCK_H, 2 R2] load per head (coalesced), split into pairs
     offs_t = tl.arange(0, 2 * BLOCK_R2)[None, :]
     t_mask = h_mask & (offs_t < 2 * R2)
-    tail = out_ptr + row + (D - 2 * R2) + offs_t
+    tail = row + (D - 2 * R2) + offs_t  # [BLOCK_H, 2 BLOCK_R2] offsets
     x_even, x_odd = tl.split(tl.reshape(
-        tl.load(x_ptr + row + (D - 2 * R2) + offs_t, mask=t_mask, other=0.0).to(tl.float32),
-        (BLOCK_H, BLOCK_R2, 2)))
+        tl.load(x_ptr + tail, mask=t_mask, other=0.0).to(tl.float32), (BLOCK_H, BLOCK_R2, 2)))
     pair = tl.arange(0, BLOCK_R2)[None, :]
     y_even, y_odd = rope_rotate(x_even, x_odd, cs_ptr + n * (2 * R2), pair, pair < R2, INVERSE,
                                 INTERPRET)
     y = tl.reshape(tl.join(y_even, y_odd), (BLOCK_H, 2 * BLOCK_R2))
-    tl.store(tail, y.to(tl.bfloat16), mask=t_mask)  # exact: already bf16
+    tl.store(out_ptr + tail, y.to(tl.bfloat16), mask=t_mask)  # exact: already bf16
 
 
 def rope_heads(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False, *,
