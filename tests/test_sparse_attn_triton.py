@@ -499,3 +499,37 @@ def test_prefill_case_layout_and_kernel_bits(ratio):
     want = ref_paged(*args)
     got = tri_paged(*args)
     assert torch.equal(got, want)
+
+
+def test_one_token_step_takes_16_head_tiles(monkeypatch):
+    """A step of one token with splits sized to the step (split_blocks=0, the default mode's)
+    runs 16-head tiles (more, smaller programs: faster at b=1 on an H100); any other call, or
+    an explicit block_h, keeps the default tile (H up to 64). Either way within the
+    reference's tolerance, every element written."""
+    import dsv41attn.ops.sparse_attn.triton as S
+    seen = []
+    kernel = S._sparse_attn_paged_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append(kw["BLOCK_H"])
+                return kernel[grid](*a, **kw)
+            return launch
+    monkeypatch.setattr(S, "_sparse_attn_paged_kernel", Spy())
+    q, sink, args = make_step(3, 64, 64, 70, 100, 8, "mixed", seed=3)
+    n_ring = RING_B * RING_S  # token 2 alone (token 1's lists are all -1), its ring rows
+    q = q[2:]
+    args = {n: (v[2:] if n in ("new_rows", "window_ids", "token_row", "compressed_idx")
+                else v) for n, v in args.items()}
+    args["window_ids"] = torch.where(args["window_ids"] >= n_ring, -1, args["window_ids"])
+    ref = ref_paged(q, sink, 64 ** -0.5, **args).float()
+    assert ref.abs().sum() > 0
+    for kw, tile in (({"split_blocks": 0}, 16), ({}, 64), ({"split_blocks": 0, "block_h": 64}, 64)):
+        out = torch.full_like(q, float("nan"))
+        got = tri_paged(q, sink, 64 ** -0.5, **args, **kw, out=out).float()
+        assert seen[-1] == tile, (kw, seen)
+        assert not torch.isnan(got).any() and (got - ref).norm() / ref.norm() <= 1e-2, kw
+    q2, sink2, args2 = make_step(2, 64, 64, 70, 100, 8, "mixed", seed=4)
+    tri_paged(q2, sink2, 64 ** -0.5, **args2, split_blocks=0)
+    assert seen[-1] == 64  # two tokens: the default tile

@@ -662,7 +662,9 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     split_blocks=0 sizes the splits to the step instead (_wave_splits: faster at some batch
     sizes, but a token's bits then depend on the step); a forced num_splits cuts by the step's
     longest list; block_h, the head tile
-    (power of two >= 16), None = H rounded up to a power of two in [16, 64]; num_warps, None =
+    (power of two >= 16), None = H rounded up to a power of two in [16, 64], or 16 for a
+    step of one token with split_blocks=0 (H100, V4.1-Flash, b=1: 18.9 against 22.2 us; from
+    b=8 the 16-head tiles lose, 30.9 against 24.0: ``bench --part attn_variants``); num_warps, None =
     4 (8 at D > 128); d_chunks, the column chunks a tile is decoded and multiplied in (1 or 2,
     see _attend; 2 needs D >= 64; the same bits either way), None = 1 (2 measured slower on an
     H200 with Triton 3.6); out_rot, None or [T, R/2] complex64: the output's last R dims of
@@ -693,6 +695,8 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
         _check("compressed_pool", compressed_pool, ("P", "page_rows", d // 2 + d // 16),
                torch.uint8)
         _check("block_table", block_table, ("B", "pages"), torch.int64)
+    if block_h is None and split_blocks == 0 and t_all == 1:
+        block_h = BLOCK_H  # one token, splits sized to the step: more, smaller programs
     block_h = block_h or min(BLOCK_H_MAX, max(BLOCK_H, triton.next_power_of_2(h)))
     if block_h < 16 or block_h & (block_h - 1):
         raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
