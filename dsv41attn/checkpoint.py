@@ -113,6 +113,20 @@ def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
     return Fp8Weight(q, scale)
 
 
+def exact_fp8(w: torch.Tensor) -> Fp8Weight | None:
+    """The block-scaled e4m3 form of the bf16 matrix ``w`` [N, K] whose ``dequantize()`` is w
+    bit for bit (``quantize_fp8``'s scales: the smallest that hold each block), or None where
+    no such form exists (w was not an fp8 checkpoint weight dequantised, or holds a NaN or an
+    infinity). The runtime keeps wo_a dequantised; this gives back its fp8 bytes."""
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 2:
+        raise TypeError(f"exact_fp8 wants a 2-D bf16 tensor, got "
+                        f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
+    if not bool(torch.isfinite(w).all()):
+        return None
+    q = quantize_fp8(w)
+    return q if torch.equal(q.dequantize().view(torch.int16), w.view(torch.int16)) else None
+
+
 def expected_tensors(cfg: AttentionConfig, layer: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Name (relative to the layer's ``weight_prefix``) -> (dtype, shape) of every tensor the
     checkpoint holds for ``layer``, given its role. With H heads, D head_dim,

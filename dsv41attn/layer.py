@@ -67,6 +67,8 @@ class AttentionLayer:
         self.compressor_kw = (self.ops.compressor_prepare(weights.compressor_wkv,
                                                           weights.compressor_wgate)
                               if self.spec.is_kv_source and self.spec.ratio > 1 else {})
+        # wo_a's extra arguments (on the triton backend its e4m3 codes, read by decode steps)
+        self.wo_a_kw = self.ops.wo_a_prepare(weights.wo_a)
         # [rope_head_dim/2] fp32 on the weights' device (plans build rotations from it)
         self.freqs = rope_frequencies(cfg, self.spec).to(self.device)
         if backend == "reference" and self.device.type == "cpu":
@@ -79,8 +81,9 @@ class AttentionLayer:
     @property
     def prepared_nbytes(self) -> int:
         """Bytes the layer keeps beside ``weights.nbytes``: what its backend prepared once (the
-        triton backend's step-sized mode: a float64 copy of a ratio > 1 compressor's weights)."""
-        return sum(v.nbytes for v in self.compressor_kw.values())
+        triton backend: wo_a's e4m3 codes; in its step-sized mode also a float64 copy of a
+        ratio > 1 compressor's weights)."""
+        return sum(v.nbytes for kw in (self.compressor_kw, self.wo_a_kw) for v in kw.values())
 
     def forward(self, x: torch.Tensor, state: AttentionState, step: "Step") -> torch.Tensor:
         """This layer's part of an open step.
@@ -189,7 +192,8 @@ class AttentionLayer:
             trace(self, {"plan": plan, "board": board, "q": q, "new_rows": new_rows,
                          "window_ring": layer_state.window, "pool": pool, "selected": selected,
                          "block_table": state.block_table, "o": o})
-        u = ops.inverse_rope_wo_a(o, None if turned else rot, w.wo_a, self.groups)  # [T, G * Rk]
+        u = ops.inverse_rope_wo_a(o, None if turned else rot, w.wo_a, self.groups,
+                                  **self.wo_a_kw)  # [T, G * Rk]
         if self.tp is None:
             y = ops.fp8_linear(u, w.wo_b.weight, w.wo_b.scale)
         else:  # this rank's fp32 partial, all-reduced in fp32, then bf16

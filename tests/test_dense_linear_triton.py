@@ -106,6 +106,75 @@ def test_leading_dims_and_bad_inputs():
         dense_linear(x, w, num_splits=2)  # K = 64: one step
 
 
+def _fp8_operands(m, n, k, groups, seed):
+    """x [m, groups*k] bf16 and an fp8 w [groups*n, k] whose 32x32 blocks span 2^-12 .. 2^5
+    (many scale exponents, so a wrong block's scale shows)."""
+    from dsv41attn.checkpoint import quantize_fp8
+    x, w = _operands(m, n, k, groups, torch.float32, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    blocks = torch.exp2(torch.randint(-12, 6, (-(-w.shape[0] // 32), -(-k // 32)),
+                                      generator=g).float())
+    w = w * blocks.repeat_interleave(32, 0).repeat_interleave(32, 1)[:w.shape[0], :k]
+    return x.bfloat16(), quantize_fp8(w)
+
+
+# (M, N per group, K per group, groups, num_splits, tiles, tma): K off the 64 step and off
+# the 32-block (200: one 32-block past the last whole step's first half; 208: TMA-readable),
+# N off the tile and under one scale block (8 rows a group: groups share scale rows), M across
+# 16- and 64-row tiles, the split ranges and the one-program sum, TMA boxes and plain loads
+FP8_CASES = [(1, 37, 200, 1, None, None, None), (5, 16, 128, 2, 2, None, False),
+             (70, 40, 96, 1, None, None, None), (17, 8, 320, 3, 3, (16, 64, 4, 3), True),
+             (3, 64, 208, 2, None, (16, 128, 4, 2), True), (33, 24, 256, 2, 4, None, True)]
+
+
+@pytest.mark.parametrize("m,n,k,groups,splits,tiles,tma", FP8_CASES)
+def test_fp8_codes_give_dense_linear_bits(m, n, k, groups, splits, tiles, tma):
+    """dense_fp8_linear on an fp8 weight's codes and block scales = dense_linear on its bf16
+    values, bit for bit, every output written (a NaN-poisoned out)."""
+    x, w = _fp8_operands(m, n, k, groups, seed=m + n + k)
+    x, w8, s8 = x.to(DEV), w.weight.to(DEV), w.scale.to(DEV)
+    want = dense_linear(x, w.dequantize().to(DEV), groups, num_splits=splits)
+    out = torch.full((m, groups * n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    got = T.dense_fp8_linear(x, w8, s8, groups, num_splits=splits, tiles=tiles, tma=tma,
+                             out=out)
+    assert got.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
+    assert _same(got, want)
+    assert _same(T.dense_fp8_linear(x[-1:], w8, s8, groups, num_splits=splits, tiles=tiles,
+                                    tma=tma), want[-1:])  # a row alone: the same bits
+
+
+def test_fp8_codes_one_program_sums_the_ranges(monkeypatch):
+    """With the tiles filling the SMs (one here), each tile's program sums its K ranges in
+    turn: the split programs' bits still."""
+    x, w = _fp8_operands(9, 40, 320, 2, seed=6)
+    x, w8, s8 = x.to(DEV), w.weight.to(DEV), w.scale.to(DEV)
+    want = T.dense_fp8_linear(x, w8, s8, 2, num_splits=3)  # split: tiles < SMs
+    monkeypatch.setattr(T, "sm_count", lambda device: 1)
+    assert _same(T.dense_fp8_linear(x, w8, s8, 2, num_splits=3), want)
+    assert _same(want, dense_linear(x, w.dequantize().to(DEV), 2, num_splits=3))
+
+
+def test_fp8_codes_bad_inputs():
+    x, w = _fp8_operands(4, 32, 200, 1, seed=7)
+    x, w8, s8 = x.to(DEV), w.weight.to(DEV), w.scale.to(DEV)
+    assert T.dense_fp8_linear(x.view(2, 2, 200), w8, s8).shape == (2, 2, 32)
+    assert T.dense_fp8_linear(x[:0], w8, s8).shape == (0, 32)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        T.dense_fp8_linear(x, w.dequantize().to(DEV), s8)
+    with pytest.raises(ValueError, match=r"scale must be float8_e8m0fnu \[1, 7\]"):
+        T.dense_fp8_linear(x, w8, s8[:, :6])
+    with pytest.raises(ValueError, match="groups"):
+        T.dense_fp8_linear(x, w8, s8, 3)
+    with pytest.raises(ValueError, match="does not match"):
+        T.dense_fp8_linear(x[:, :64], w8, s8)
+    with pytest.raises(ValueError, match="num_splits"):
+        T.dense_fp8_linear(x, w8, s8, num_splits=5)  # K = 200: four steps
+    with pytest.raises(ValueError, match="TMA"):
+        T.dense_fp8_linear(x, w8, s8, tma=True)  # 200-byte rows
+    with pytest.raises(ValueError, match="out must be"):
+        T.dense_fp8_linear(x, w8, s8, out=torch.empty(4, 31, dtype=torch.bfloat16, device=DEV))
+
+
 def test_rms_norm_vs_reference():
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(9, 320, generator=g) * torch.logspace(-3, 3, 9)[:, None]).bfloat16()

@@ -93,9 +93,14 @@ def test_the_mode_is_chosen_per_stack_and_checked():
     w2 = random_layer_weights(CFG, r2, seed=2)
     layer = AttentionLayer(CFG, w2, "triton")
     assert layer.compressor_kw["prepared"].serves(w2.compressor_wkv, w2.compressor_wgate)
-    assert layer.prepared_nbytes == 2 * 8 * w2.compressor_wkv.numel()  # float64 wkv, wgate
-    assert AttentionLayer(CFG, w2, "triton", batch_invariant=True).compressor_kw == {}
+    # both modes: wo_a's e4m3 codes (the random weights are an fp8 checkpoint's, dequantised)
+    codes = layer.wo_a_kw["codes"]
+    assert codes.serves(w2.wo_a) and torch.equal(codes.fp8.dequantize(), w2.wo_a)
+    assert layer.prepared_nbytes == 2 * 8 * w2.compressor_wkv.numel() + codes.fp8.nbytes
+    invariant = AttentionLayer(CFG, w2, "triton", batch_invariant=True)
+    assert invariant.compressor_kw == {} and invariant.prepared_nbytes == codes.fp8.nbytes
     assert AttentionLayer(CFG, w2, "reference").compressor_kw == {}
+    assert AttentionLayer(CFG, w2, "reference").wo_a_kw == {}
     assert AttentionStack(CFG, {r2: w2}, "reference").prepared_nbytes == 0
     assert AttentionStack(CFG, {r2: w2}, "triton").prepared_nbytes == layer.prepared_nbytes
     r1 = next((L for L in CFG.kv_source_layers if CFG.layer(L).ratio == 1), None)

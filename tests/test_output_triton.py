@@ -138,6 +138,50 @@ def test_fused_max_rows():
     assert torch.equal(_run_triton(o[1:2], rot[1:2], w, groups, rk), default[1:2])  # N-invariant
 
 
+def test_prepare_wo_a_keeps_the_exact_codes():
+    """prepare_wo_a: a bf16 wo_a that an fp8 checkpoint's weight dequantises to gets its codes
+    back (their dequantisation is wo_a, bit for bit); one with values no block-scaled e4m3
+    holds, or a NaN, gets none; an Fp8Weight needs none; the reference prepares nothing."""
+    w8 = _weight("odd", "fp8", seed=21)
+    w16 = w8.dequantize()
+    codes = T.prepare_wo_a(w16)["codes"]
+    assert codes.serves(w16) and codes.nbytes == w8.weight.numel() + w8.scale.numel()
+    assert torch.equal(codes.fp8.dequantize().view(torch.int16), w16.view(torch.int16))
+    assert T.prepare_wo_a(_weight("odd", "bf16", seed=21)) == {}
+    poisoned = w16.clone()
+    poisoned[3, 5] = float("nan")
+    assert T.prepare_wo_a(poisoned) == {}
+    assert T.prepare_wo_a(w8) == {} and R.prepare_wo_a(w16) == {}
+
+
+@pytest.mark.parametrize("fixed_order", [True, False], ids=["fixed", "step-sized"])
+def test_codes_path_gives_the_bf16_paths_bits(fixed_order, monkeypatch):
+    """Up to WO_A_CODES_MAX_ROWS rows with the prepared codes the op runs dense_fp8_linear on
+    them (spied), with the fixed-order bf16 path's bits; past it the bf16 path; codes that no
+    longer serve wo_a (written in place) are ignored, so the new weight's output comes out."""
+    calls = []
+    real = T.dense_fp8_linear
+    monkeypatch.setattr(T, "dense_fp8_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(T, "WO_A_CODES_MAX_ROWS", 4)
+    o, rot, groups, rk = _inputs("odd", 6, seed=23)
+    w16 = _weight("odd", "fp8", seed=24).dequantize().to(DEV)
+    kw = T.prepare_wo_a(w16)
+    for n in (1, 4, 6):
+        want = _run_triton(o[:n], rot[:n], w16, groups, rk)  # fixed order, bf16
+        before = len(calls)
+        got = _run_triton(o[:n], rot[:n], w16, groups, rk, fixed_order=fixed_order, **kw)
+        assert len(calls) - before == (n <= 4), n
+        if n <= 4 or fixed_order:
+            assert torch.equal(got, want), n
+    w16.mul_(2)  # in place: the codes are stale
+    assert not kw["codes"].serves(w16)
+    before = len(calls)
+    got = _run_triton(o[:2], rot[:2], w16, groups, rk, **kw)
+    assert len(calls) == before and torch.equal(got, _run_triton(o[:2], rot[:2], w16, groups, rk))
+    with pytest.raises(TypeError, match="WoACodes"):
+        T.inverse_rope_wo_a(o.to(DEV), rot.to(DEV), w16, groups, codes=kw["codes"].fp8)
+
+
 @pytest.mark.parametrize("fixed_order", [True, False], ids=["fixed", "step-sized"])
 def test_in_place_turns_o_and_gives_the_same_bits(fixed_order):
     """in_place (the layer's o is its own): the same output as the copying form, o itself left

@@ -44,6 +44,8 @@ class Ops:
     recent_gather_write: Callable  # r > 1 decode: the groups' projections, the recent-ring write
     pool_norm_rope_pack: Callable  # compressor epilogue: rows and index keys into the pools
     inverse_rope_wo_a: Callable  # inverse RoPE + block-diagonal wo_a
+    wo_a_prepare: Callable  # wo_a -> inverse_rope_wo_a's extra keyword arguments, built once
+    # per layer
     index_topk: Callable  # the lightning indexer: scores, candidate blocks, top-k
     rope_fp4_heads: Callable  # the index query's RoPE + fp4 fake quant
     linear: Callable  # bf16 / fp32 weights (reference.linear's signature)
@@ -63,6 +65,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
         from .indexer.reference import index_topk
         from .linear.reference import fp8_linear, fp8_linear_pair, linear
         from .output.reference import inverse_rope_wo_a
+        from .output.reference import prepare_wo_a as wo_a_prepare
         from .sparse_attn.reference import sparse_attn_paged
         from .window_kv.reference import norm_rope_pack
         if batch_invariant:
@@ -80,6 +83,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
             from .linear import triton as fixed_linears
             from .linear.triton import fp8_linear, fp8_linear_pair
             from .output import triton as output
+            from .output.triton import prepare_wo_a as wo_a_prepare
             from .sparse_attn.triton import sparse_attn_paged
             from .window_kv.triton import norm_rope_pack
         except ImportError as e:  # triton missing
@@ -98,5 +102,5 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
     # the reference ops write through boolean masks (host syncs): not capturable
     return Ops(backend, sparse_attn_paged, fp8_linear, fp8_linear_pair, norm_rope_pack,
                compressor_project, compressor_prepare, recent_gather_write,
-               pool_norm_rope_pack, inverse_rope_wo_a, index_topk, rope_fp4_heads, linear,
+               pool_norm_rope_pack, inverse_rope_wo_a, wo_a_prepare, index_topk, rope_fp4_heads, linear,
                backend == "triton", batch_invariant)

@@ -1306,6 +1306,95 @@ def _dense_sum_kernel(part_ptr, out_ptr, NUMEL, S, FP64: tl.constexpr, BLOCK: tl
     tl.store(out_ptr + offs, y, mask=mask)
 
 
+@triton.jit
+def _dense_fp8_kernel(x_ptr, w_ptr, s_ptr, w_desc, out_ptr, part_ptr, cnt_ptr, M, NG, KG, XK,
+                      CN, SK, CHUNKS, RANGES, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SPLITS: tl.constexpr, ALL_RANGES: tl.constexpr, TMA: tl.constexpr,
+                      INTERPRET: tl.constexpr):
+    """_dense_gemm_kernel's bf16 GEMM (the same K steps of 64, the same fp32 chain, the same
+    ranges) for a weight held as e4m3 codes with e8m0 32x32 block scales, read as its bytes:
+    each step's [BLOCK_N, 64] codes times their two block scales are the weight's bf16 values
+    exactly (what Fp8Weight.dequantize makes), fed to the wgmma from registers on its 64-row
+    side, the BLOCK_M token rows on its narrow side (the operands swapped, as _fp8_decode_kernel:
+    the same products in the same K order, so dense_linear's bits on the dequantised weight).
+    x: [M, XK] bf16 (group g reads its columns g*KG ..); w: [G*NG, KG] uint8 codes, or w_desc
+    (TMA) its descriptor with [BLOCK_N, 64] boxes; s: [cdiv(G*NG, 32), SK] uint8 e8m0; out:
+    [M, CN] bf16. Grid (G * cdiv(NG, BLOCK_N), S, cdiv(M, BLOCK_M)): program (n, z, m) makes
+    range z (S = SPLITS = RANGES: its fp32 partial into part [S, M, CN], and the tile's last
+    program to finish, by the counter in cnt, adds them in range order, writes out and resets
+    the counter) or every range in turn (ALL_RANGES, S = 1)."""
+    BLOCK_K: tl.constexpr = 64
+    n_tiles = tl.cdiv(NG, BLOCK_N)
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    g = pid_n // n_tiles
+    n0 = (pid_n % n_tiles) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < NG
+    wrows = (g * NG + offs_n).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    rows = offs_m.to(tl.int64)
+    if ALL_RANGES:
+        lo = 0
+        hi = CHUNKS
+        r = 0
+        r_end = CHUNKS // RANGES
+        total = tl.full([BLOCK_N, BLOCK_M], -0.0, tl.float32)
+    else:
+        lo = split * CHUNKS // RANGES
+        hi = (split + 1) * CHUNKS // RANGES
+    offs_k = tl.arange(0, BLOCK_K)
+    second = (offs_k >= 32)[None, :]  # the step's second 32-block
+    x_row = x_ptr + rows[:, None] * XK + g * KG
+    w_row = w_ptr + wrows[:, None] * KG
+    s_row = s_ptr + (wrows // 32) * SK
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for step in range(lo, hi):
+        k = step * BLOCK_K + offs_k
+        k_mask = k < KG
+        if TMA:
+            codes = w_desc.load([g * NG + n0, step * BLOCK_K])
+        else:
+            codes = tl.load(w_row + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
+        s0 = e8m0_to_fp32(tl.load(s_row + 2 * step, mask=n_mask, other=127).to(tl.int32))
+        s1 = e8m0_to_fp32(tl.load(s_row + 2 * step + 1,
+                                  mask=n_mask & (offs_n * 0 + (2 * step + 1) * 32 < KG),
+                                  other=127)
+                          .to(tl.int32))
+        w = e4m3_to_fp32(codes) * tl.where(second, s1[:, None], s0[:, None])  # exact
+        x = tl.load(x_row + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if INTERPRET:  # as _dense_gemm_kernel's: each step's exact sum in fp64, rounded to fp32
+            a64 = x.to(tl.float32).to(tl.float64)
+            acc += tl.dot(w.to(tl.float64), tl.trans(a64), out_dtype=tl.float64).to(tl.float32)
+        else:
+            acc = tl.dot(w.to(tl.bfloat16), tl.trans(x), acc)
+        if ALL_RANGES:
+            if step + 1 == r_end:  # range r is complete: add it, start range r + 1 from 0
+                total += acc
+                acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                r += 1
+                r_end = (r + 1) * CHUNKS // RANGES
+    if ALL_RANGES:
+        acc = total
+    mn = rows[None, :] * CN + wrows[:, None]  # [BLOCK_N, BLOCK_M]
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLITS > 1:
+        tl.store(part_ptr + split.to(tl.int64) * M * CN + mn, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is stored before the counter moves
+        cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:  # the last one
+            y = tl.load(part_ptr + mn, mask=mask, other=0.0, cache_modifier=".cg")
+            for z in tl.static_range(1, SPLITS):  # range order, as _dense_sum_kernel
+                y += tl.load(part_ptr + z * M * CN + mn, mask=mask, other=0.0,
+                             cache_modifier=".cg")
+            tl.store(out_ptr + mn, to_bf16(y, INTERPRET).to(tl.bfloat16), mask=mask)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    else:
+        tl.store(out_ptr + mn, to_bf16(acc, INTERPRET).to(tl.bfloat16), mask=mask)
+
+
 @dataclass(frozen=True)
 class _DensePlan:
     """Launch parameters of one dense_linear shape: ``order`` from the weight's shape and the
@@ -1324,6 +1413,15 @@ class _DensePlan:
         return self.order.ranges if self.workspace else 1
 
 
+def _dense_order(n_group: int, k_group: int, groups: int, dtype: torch.dtype, sms: int,
+                 num_splits: int | None = None) -> KOrder:
+    """dense_linear's K order for a [groups * n_group, k_group] weight: steps of
+    DENSE_BLOCK_K[dtype] in ``k_order`` ranges, from the weight's shape and the SM count alone
+    (num_splits forces the range count)."""
+    return k_order(groups * triton.cdiv(n_group, 64), triton.cdiv(k_group, DENSE_BLOCK_K[dtype]),
+                   sms, granules=(1,), ranges=num_splits)
+
+
 def _dense_plan(m: int, n_group: int, k_group: int, groups: int, dtype: torch.dtype, sms: int,
                 num_splits: int | None = None, workspace: bool | None = None) -> _DensePlan:
     """K steps of DENSE_BLOCK_K[dtype] in ``k_order`` ranges (from the weight's shape and the
@@ -1331,8 +1429,7 @@ def _dense_plan(m: int, n_group: int, k_group: int, groups: int, dtype: torch.dt
     separate programs while that fills idle SMs at a small traffic cost (``_use_workspace``;
     ``workspace`` forces it either way)."""
     bk = DENSE_BLOCK_K[dtype]
-    n_tiles = groups * triton.cdiv(n_group, 64)
-    order = k_order(n_tiles, triton.cdiv(k_group, bk), sms, granules=(1,), ranges=num_splits)
+    order = _dense_order(n_group, k_group, groups, dtype, sms, num_splits)
     bm, bn, warps, stages = _tile_row(_DENSE_TILES[dtype], m)
     if workspace is None:
         tiles = triton.cdiv(m, bm) * groups * triton.cdiv(n_group, bn)
@@ -1409,6 +1506,95 @@ def _run_dense(plan: _DensePlan, x: torch.Tensor, weight: torch.Tensor, groups: 
         _dense_sum_kernel[(triton.cdiv(out.numel(), block),)](
             target, out, out.numel(), s, FP64=fp64, BLOCK=block, INTERPRET=interp)
     return out
+
+
+# dense_fp8_linear's tiles by M: (largest M, BLOCK_M, BLOCK_N, warps, stages, TMA where the
+# weight allows it). H100, V4.1-Flash wo_a ([8192, 4096], 8 groups), CUDA graphs, us at M = 1 /
+# 16 (64): 16 x 64 tiles, 3 stages, TMA 19.8 / 20.5 (2 stages 25.7 / 26.7 without TMA, 4 20.6 /
+# 21.0, 6 21.8 / 22.0; 128 weight rows 21.4-23.1); at M = 64, 64 x 64 tiles, plain loads 28.2
+# (TMA 35.1; 128 weight rows on 8 warps, TMA, 29.3). The same bits in every one.
+DENSE_FP8_TILES = ((16, 16, 64, 4, 3, True), (None, 64, 64, 4, 3, False))
+
+
+def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     groups: int = 1, *, num_splits: int | None = None,
+                     tiles: tuple | None = None, tma: bool | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """``dense_linear(x, Fp8Weight(weight, scale).dequantize(), groups)``, the same bits,
+    reading the weight's e4m3 bytes and e8m0 block scales instead of its bf16 copy: half the
+    weight bytes, for the sizes a weight's bytes bound (decode). The K steps, ranges and fp32
+    chain are dense_linear's; only the operands' roles in the MMA differ (_dense_fp8_kernel).
+
+    x: [..., groups * Kg] (cast to bf16); weight: float8_e4m3fn [groups * Ng, Kg]; scale:
+    float8_e8m0fnu [cdiv(groups * Ng, 32), cdiv(Kg, 32)]. num_splits: dense_linear's. tiles:
+    (BLOCK_M, BLOCK_N, warps, stages), None = DENSE_FP8_TILES by M (for tuning; the same bits
+    at any); tma: read the codes through a TMA descriptor (None: as DENSE_FP8_TILES says,
+    where _tma_weight allows);
+    out: a contiguous bf16 [rows of x, groups * Ng] to write into. The ranges run as separate
+    programs while the tiles leave SMs idle, the last to finish adding them. Returns [...,
+    groups * Ng] bf16.
+    """
+    require(isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and weight.dtype == torch.float8_e4m3fn,
+            f"weight must be a 2-D float8_e4m3fn tensor, got {getattr(weight, 'dtype', None)} "
+            f"{tuple(getattr(weight, 'shape', ()))}")
+    rows, kg = weight.shape
+    want = (triton.cdiv(rows, FP8_BLOCK), triton.cdiv(kg, FP8_BLOCK))
+    require(isinstance(scale, torch.Tensor) and scale.dtype == torch.float8_e8m0fnu
+            and tuple(scale.shape) == want,
+            f"scale must be float8_e8m0fnu {list(want)} for a weight {[rows, kg]}, got "
+            f"{getattr(scale, 'dtype', None)} {tuple(getattr(scale, 'shape', ()))}")
+    require(isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1
+            and rows % groups == 0,
+            f"groups must be a positive int dividing {rows} rows, got {groups!r}")
+    ng = rows // groups
+    require(isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] == groups * kg
+            and x.is_floating_point(),
+            f"x {tuple(getattr(x, 'shape', ()))} does not match weight {[rows, kg]} "
+            f"in {groups} groups (want [..., {groups * kg}])")
+    check_device(x, weight, scale)
+    lead = x.shape[:-1]
+    x2 = x.reshape(lead.numel(), x.shape[-1]).to(torch.bfloat16).contiguous()
+    m = x2.shape[0]
+    if out is None:
+        out = torch.empty(m, rows, dtype=torch.bfloat16, device=x.device)
+    else:
+        require(isinstance(out, torch.Tensor) and tuple(out.shape) == (m, rows)
+                and out.dtype == torch.bfloat16 and out.is_contiguous()
+                and out.device == x.device,
+                f"out must be a contiguous bf16 [{m}, {rows}] tensor on {x.device}, got "
+                f"{getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}")
+    if out.numel() == 0:
+        return out.reshape(*lead, rows)
+    if kg == 0:
+        return out.zero_().reshape(*lead, rows)
+    steps = triton.cdiv(kg, DENSE_BLOCK_K[torch.bfloat16])
+    require(num_splits is None or 1 <= num_splits <= steps,
+            f"num_splits = {num_splits} is not in [1, {steps}] (K steps)")
+    sms = sm_count(x.device)
+    order = _dense_order(ng, kg, groups, torch.bfloat16, sms, num_splits)
+    bm, bn, warps, stages, tma_tile = _tile_row(DENSE_FP8_TILES, m)
+    if tiles is not None:
+        bm, bn, warps, stages = tiles
+    grid_n, grid_m = groups * triton.cdiv(ng, bn), triton.cdiv(m, bm)
+    split = order.ranges > 1 and grid_n * grid_m < sms
+    s = order.ranges if split else 1
+    w = weight.contiguous()
+    tma_ok = _tma_weight(w) and kg % 16 == 0  # TMA: 16-byte row strides
+    require(not tma or tma_ok, f"tma=True, but this weight {[rows, kg]} cannot be read through "
+            f"a TMA descriptor (it needs a contiguous, 16-byte-aligned tensor, Kg a multiple "
+            f"of 16 and a Hopper or newer GPU)")
+    tma = tma_ok and tma_tile if tma is None else tma
+    w8 = w.view(torch.uint8)
+    w_desc = TensorDescriptor.from_tensor(w8, [bn, 64]) if tma else w8
+    part = torch.empty(s, m, rows, dtype=torch.float32, device=x.device) if split else out
+    counters = _tile_counters(out.device, grid_n * grid_m) if split else out
+    _dense_fp8_kernel[(grid_n, s, grid_m)](
+        x2, w8, scale.contiguous().view(torch.uint8), w_desc, out, part, counters, m, ng, kg,
+        x2.shape[1], rows, want[1], order.chunks, order.ranges, BLOCK_M=bm, BLOCK_N=bn,
+        SPLITS=s, ALL_RANGES=order.ranges > 1 and not split, TMA=bool(tma),
+        INTERPRET=interpreting(), num_warps=warps, num_stages=stages)
+    return out.reshape(*lead, rows)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,12 @@ def check_out(out: torch.Tensor, o: torch.Tensor, columns: int) -> None:
                          f"{o.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
 
 
+def prepare_wo_a(wo_a: torch.Tensor | Fp8Weight) -> dict:
+    """Extra arguments of ``inverse_rope_wo_a`` prepared once per layer: none (it reads wo_a as
+    it is; the triton backend keeps wo_a's e4m3 codes for decode-sized calls)."""
+    return {}
+
+
 def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Tensor | Fp8Weight,
                       groups: int, *, out: torch.Tensor | None = None,
                       in_place: bool = False) -> torch.Tensor:

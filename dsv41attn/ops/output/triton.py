@@ -16,7 +16,9 @@ The op's default path, on a GPU and under the interpreter alike, is the rotation
 (common.triton.rope_heads, the reference's bits) then the grouped GEMM of
 linear.triton.dense_linear, whose summation order is fixed by wo_a's shape: a row's output
 never depends on how many rows share the call (torch's einsum runs cuBLAS kernels picked by
-shape, whose last bits depend on N). The fused kernel runs when ``num_splits`` is given or
+shape, whose last bits depend on N). Decode-sized calls (N <= WO_A_CODES_MAX_ROWS) read
+wo_a's e4m3 codes instead of its bf16 copy where the op has them (prepare_wo_a, or an
+Fp8Weight wo_a): linear.triton.dense_fp8_linear, dense_linear's bits on half the bytes. The fused kernel runs when ``num_splits`` is given or
 N <= ``fused_max_rows`` (for tuning it; its split-K count follows N, so it is not
 N-invariant). Fused, a decode (N <= 256) reads all of wo_a to make few rows: weight-bandwidth
 bound. Tiles of 16 (N <= 16) or 64 rows x 64 columns x 128 K: for V4.1-Flash's 8x1024 columns
@@ -28,15 +30,25 @@ an H200 the fused kernel lost to cuBLAS at every size measured.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from ...checkpoint import Fp8Weight
+from ...checkpoint import Fp8Weight, exact_fp8
 from ..common.triton import (FP8_BLOCK, check_device, cos_sin, e4m3_to_fp32, e8m0_to_fp32,
                              interpreting, rope_heads, sm_count, to_bf16)
-from ..linear.triton import dense_linear
+from ..linear.triton import dense_fp8_linear, dense_linear
 from .reference import check_inputs, check_out
+
+# Calls of up to this many rows read wo_a's e4m3 codes (dense_fp8_linear) where the op has
+# them (an Fp8Weight wo_a, or ``codes`` from prepare_wo_a): dense_linear's bits on half the
+# weight bytes. H100, V4.1-Flash wo_a ([8192, 4096], 8 groups), CUDA graphs, us at M = 1 / 8 /
+# 16 / 64 / 128 / 256: the codes 19.8 / 20.1 / 20.5 / 28.2 / 47.2 / 74.7, torch's bf16 batched
+# GEMM 25.5 / 25.8 / 26.1 / 27.8 / 30.2 / 34.9, dense_linear 31.5 / 32.2 / 32.8 / 36.9 / 44.2 /
+# 46.6 (the same bits as the codes at every M).
+WO_A_CODES_MAX_ROWS = 64
 
 
 @triton.jit
@@ -164,10 +176,44 @@ def _pick_splits(programs: int, k_blocks: int, partial_row_bytes: int, weight_by
     return max(1, s)
 
 
+@dataclass(frozen=True)
+class WoACodes:
+    """A bf16 wo_a's exact e4m3 form (``checkpoint.exact_fp8``: what the checkpoint stored, 34
+    MB per V4.1-Flash layer beside the 67 MB bf16 copy), for decode-sized calls to read half
+    the bytes. Built once per layer by ``prepare_wo_a``; it serves only the tensor it was made
+    from, unchanged since (``serves``: a wo_a written in place, or another tensor, runs the
+    bf16 path)."""
+
+    fp8: Fp8Weight
+    source: torch.Tensor
+    version: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held beside the weights (the codes and their block scales)."""
+        return self.fp8.nbytes
+
+    def serves(self, wo_a) -> bool:
+        """True for the very tensor it was made from, not written in place since (host check)."""
+        return wo_a is self.source and wo_a._version == self.version
+
+
+def prepare_wo_a(wo_a: torch.Tensor | Fp8Weight) -> dict:
+    """Extra arguments of ``inverse_rope_wo_a`` for one layer, built once: ``codes``, a bf16
+    wo_a's ``WoACodes``; {} when wo_a has no exact e4m3 form or is an Fp8Weight already (the
+    op reads that one as it is)."""
+    if isinstance(wo_a, torch.Tensor) and wo_a.dtype == torch.bfloat16 and wo_a.dim() == 2:
+        fp8 = exact_fp8(wo_a)
+        if fp8 is not None:
+            return {"codes": WoACodes(fp8, wo_a, wo_a._version)}
+    return {}
+
+
 def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Tensor | Fp8Weight,
                       groups: int, *, out: torch.Tensor | None = None,
                       num_splits: int | None = None, fused_max_rows: int = 0,
-                      fixed_order: bool = True, in_place: bool = False) -> torch.Tensor:
+                      fixed_order: bool = True, in_place: bool = False,
+                      codes: WoACodes | None = None) -> torch.Tensor:
     """``reference.inverse_rope_wo_a`` as one Triton kernel (plus a split-K sum for decode).
 
     o: [N, H, D] bf16; rot: [N, R/2] complex64 (the last R dims of each head are rotated by
@@ -185,7 +231,11 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Ten
     the tested fused form. fixed_order=False (the backend's default mode, not batch-invariant)
     runs torch's bf16 batched GEMM (into out, no copy) instead of dense_linear there (cuBLAS: its blocking, and
     so a row's last bits, may follow N). in_place: the caller no longer needs o: the rotation
-    kernel turns o's tail pairs in place instead of copying all of o.
+    kernel turns o's tail pairs in place instead of copying all of o. codes: the bf16 wo_a's
+    WoACodes (prepare_wo_a; ignored unless it ``serves`` this wo_a). Unfused, a call of at
+    most WO_A_CODES_MAX_ROWS rows with codes, or with an Fp8Weight wo_a, runs
+    dense_fp8_linear on the e4m3 codes: dense_linear's bits in either mode, on half the
+    weight bytes.
     """
     kg, rk = check_inputs(o, rot, wo_a, groups)
     n, h, d = o.shape
@@ -199,6 +249,10 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Ten
         raise ValueError(f"num_splits must be an int >= 1 or None, got {num_splits!r}")
     if isinstance(fused_max_rows, bool) or not isinstance(fused_max_rows, int):
         raise ValueError(f"fused_max_rows must be an int, got {fused_max_rows!r}")
+    if codes is not None and not isinstance(codes, WoACodes):
+        raise TypeError(f"codes must be a WoACodes (prepare_wo_a) or None, got "
+                        f"{type(codes).__name__}")
+    codes = wo_a if fp8 else codes.fp8 if codes is not None and codes.serves(wo_a) else None
     if out is None:
         out = torch.empty(n, gr, dtype=torch.bfloat16, device=o.device)
     else:
@@ -207,9 +261,11 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Ten
         return out
     if (n > fused_max_rows and num_splits is None) or rot is None:
         # the rotation kernel, then the grouped GEMM (in its fixed summation order)
-        w16 = wo_a.dequantize() if fp8 else weight
         rotated = (o.contiguous() if rot is None else
                    rope_heads(o, rot, inverse=True, in_place=in_place)).view(n, h * d)
+        if codes is not None and n <= WO_A_CODES_MAX_ROWS:  # dense_linear's bits, fp8 bytes
+            return dense_fp8_linear(rotated, codes.weight, codes.scale, groups, out=out)
+        w16 = wo_a.dequantize() if fp8 else weight
         if not fixed_order:  # torch's batched GEMM writes straight into out's [G, N, Rk] view
             torch.bmm(rotated.view(n, groups, kg).transpose(0, 1),
                       w16.view(groups, rk, kg).transpose(1, 2),
