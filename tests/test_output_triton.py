@@ -156,13 +156,15 @@ def test_prepare_wo_a_keeps_the_exact_codes():
 
 @pytest.mark.parametrize("fixed_order", [True, False], ids=["fixed", "step-sized"])
 def test_codes_path_gives_the_bf16_paths_bits(fixed_order, monkeypatch):
-    """Up to WO_A_CODES_MAX_ROWS rows with the prepared codes the op runs dense_fp8_linear on
-    them (spied), with the fixed-order bf16 path's bits; past it the bf16 path; codes that no
-    longer serve wo_a (written in place) are ignored, so the new weight's output comes out."""
+    """Up to the mode's WO_A_(STEP_)CODES_MAX_ROWS rows with the prepared codes the op runs
+    dense_fp8_linear on them (spied), with the fixed-order bf16 path's bits; past it the bf16
+    path; codes that no longer serve wo_a (written in place) are ignored, so the new weight's
+    output comes out."""
     calls = []
     real = T.dense_fp8_linear
     monkeypatch.setattr(T, "dense_fp8_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(T, "WO_A_CODES_MAX_ROWS", 4)
+    monkeypatch.setattr(T, "WO_A_CODES_MAX_ROWS" if fixed_order else "WO_A_STEP_CODES_MAX_ROWS",
+                        4)
     o, rot, groups, rk = _inputs("odd", 6, seed=23)
     w16 = _weight("odd", "fp8", seed=24).dequantize().to(DEV)
     kw = T.prepare_wo_a(w16)

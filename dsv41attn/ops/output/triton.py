@@ -16,7 +16,7 @@ The op's default path, on a GPU and under the interpreter alike, is the rotation
 (common.triton.rope_heads, the reference's bits) then the grouped GEMM of
 linear.triton.dense_linear, whose summation order is fixed by wo_a's shape: a row's output
 never depends on how many rows share the call (torch's einsum runs cuBLAS kernels picked by
-shape, whose last bits depend on N). Decode-sized calls (N <= WO_A_CODES_MAX_ROWS) read
+shape, whose last bits depend on N). Decode-sized calls (WO_A_CODES_MAX_ROWS) read
 wo_a's e4m3 codes instead of its bf16 copy where the op has them (prepare_wo_a, or an
 Fp8Weight wo_a): linear.triton.dense_fp8_linear, dense_linear's bits on half the bytes. The fused kernel runs when ``num_splits`` is given or
 N <= ``fused_max_rows`` (for tuning it; its split-K count follows N, so it is not
@@ -44,11 +44,18 @@ from .reference import check_inputs, check_out
 
 # Calls of up to this many rows read wo_a's e4m3 codes (dense_fp8_linear) where the op has
 # them (an Fp8Weight wo_a, or ``codes`` from prepare_wo_a): dense_linear's bits on half the
-# weight bytes. H100, V4.1-Flash wo_a ([8192, 4096], 8 groups), CUDA graphs, us at M = 1 / 8 /
-# 16 / 64 / 128 / 256: the codes 19.8 / 20.1 / 20.5 / 28.2 / 47.2 / 74.7, torch's bf16 batched
-# GEMM 25.5 / 25.8 / 26.1 / 27.8 / 30.2 / 34.9, dense_linear 31.5 / 32.2 / 32.8 / 36.9 / 44.2 /
-# 46.6 (the same bits as the codes at every M).
+# weight bytes; in the fixed order (the batch-invariant mode) up to WO_A_CODES_MAX_ROWS, in the
+# step-sized mode, whose bf16 GEMM is torch's, up to WO_A_STEP_CODES_MAX_ROWS. V4.1-Flash wo_a
+# ([8192, 4096], 8 groups), CUDA graphs, us at M = 1 / 16 / 64 / 128 / 256:
+# - H100: the codes 19.8 / 20.5 / 28.2 / 47.2 / 74.7, torch's bf16 batched GEMM on the bf16
+#   copy 25.5 / 26.1 / 27.8 / 30.2 / 34.9, dense_linear 31.5 / 32.8 / 36.9 / 44.2 / 46.6;
+# - H200: the codes 19.4 / 19.8 / 26.0 / 47.6 / 76.3, torch 18.7 / 19.4 / 21.0 / 22.5 / 27.2,
+#   dense_linear 25.8 / 26.6 / 29.9 / 41.5 / 44.5.
+# The codes' kernel takes ~19.5 us on either card (its e4m3 -> bf16 conversion and MMA chain,
+# not the bytes, bound it: more stages, 128-column steps or the scales loaded ahead did not
+# help), so in the step-sized mode they win on an H100 and tie on an H200 at up to 16 rows.
 WO_A_CODES_MAX_ROWS = 64
+WO_A_STEP_CODES_MAX_ROWS = 16
 
 
 @triton.jit
@@ -233,9 +240,9 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Ten
     so a row's last bits, may follow N). in_place: the caller no longer needs o: the rotation
     kernel turns o's tail pairs in place instead of copying all of o. codes: the bf16 wo_a's
     WoACodes (prepare_wo_a; ignored unless it ``serves`` this wo_a). Unfused, a call of at
-    most WO_A_CODES_MAX_ROWS rows with codes, or with an Fp8Weight wo_a, runs
-    dense_fp8_linear on the e4m3 codes: dense_linear's bits in either mode, on half the
-    weight bytes.
+    most WO_A_CODES_MAX_ROWS rows (WO_A_STEP_CODES_MAX_ROWS unless fixed_order) with codes,
+    or with an Fp8Weight wo_a, runs dense_fp8_linear on the e4m3 codes: dense_linear's bits,
+    on half the weight bytes.
     """
     kg, rk = check_inputs(o, rot, wo_a, groups)
     n, h, d = o.shape
@@ -263,7 +270,8 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Ten
         # the rotation kernel, then the grouped GEMM (in its fixed summation order)
         rotated = (o.contiguous() if rot is None else
                    rope_heads(o, rot, inverse=True, in_place=in_place)).view(n, h * d)
-        if codes is not None and n <= WO_A_CODES_MAX_ROWS:  # dense_linear's bits, fp8 bytes
+        limit = WO_A_CODES_MAX_ROWS if fixed_order else WO_A_STEP_CODES_MAX_ROWS
+        if codes is not None and n <= limit:  # dense_linear's bits on the fp8 bytes
             return dense_fp8_linear(rotated, codes.weight, codes.scale, groups, out=out)
         w16 = wo_a.dequantize() if fp8 else weight
         if not fixed_order:  # torch's batched GEMM writes straight into out's [G, N, Rk] view
