@@ -725,6 +725,63 @@ def bench_gemm(copy_bw: float, rows=GEMM_ROWS, names=GEMM_WEIGHTS, layer: int = 
     return out
 
 
+WO_A_ROWS = (1, 16, 64, 256)  # decode batches; the codes serve up to 16 / 64 rows by mode
+
+
+def bench_wo_a(copy_bw: float, rows=WO_A_ROWS, layer: int = 2,
+               min_bytes: int = 512 << 20) -> list[dict]:
+    """V4.1-Flash ``layer``'s grouped wo_a alone (the projection inverse_rope_wo_a runs once o
+    is turned back) three ways, at each of ``rows``: "codes" (dense_fp8_linear on the fp8
+    codes and block scales), "bf16 torch" (torch's batched GEMM on the bf16 copy: the default
+    mode past WO_A_STEP_CODES_MAX_ROWS), "bf16 fixed" (dense_linear on the bf16 copy: the
+    batch-invariant mode past WO_A_CODES_MAX_ROWS); each in a CUDA graph over enough weight
+    copies to pass ``min_bytes``. floor = max(FLOPs / 790 TFLOP/s, (fp8 weight + scales + x +
+    y bytes) / copy_bw), as the layer's floor counts wo_a; same_bits: the codes' output
+    against dense_linear's (they promise the same bits)."""
+    from .checkpoint import quantize_fp8
+    from .ops.linear.triton import dense_fp8_linear, dense_linear
+
+    cfg = preset("v41-flash")
+    n, k = expected_tensors(cfg, layer)["wo_a.weight"][1]
+    groups = cfg.o_groups
+    ng, kg = n // groups, k
+    w = quantize_fp8(torch.randn(n, k, device="cuda") / k ** 0.5)
+    w16 = w.dequantize()
+    wbytes = w.weight.numel() + w.scale.numel()
+    out = []
+    for form in ("codes", "bf16 torch", "bf16 fixed"):
+        one = wbytes if form == "codes" else w16.numel() * 2
+        copies = [(w.weight.clone(), w.scale.clone()) if form == "codes" else w16.clone()
+                  for _ in range(-(-min_bytes // one))]
+        for m in rows:
+            x = torch.randn(m, groups * kg, device="cuda").to(torch.bfloat16)
+            y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+
+            def call():
+                for c in copies:
+                    if form == "codes":
+                        dense_fp8_linear(x, c[0], c[1], groups, out=y)
+                    elif form == "bf16 torch":
+                        torch.bmm(x.view(m, groups, kg).transpose(0, 1),
+                                  c.view(groups, ng, kg).transpose(1, 2),
+                                  out=y.view(m, groups, ng).transpose(0, 1))
+                    else:
+                        dense_linear(x, c, groups)
+
+            us = _graph_ms(call, calls=len(copies)) * 1e3
+            flops = 2.0 * m * n * kg
+            floor = max(flops / BF16_FLOPS, (wbytes + 2 * m * (groups * kg + n)) / copy_bw)
+            same = None
+            if form == "codes":
+                same = torch.equal(dense_fp8_linear(x, w.weight, w.scale, groups).view(torch.int16),
+                                   dense_linear(x, w16, groups).view(torch.int16))
+            out.append({"form": form, "N": n, "K": groups * kg, "rows": m, "us": us,
+                        "floor_us": floor * 1e6, "ratio": us * 1e-6 / floor, "same_bits": same})
+        copies.clear()
+        torch.cuda.empty_cache()
+    return out
+
+
 def indexer_floor(cfg: AttentionConfig, batch: int, scored: float, copy_bw: float,
                   key_rows: int | None = None) -> tuple[float, float, float]:
     """(FLOPs, bytes, floor s) of the indexer alone for ``batch`` queries that each score
@@ -859,6 +916,13 @@ def main(args) -> int:
             print(f"{r['weight']:<14}{r['N']:>7}x{r['K']:<5}{r['rows']:>6}{r['us']:>9.1f}"
                   f"{r['floor_us']:>8.1f}{r['ratio']:>7.2f}{r['GB/s']:>7.0f}{r['copy%']:>6.0f}%"
                   f"{r['TFLOP/s']:>9.0f}")
+        print("wo_a alone (the grouped GEMM, 8 groups): its fp8 codes, its bf16 copy on torch "
+              "and on dense_linear; floor counts the fp8 bytes; same bits: codes = dense_linear")
+        print(f"{'form':<12}{'rows':>6}{'us':>9}{'floor':>8}{'ratio':>7}  same bits")
+        for r in bench_wo_a(copy_bw):
+            same = "" if r["same_bits"] is None else str(r["same_bits"])
+            print(f"{r['form']:<12}{r['rows']:>6}{r['us']:>9.1f}{r['floor_us']:>8.1f}"
+                  f"{r['ratio']:>7.2f}  {same}")
         if args.part == "gemm":
             return 0
     if args.part == "attn_variants":

@@ -905,7 +905,8 @@ def build_parser() -> argparse.ArgumentParser:
                     default="all",
                     help="layers: one layer per role; sparse_attn: the sparse-attention kernel "
                          "alone; indexer: the lightning indexer alone; gemm: each fp8 linear "
-                         "alone; all: every part (default: all); attn_variants (not in all): "
+                         "alone, and wo_a from its fp8 codes, on torch and on dense_linear; "
+                         "all: every part (default: all); attn_variants (not in all): "
                          "the sparse-attention kernel's launch options (head tile, warps, "
                          "column chunks) against its defaults, decode and an 8K prefill")
     bn.add_argument("--roles", metavar="LIST",

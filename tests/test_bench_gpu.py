@@ -44,6 +44,18 @@ def test_gemm_part_times_every_weight_of_the_layer():
         assert math.isfinite(r["us"]) and r["ratio"] >= 0.9, r
 
 
+def test_gemm_part_times_wo_a_three_ways():
+    """bench --part gemm's wo_a rows: the codes, torch's and dense_linear's GEMM at each row
+    count, finite and at or above the fp8 floor, the codes giving dense_linear's bits."""
+    from dsv41attn.bench import bench_wo_a, measure_copy_bandwidth
+    rows = bench_wo_a(measure_copy_bandwidth(256 << 20), rows=(1, 64), min_bytes=128 << 20)
+    assert [(r["form"], r["rows"]) for r in rows] == [
+        (f, m) for f in ("codes", "bf16 torch", "bf16 fixed") for m in (1, 64)]
+    for r in rows:
+        assert math.isfinite(r["us"]) and r["ratio"] >= 0.9, r
+        assert r["same_bits"] is (True if r["form"] == "codes" else None), r
+
+
 @pytest.mark.parametrize("role", ["SWA", "Full r=2"])
 def test_profiles_list_the_layers_kernels(weights, role):
     """bench --profile: a decode step's and a prefill call's kernels, each with a positive GPU
