@@ -493,7 +493,8 @@ def test_decode_kernel_on_values(case):
     want = fp8_gemm(q, s, w, ws, num_splits=splits).cpu().view(torch.int32)
     sms = DEFAULT_SM_COUNT if DEV == "cpu" else sm_count(torch.device(DEV))
     tiles = [row[1:] + (False,) for row in T._FP8_DECODE_TILES[1:]] + \
-        [row[1:] + (True,) for row in T._FP8_WIDE_TILES + T._FP8_WIDE_SMALL_TILES]
+        [row[1:] + (True,) for row in T._FP8_WIDE_TILES + T._FP8_WIDE_SMALL_TILES
+         + T._FP8_WIDE_TALL_TILES]
     for workspace in (True, False):
         base = T._gemm_plan(min(m, T.SPLIT_MAX_M), n, k // 32, sms, splits,
                             workspace=workspace, values=True)
@@ -548,6 +549,10 @@ def test_wide_tiles_at_v41_shapes():
             if plan.swap and m > 16:
                 assert plan.block_m == (32 if m <= 32 and large else 128 if m > 64 and large
                                         else 64), (name, m)
+                # 33-64 rows: 128 weight rows on 8 warps where those tiles fill the SMs (wq_b)
+                tall = 32 < m <= T.SPLIT_MAX_M and name == "wq_b"
+                assert (plan.block_n, plan.num_warps) == ((128, 8) if tall else
+                                                          (plan.block_n, 4)), (name, m)
         assert len(orders) == 1, name
 
 

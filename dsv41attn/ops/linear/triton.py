@@ -719,6 +719,11 @@ _FP8_DECODE_TMA_TILES = ((16, 16, 128, 4, 3, 4),) + _FP8_DECODE_TILES[1:]
 #   193.2 -> 70.1 at 511; index wq_b 48.8 -> 37.2 at 384, 50.4 -> 37.9 at 511. Elsewhere the
 #   square tiles won (wkv 30.2 against 43.9 at 256) and keep the e4m3 codes.
 _FP8_WIDE_TILES = ((32, 32, 128, 4, 3, 4), (SPLIT_MAX_M, 64, 64, 4, 3, 4), (None, 128, 64, 4, 3, 4))
+# 33-64 rows of a large weight whose 128-row tiles alone fill the SMs (wq_b, not wo_b): 128
+# weight rows on 8 warps, 2 blocks per K iteration. H100, act_quant and GEMM at M = 64, CUDA
+# graphs: wq_b 37.4 -> 30.3 us (64 x 64 tiles with 1 block per iteration 35.6, 4 stages 34.2);
+# wo_b, 40 such tiles, 46.4 -> 55.1, so it keeps _FP8_WIDE_TILES. The same bits.
+_FP8_WIDE_TALL_TILES = ((SPLIT_MAX_M, 64, 128, 8, 3, 2),)
 _FP8_WIDE_SMALL_TILES = ((None, 64, 64, 4, 3, 4),)
 WIDE_MIN_BYTES = 16 << 20  # fp8 weights this large take _FP8_WIDE_TILES past 16 rows
 
@@ -765,6 +770,9 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
     swap = m <= SPLIT_MAX_M or wide
     if wide:
         table = _FP8_WIDE_TILES if large else _FP8_WIDE_SMALL_TILES
+        if large and _FP8_WIDE_TILES[0][0] < m <= SPLIT_MAX_M \
+                and triton.cdiv(n, _FP8_WIDE_TALL_TILES[0][2]) * triton.cdiv(m, 64) >= sms:
+            table = _FP8_WIDE_TALL_TILES
     elif swap:
         tma = bool(tma and narrow)
         table = _FP8_DECODE_TMA_TILES if tma else _FP8_DECODE_TILES
