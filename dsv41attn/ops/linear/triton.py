@@ -718,7 +718,11 @@ _FP8_DECODE_TMA_TILES = ((16, 16, 128, 4, 3, 4),) + _FP8_DECODE_TILES[1:]
 #   (_wide_swap), _FP8_WIDE_SMALL_TILES: wq_a 183.3 -> 70.9 at 384, 177.8 -> 67.8 at 511; wkv
 #   193.2 -> 70.1 at 511; index wq_b 48.8 -> 37.2 at 384, 50.4 -> 37.9 at 511. Elsewhere the
 #   square tiles won (wkv 30.2 against 43.9 at 256) and keep the e4m3 codes.
-_FP8_WIDE_TILES = ((32, 32, 128, 4, 3, 4), (SPLIT_MAX_M, 64, 64, 4, 3, 4), (None, 128, 64, 4, 3, 4))
+# From 65 rows 2 blocks per K iteration (H100, act_quant and GEMM, wq_b / wo_b at M = 128:
+# 53.6 / 72.3 -> 51.2 / 66.7 us, at 256: 96.3 / 153.0 -> 91.7 / 132.1; 128 weight rows on 8
+# warps 49.3 / 75.1 and 94.3 / 131.0, 1 block per iteration with 4 stages 88.3 at 256 for
+# wq_b but 140.7 for wo_b). The same bits.
+_FP8_WIDE_TILES = ((32, 32, 128, 4, 3, 4), (SPLIT_MAX_M, 64, 64, 4, 3, 4), (None, 128, 64, 4, 3, 2))
 # 33-64 rows of a large weight whose 128-row tiles alone fill the SMs (wq_b, not wo_b): 128
 # weight rows on 8 warps, 2 blocks per K iteration. H100, act_quant and GEMM at M = 64, CUDA
 # graphs: wq_b 37.4 -> 30.3 us (64 x 64 tiles with 1 block per iteration 35.6, 4 stages 34.2);
