@@ -27,7 +27,10 @@ Python imports: `make test` runs it twice, with the test extra's and with the GP
 ``--layer PRESET`` instead records, running no kernel (seconds at V4.1-Flash shapes), the
 launches of a triton-backend stack of one layer of each kind of the preset and its sources
 through a prefill and first decode steps, compiles them the same way and prints a row per
-launch: the registers, spills and shared memory of the tiles the GPU would run at those shapes.
+launch: the registers, spills and shared memory of the tiles the GPU would run at those shapes,
+and the instructions a warp issues per iteration of the kernel's main loop (``_main_loop``; a
+kernel bound by issuing instructions costs that much per K step, so a change's count can be
+compared without a GPU).
 
 Limits: the specialisations are the ones the interpreter tests pick (their tiles can be
 smaller than a GPU run's); pointers are taken as 16-byte aligned; ``--layer``'s decode steps
@@ -203,10 +206,26 @@ def _argument(v):
     return v
 
 
-def _resources(cubin: bytes, sass: bool) -> tuple[int, int, int] | None:
-    """(registers, stack bytes, local loads + stores) of a cubin's kernel, by the cuobjdump in
-    Triton's wheel: the LDL / STL instructions of its SASS (static count; sass False: -1, not
-    disassembled) are where spilled registers move, the stack is where they live."""
+def _main_loop(code: str) -> int:
+    """Instructions in a SASS listing's main loop: the shortest backward-branch region that
+    holds a tensor-core MMA (HGMMA / HMMA), else the shortest one of any kind; -1 without a
+    loop. One warp executes them once per iteration (a K step of a GEMM or attention kernel):
+    where a kernel is bound by issuing instructions, this count is its cost per step."""
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", code)]
+    loops = []
+    for at, text in ins:
+        m = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
+        if m and m[1] and int(m[1], 16) < at:
+            body = [t for a, t in ins if int(m[1], 16) <= a <= at]
+            loops.append((not any(re.search(r"\bH[G]?MMA", t) for t in body), len(body)))
+    return min(loops)[1] if loops else -1
+
+
+def _resources(cubin: bytes, sass: bool) -> tuple[int, int, int, int] | None:
+    """(registers, stack bytes, local loads + stores, main-loop instructions) of a cubin's
+    kernel, by the cuobjdump in Triton's wheel: the LDL / STL instructions of its SASS (static
+    count) are where spilled registers move, the stack is where they live; ``_main_loop``
+    counts a step's instructions. sass False: not disassembled, -1 for both counts."""
     import triton
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
@@ -221,7 +240,8 @@ def _resources(cubin: bytes, sass: bool) -> tuple[int, int, int] | None:
     m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     local = -1 if code is None else len(re.findall(
         r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?(?:LDL|STL)\b", code, re.M))
-    return (int(m[1]), int(m[2]), local) if m else None
+    loop = -1 if code is None else _main_loop(code)
+    return (int(m[1]), int(m[2]), local, loop) if m else None
 
 
 def _stand_in_parts() -> None:
@@ -299,7 +319,8 @@ def _layer_report(a) -> int:
     recs = _only(recs, a.only)
     results = _compile_all(recs, a.j, sass=True)
     print(f"{'step':18s} {'kernel (sm_90a)':28s} {'regs':>4s} {'stack':>5s} {'ld/st':>5s} "
-          f"{'smem':>6s}  constexprs (ld/st: local loads and stores in the SASS)")
+          f"{'smem':>6s} {'loop':>5s}  constexprs (ld/st: local loads and stores in the SASS; "
+          f"loop: instructions a warp issues per main-loop iteration, -1: none)")
     failed = 0
     for rec, r in sorted(zip(recs, results), key=lambda p: (p[0]["name"], p[0].get("tag", ""))):
         cx = " ".join(f"{k}={v}" for k, v in rec["kwargs"].items()
@@ -309,9 +330,9 @@ def _layer_report(a) -> int:
             failed += 1
             print(f"{rec.get('tag', ''):18s} {rec['name']:28s} FAILED {problem[:300]}")
             continue
-        regs, stack, local = r["resources"] or (0, 0, 0)
+        regs, stack, local, loop = r["resources"] or (0, 0, 0, -1)
         print(f"{rec.get('tag', ''):18s} {rec['name']:28s} {regs:4d} {stack:5d} {local:5d} "
-              f"{r['shared']:6d}  {cx}")
+              f"{r['shared']:6d} {loop:5d}  {cx}")
     import triton
     print(f"{len(recs) - failed} of {len(recs)} launches of a {a.layer} step compiled for sm_90a "
           f"by Triton {triton.__version__}")
@@ -356,7 +377,7 @@ def main(argv=None) -> int:
             problems.append(f"{r['name']}: {r['error']}")
             continue
         row = table.setdefault(r["name"], [0, 0, 0, 0, -1])
-        regs, stack, local = r["resources"] or (0, 0, 0)
+        regs, stack, local, _ = r["resources"] or (0, 0, 0, -1)
         row[0] += 1
         row[1:] = (max(row[1], regs), max(row[2], stack), max(row[3], r["shared"]),
                    max(row[4], local))

@@ -92,3 +92,25 @@ def test_a_layer_step_is_recorded_without_running_and_compiled(capsys):
     steps = {" ".join(r[:2]) if r[0] == "prefill" else " ".join(r[:3]) for r in rows}
     assert {"prefill 64", "decode batch 1"} <= steps <= {"prefill 64", "decode batch 1",
                                                         "decode batch 8"}
+    # the loop column: the GEMM and attention kernels' launches show their K loops' sizes
+    loops: dict = {}
+    for r in rows:
+        name, loop = (r[2], r[7]) if r[0] == "prefill" else (r[3], r[8])
+        loops.setdefault(name, []).append(int(loop))
+    assert max(loops["_sparse_attn_paged_kernel"]) > 0 and max(loops["_fp8_decode_kernel"]) > 0
+
+
+def test_main_loop_is_the_shortest_backward_branch_holding_an_mma():
+    """_main_loop counts the instructions from a backward branch's target to the branch: the
+    shortest such region with an MMA in it, else the shortest region, else -1."""
+    import sm90_compile
+
+    def listing(*ops):
+        return "\n".join(f"        /*{16 * i:04x}*/                   {op} ;"
+                         for i, op in enumerate(ops))
+    two = listing("MOV R1, R2", "LDS R4, [R1]", "HGMMA.64x16x16.F32 R8, R4, gdesc[UR4], R8",
+                  "IADD3 R1, R1, 0x1", "@P0 BRA 0x10", "ISETP.GE P1, R1, 0x4",
+                  "@P1 BRA 0x50", "EXIT")
+    assert sm90_compile._main_loop(two) == 4  # 0x10..0x40, the MMA loop; not 0x50..0x60
+    assert sm90_compile._main_loop(two.replace("HGMMA.64x16x16.F32", "FFMA")) == 2
+    assert sm90_compile._main_loop(listing("MOV R1, R2", "@P0 BRA 0x40", "EXIT")) == -1
