@@ -380,6 +380,25 @@ def _store_rope_out(ptrs, y, mask, n0, offs_m, m_mask, cs_ptr, ROPE_D: tl.conste
 
 
 @triton.jit
+def _last_range_sum(part_ptr, acc, mn, mask, split, plane, cnt, SPLITS: tl.constexpr):
+    """Split-K in one launch: store this program's range partial acc (fp32, at mn within its
+    range's plane of part, ranges ``plane`` elements apart) and bump the tile's counter cnt
+    (int32, zero). Returns (last, y): whether this program finished last and, if it did, the
+    partials added in range order (as _split_sum_kernel would; else y is acc), the counter then
+    reset to 0 for the next launch."""
+    tl.store(part_ptr + split.to(tl.int64) * plane + mn, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial is stored before the counter moves
+    last = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
+    y = acc
+    if last:
+        y = tl.load(part_ptr + mn, mask=mask, other=0.0, cache_modifier=".cg")
+        for z in tl.static_range(1, SPLITS):  # range order
+            y += tl.load(part_ptr + z * plane + mn, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    return last, y
+
+
+@triton.jit
 def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_desc, cs_ptr, M,
                        N, K, KB, CHUNKS, RANGES, GRANULE: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, KSUB: tl.constexpr, DOT_F16: tl.constexpr,
@@ -548,20 +567,14 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
     mn = offs_m64[None, :] * N + offs_n64[:, None]  # [BLOCK_N, BLOCK_M], N contiguous
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLITS > 1:
-        tl.store(c_ptr + split.to(tl.int64) * M * N + mn, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is stored before the counter moves
-        cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:  # the last one
-            y = tl.load(c_ptr + mn, mask=mask, other=0.0, cache_modifier=".cg")
-            for z in tl.static_range(1, SPLITS):  # range order, as _split_sum_kernel
-                y += tl.load(c_ptr + z * M * N + mn, mask=mask, other=0.0,
-                             cache_modifier=".cg")
+        last, y = _last_range_sum(c_ptr, acc, mn, mask, split, M * N,
+                                  cnt_ptr + pid_m * tl.num_programs(0) + pid_n, SPLITS)
+        if last:
             if _has_tail(pid_n * BLOCK_N, BLOCK_N, ROPE_D, ROPE_R2):
                 _store_rope_out(out_ptr + mn, y, mask, pid_n * BLOCK_N, offs_m, m_mask, cs_ptr,
                                 ROPE_D, ROPE_R2, INTERPRET)
             else:
                 _store_out(out_ptr + mn, y, mask, OUT_BF16, INTERPRET)
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch
     elif PARTIALS:
         tl.store(c_ptr + split.to(tl.int64) * M * N + mn, acc, mask=mask)
     elif _has_tail(pid_n * BLOCK_N, BLOCK_N, ROPE_D, ROPE_R2):
@@ -1393,16 +1406,10 @@ def _dense_fp8_kernel(x_ptr, w_ptr, s_ptr, w_desc, out_ptr, part_ptr, cnt_ptr, M
     mn = rows[None, :] * CN + wrows[:, None]  # [BLOCK_N, BLOCK_M]
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLITS > 1:
-        tl.store(part_ptr + split.to(tl.int64) * M * CN + mn, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is stored before the counter moves
-        cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:  # the last one
-            y = tl.load(part_ptr + mn, mask=mask, other=0.0, cache_modifier=".cg")
-            for z in tl.static_range(1, SPLITS):  # range order, as _dense_sum_kernel
-                y += tl.load(part_ptr + z * M * CN + mn, mask=mask, other=0.0,
-                             cache_modifier=".cg")
+        last, y = _last_range_sum(part_ptr, acc, mn, mask, split, M * CN,
+                                  cnt_ptr + pid_m * tl.num_programs(0) + pid_n, SPLITS)
+        if last:  # the ranges in order, as _dense_sum_kernel
             tl.store(out_ptr + mn, to_bf16(y, INTERPRET).to(tl.bfloat16), mask=mask)
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch
     else:
         tl.store(out_ptr + mn, to_bf16(acc, INTERPRET).to(tl.bfloat16), mask=mask)
 
