@@ -62,13 +62,7 @@ class AttentionLayer:
             check_shard_weights(cfg, weights, self.tp.shape)
             s = self.tp.shape
             self.heads, self.groups, self.index_heads = s.heads, s.groups, s.index_heads
-        # the r > 1 compressor's projections: extra arguments built once (on the triton
-        # backend's step-sized mode a float64 copy of wkv and wgate, docs/numerics.md §9)
-        self.compressor_kw = (self.ops.compressor_prepare(weights.compressor_wkv,
-                                                          weights.compressor_wgate)
-                              if self.spec.is_kv_source and self.spec.ratio > 1 else {})
-        # wo_a's extra arguments (on the triton backend its e4m3 codes, read by decode steps)
-        self.wo_a_kw = self.ops.wo_a_prepare(weights.wo_a)
+        self.prepare()
         # [rope_head_dim/2] fp32 on the weights' device (plans build rotations from it)
         self.freqs = rope_frequencies(cfg, self.spec).to(self.device)
         if backend == "reference" and self.device.type == "cpu":
@@ -77,6 +71,32 @@ class AttentionLayer:
     @property
     def device(self) -> torch.device:
         return self.weights.attn_sink.device
+
+    def prepare(self) -> None:
+        """Build the backend's copies of weights (``prepared_nbytes``) from ``self.weights`` as
+        they are now; ``__init__`` does. Call it after writing weights in place: a copy serves
+        only the tensor it was made from, unchanged, so until then eager calls take the
+        slower path that reads the weights themselves, and a ``DecodeGraph`` captured while the
+        copy served refuses to replay (it would read the old copy)."""
+        w = self.weights
+        # the r > 1 compressor's projections (the triton backend's step-sized mode: a float64
+        # copy of wkv and wgate, docs/numerics.md §9)
+        self.compressor_kw = (self.ops.compressor_prepare(w.compressor_wkv, w.compressor_wgate)
+                              if self.spec.is_kv_source and self.spec.ratio > 1 else {})
+        # wo_a's (the triton backend: its e4m3 codes, read by decode-sized calls)
+        self.wo_a_kw = self.ops.wo_a_prepare(w.wo_a)
+
+    def stale_prepared(self) -> list[str]:
+        """The weights whose prepared copies no longer serve them (written in place, or
+        replaced, since ``prepare``): what ``prepare`` would rebuild."""
+        w, stale = self.weights, []
+        prepared = self.compressor_kw.get("prepared")
+        if prepared is not None and not prepared.serves(w.compressor_wkv, w.compressor_wgate):
+            stale.append("compressor_wkv / compressor_wgate")
+        codes = self.wo_a_kw.get("codes")
+        if codes is not None and not codes.serves(w.wo_a):
+            stale.append("wo_a")
+        return stale
 
     @property
     def prepared_nbytes(self) -> int:

@@ -207,6 +207,12 @@ class AttentionStack:
         """Bytes the layers keep beside their weights (``AttentionLayer.prepared_nbytes``)."""
         return sum(layer.prepared_nbytes for layer in self.layers.values())
 
+    def prepare(self) -> None:
+        """Rebuild every layer's prepared weight copies (``AttentionLayer.prepare``): after
+        writing weights in place, before capturing a decode graph again."""
+        for layer in self.layers.values():
+            layer.prepare()
+
     def freqs_for(self, layers: list[int]) -> dict:
         return {rope_variant(self.cfg.layer(L)): self._freqs[rope_variant(self.cfg.layer(L))]
                 for L in layers}

@@ -224,3 +224,57 @@ def test_cuda_graph_replay_matches_eager():
     with pytest.raises(ValueError, match="backend='triton'"):
         ref = _stack(ODD, device="cuda")
         ref.plan_decode(_prefilled(ref, [2, 3], device="cuda"), steps=3).capture(xs[0])
+
+
+def test_weights_written_in_place_leave_the_prepared_copies():
+    """A layer's prepared copies (the triton backend's wo_a codes) serve only the weights they
+    were made from: written in place, eager calls read the new weights (the same output as a
+    stack built on them: the batch-invariant mode, where the codes give the bf16 path's bits)
+    until ``prepare`` rebuilds the copies."""
+    L = 0
+
+    def one_layer():
+        return AttentionStack(ODD, {L: random_layer_weights(ODD, L, seed=3).to(DEV)}, "triton",
+                              batch_invariant=True)
+    stack, fresh = one_layer(), one_layer()
+    layer = stack.layers[L]
+    assert layer.stale_prepared() == [] and "codes" in layer.wo_a_kw
+    with torch.no_grad():
+        layer.weights.wo_a.mul_(2)
+        fresh.layers[L].weights.wo_a.mul_(2)
+    fresh.layers[L].prepare()  # built on the doubled wo_a
+    assert layer.stale_prepared() == ["wo_a"] and fresh.layers[L].stale_prepared() == []
+    x = _tokens(ODD, 1, 3, device=DEV)[0][L]
+    outs = []
+    for s in (stack, fresh):
+        state = s.new_state(3, capacity=16, device=DEV)
+        outs.append(s.plan_decode(state, steps=1, layers=[L]).run({L: x})[L])
+    assert torch.equal(outs[0], outs[1])  # the stale codes were not read
+    stack.prepare()
+    assert layer.stale_prepared() == [] and layer.wo_a_kw["codes"].serves(layer.weights.wo_a)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_refuses_to_replay_a_stale_prepared_copy():
+    """A graph captured while wo_a's codes served reads those codes: after wo_a is written in
+    place, or prepared again, replay raises (the state untouched) instead of giving the old
+    weights' output; a graph captured again replays the new weights."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("set TRITON_INTERPRET=0 to compile the kernels for the GPU")
+    stack = _stack(ODD, "triton", device="cuda")
+    state = _prefilled(stack, [2, 5], device="cuda")
+    xs = _tokens(ODD, 5, 2, device="cuda")
+    plan = stack.plan_decode(state, steps=5)
+    graph = plan.capture(xs[0])
+    graph.replay(xs[1])
+    with torch.no_grad():
+        stack.layers[0].weights.wo_a.mul_(2)
+    left = plan.steps_left
+    with pytest.raises(StateError, match="layer 0: wo_a changed since this graph was captured"):
+        graph.replay(xs[2])
+    assert plan.steps_left == left
+    stack.prepare()  # fresh codes: the graph still holds the old ones
+    with pytest.raises(StateError, match="prepared again"):
+        graph.replay(xs[2])
+    again = stack.plan_decode(state, steps=2).capture(xs[2])
+    again.replay(xs[3])
