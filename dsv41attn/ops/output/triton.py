@@ -18,10 +18,10 @@ linear.triton.dense_linear, whose summation order is fixed by wo_a's shape: a ro
 never depends on how many rows share the call (torch's einsum runs cuBLAS kernels picked by
 shape, whose last bits depend on N). Decode-sized calls (WO_A_CODES_MAX_ROWS) read
 wo_a's e4m3 codes instead of its bf16 copy where the op has them (prepare_wo_a, or an
-Fp8Weight wo_a): linear.triton.dense_fp8_linear, dense_linear's bits on half the bytes. The fused kernel runs when ``num_splits`` is given or
-N <= ``fused_max_rows`` (for tuning it; its split-K count follows N, so it is not
-N-invariant). Fused, a decode (N <= 256) reads all of wo_a to make few rows: weight-bandwidth
-bound. Tiles of 16 (N <= 16) or 64 rows x 64 columns x 128 K: for V4.1-Flash's 8x1024 columns
+Fp8Weight wo_a): linear.triton.dense_fp8_linear, dense_linear's bits on half the bytes.
+The fused kernel runs when ``num_splits`` is given or N <= ``fused_max_rows`` (for tuning
+it; its split-K count follows N, so it is not N-invariant). Fused, a decode (N <= 256)
+reads all of wo_a to make few rows: weight-bandwidth bound. Tiles of 16 (N <= 16) or 64 rows x 64 columns x 128 K: for V4.1-Flash's 8x1024 columns
 that is 128 programs at N <= 64, under one wave of 132 SMs, so split-K gives each SM 2-3
 programs to hide load latency (fp8, N <= 17: 3 splits of 11 K blocks); the fp32 partials
 [S, N, G*Rk] are summed in split order by a second kernel (deterministic), and S is capped so
@@ -259,7 +259,8 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Ten
     if codes is not None and not isinstance(codes, WoACodes):
         raise TypeError(f"codes must be a WoACodes (prepare_wo_a) or None, got "
                         f"{type(codes).__name__}")
-    codes = wo_a if fp8 else codes.fp8 if codes is not None and codes.serves(wo_a) else None
+    # wo_a's fp8 form for the codes' kernel, where the op has one that is current
+    fp8_form = wo_a if fp8 else codes.fp8 if codes is not None and codes.serves(wo_a) else None
     if out is None:
         out = torch.empty(n, gr, dtype=torch.bfloat16, device=o.device)
     else:
@@ -271,8 +272,8 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Ten
         rotated = (o.contiguous() if rot is None else
                    rope_heads(o, rot, inverse=True, in_place=in_place)).view(n, h * d)
         limit = WO_A_CODES_MAX_ROWS if fixed_order else WO_A_STEP_CODES_MAX_ROWS
-        if codes is not None and n <= limit:  # dense_linear's bits on the fp8 bytes
-            return dense_fp8_linear(rotated, codes.weight, codes.scale, groups, out=out)
+        if fp8_form is not None and n <= limit:  # dense_linear's bits on the fp8 bytes
+            return dense_fp8_linear(rotated, fp8_form.weight, fp8_form.scale, groups, out=out)
         w16 = wo_a.dequantize() if fp8 else weight
         if not fixed_order:  # torch's batched GEMM writes straight into out's [G, N, Rk] view
             torch.bmm(rotated.view(n, groups, kg).transpose(0, 1),
