@@ -102,5 +102,5 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
     # the reference ops write through boolean masks (host syncs): not capturable
     return Ops(backend, sparse_attn_paged, fp8_linear, fp8_linear_pair, norm_rope_pack,
                compressor_project, compressor_prepare, recent_gather_write,
-               pool_norm_rope_pack, inverse_rope_wo_a, wo_a_prepare, index_topk, rope_fp4_heads, linear,
-               backend == "triton", batch_invariant)
+               pool_norm_rope_pack, inverse_rope_wo_a, wo_a_prepare, index_topk, rope_fp4_heads,
+               linear, backend == "triton", batch_invariant)

@@ -21,12 +21,13 @@ wo_a's e4m3 codes instead of its bf16 copy where the op has them (prepare_wo_a, 
 Fp8Weight wo_a): linear.triton.dense_fp8_linear, dense_linear's bits on half the bytes.
 The fused kernel runs when ``num_splits`` is given or N <= ``fused_max_rows`` (for tuning
 it; its split-K count follows N, so it is not N-invariant). Fused, a decode (N <= 256)
-reads all of wo_a to make few rows: weight-bandwidth bound. Tiles of 16 (N <= 16) or 64 rows x 64 columns x 128 K: for V4.1-Flash's 8x1024 columns
-that is 128 programs at N <= 64, under one wave of 132 SMs, so split-K gives each SM 2-3
-programs to hide load latency (fp8, N <= 17: 3 splits of 11 K blocks); the fp32 partials
-[S, N, G*Rk] are summed in split order by a second kernel (deterministic), and S is capped so
-that partial traffic stays under 1/8 of the weight bytes (fp8: no split from N = 64 on). On
-an H200 the fused kernel lost to cuBLAS at every size measured.
+reads all of wo_a to make few rows: weight-bandwidth bound. Tiles of 16 (N <= 16) or 64 rows
+x 64 columns x 128 K: for V4.1-Flash's 8x1024 columns that is 128 programs at N <= 64, under
+one wave of 132 SMs, so split-K gives each SM 2-3 programs to hide load latency (fp8, N <=
+17: 3 splits of 11 K blocks); the fp32 partials [S, N, G*Rk] are summed in split order by a
+second kernel (deterministic), and S is capped so that partial traffic stays under 1/8 of the
+weight bytes (fp8: no split from N = 64 on). On an H200 the fused kernel lost to cuBLAS at
+every size measured.
 """
 from __future__ import annotations
 
