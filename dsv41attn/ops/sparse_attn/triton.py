@@ -668,8 +668,9 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     num_warps, None = 4 (8 at D > 128); d_chunks, the column chunks a tile is decoded and
     multiplied in (1 or 2, see _attend; 2 needs D >= 64; the same bits either way), None = 1
     (2 measured slower on an H200 with Triton 3.6); out_rot, None or [T, R/2] complex64: the
-    output's last R dims of each head turned back by its conjugate (the reference's out_rot), by the split merge where
-    the list splits (no launch of its own), else by rope_heads in place after the kernel.
+    output's last R dims of each head turned back by its conjugate (the reference's out_rot),
+    by the split merge where the list splits (no launch of its own), else by rope_heads in
+    place after the kernel.
     Returns [T, H, D] bf16; a token without entries gives 0 (no NaN).
     """
     _check("q", q, ("T", "H", "D"), torch.bfloat16)
