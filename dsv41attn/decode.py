@@ -195,27 +195,21 @@ class DecodeGraph:
         # the layers' prepared weight copies the captured kernels read: each must still serve
         # its weights at every replay (a weight written in place would leave the graph reading
         # the old copy: a wrong answer, raised instead)
-        self.serving = {L: self._serving(L) for L in plan.layers}
+        self.serving = {L: plan.stack.layers[L].serving_copies() for L in plan.layers}
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.outputs = dict(plan._launch(self.inputs, UndoLog(enabled=False)))
-
-    def _serving(self, layer: int) -> dict[str, object]:
-        """The prepared copies of ``layer`` (``AttentionLayer.prepare``) that serve its weights
-        now, by the weights they serve."""
-        lay = self.plan.stack.layers[layer]
-        held = {"compressor_wkv / compressor_wgate": lay.compressor_kw.get("prepared"),
-                "wo_a": lay.wo_a_kw.get("codes")}
-        stale = set(lay.stale_prepared())
-        return {k: v for k, v in held.items() if v is not None and k not in stale}
 
     def replay(self, xs: Inputs | None = None) -> dict[int, torch.Tensor]:
         """One decode step (xs: as ``DecodePlan.run``; None reuses the static inputs). Raises
         StateError, changing nothing, where a weight whose prepared copy the graph reads was
         written in place since the capture (``AttentionStack.prepare``, then capture again)."""
         self.plan._check_live()
+        layers = self.plan.stack.layers
         for L, held in self.serving.items():
-            now = self._serving(L)  # the very copies captured, still serving
+            if not held:
+                continue
+            now = layers[L].serving_copies()  # the very copies captured, still serving
             gone = [k for k, copy in held.items() if now.get(k) is not copy]
             if gone:
                 raise StateError(f"layer {L}: {', '.join(gone)} changed since this graph was "

@@ -86,17 +86,28 @@ class AttentionLayer:
         # wo_a's (the triton backend: its e4m3 codes, read by decode-sized calls)
         self.wo_a_kw = self.ops.wo_a_prepare(w.wo_a)
 
+    def _prepared(self) -> dict[str, tuple[object, bool]]:
+        """Each prepared copy, by the weights it was made from: (the copy, whether it still
+        serves them)."""
+        w, out = self.weights, {}
+        prepared = self.compressor_kw.get("prepared")
+        if prepared is not None:
+            out["compressor_wkv / compressor_wgate"] = (
+                prepared, prepared.serves(w.compressor_wkv, w.compressor_wgate))
+        codes = self.wo_a_kw.get("codes")
+        if codes is not None:
+            out["wo_a"] = (codes, codes.serves(w.wo_a))
+        return out
+
+    def serving_copies(self) -> dict[str, object]:
+        """The prepared copies that serve their weights now, by those weights' names (what a
+        captured decode graph reads: ``DecodeGraph`` checks they are still these)."""
+        return {name: copy for name, (copy, serves) in self._prepared().items() if serves}
+
     def stale_prepared(self) -> list[str]:
         """The weights whose prepared copies no longer serve them (written in place, or
         replaced, since ``prepare``): what ``prepare`` would rebuild."""
-        w, stale = self.weights, []
-        prepared = self.compressor_kw.get("prepared")
-        if prepared is not None and not prepared.serves(w.compressor_wkv, w.compressor_wgate):
-            stale.append("compressor_wkv / compressor_wgate")
-        codes = self.wo_a_kw.get("codes")
-        if codes is not None and not codes.serves(w.wo_a):
-            stale.append("wo_a")
-        return stale
+        return [name for name, (_, serves) in self._prepared().items() if not serves]
 
     @property
     def prepared_nbytes(self) -> int:

@@ -787,8 +787,9 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
     swap = m <= SPLIT_MAX_M or wide
     if wide:
         table = _FP8_WIDE_TILES if large else _FP8_WIDE_SMALL_TILES
+        _, tall_m, tall_n = _FP8_WIDE_TALL_TILES[0][:3]
         if large and _FP8_WIDE_TILES[0][0] < m <= SPLIT_MAX_M \
-                and triton.cdiv(n, _FP8_WIDE_TALL_TILES[0][2]) * triton.cdiv(m, 64) >= sms:
+                and triton.cdiv(n, tall_n) * triton.cdiv(m, tall_m) >= sms:
             table = _FP8_WIDE_TALL_TILES
     elif swap:
         tma = bool(tma and narrow)
@@ -1460,6 +1461,28 @@ def _dense_plan(m: int, n_group: int, k_group: int, groups: int, dtype: torch.dt
     return _DensePlan(bm, bn, bk, warps, stages, order, bool(workspace) and order.ranges > 1)
 
 
+def _grouped_input(x: torch.Tensor, shape: tuple[int, int], groups, dtype: torch.dtype):
+    """dense_linear's and dense_fp8_linear's input checks for a weight of ``shape`` [groups *
+    Ng, Kg]: (leading dims of x, x as a contiguous [rows, groups * Kg] ``dtype`` tensor, Ng).
+    Raises ValueError naming the bad value."""
+    require(isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1
+            and shape[0] % groups == 0,
+            f"groups must be a positive int dividing {shape[0]} rows, got {groups!r}")
+    kg = shape[1]
+    require(isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] == groups * kg
+            and x.is_floating_point(),
+            f"x {tuple(getattr(x, 'shape', ()))} does not match weight {tuple(shape)} "
+            f"in {groups} groups (want [..., {groups * kg}])")
+    lead = x.shape[:-1]
+    return lead, x.reshape(lead.numel(), x.shape[-1]).to(dtype).contiguous(), shape[0] // groups
+
+
+def _check_splits(num_splits, k_group: int, dtype: torch.dtype) -> None:
+    steps = triton.cdiv(k_group, DENSE_BLOCK_K[dtype])
+    require(num_splits is None or 1 <= num_splits <= steps,
+            f"num_splits = {num_splits} is not in [1, {steps}] (K steps)")
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1, *,
                  num_splits: int | None = None, workspace: bool | None = None) -> torch.Tensor:
     """y = x W^T for a bf16 or fp32 weight, block-diagonal over ``groups``, in a summation
@@ -1478,26 +1501,16 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1, *,
             and weight.dtype in DENSE_BLOCK_K,
             f"weight must be a 2-D bf16 or fp32 tensor, got {getattr(weight, 'dtype', None)} "
             f"{tuple(getattr(weight, 'shape', ()))}")
-    require(isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1
-            and weight.shape[0] % groups == 0,
-            f"groups must be a positive int dividing {weight.shape[0]} rows, got {groups!r}")
-    kg, ng = weight.shape[1], weight.shape[0] // groups
-    require(isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] == groups * kg
-            and x.is_floating_point(),
-            f"x {tuple(getattr(x, 'shape', ()))} does not match weight {tuple(weight.shape)} "
-            f"in {groups} groups (want [..., {groups * kg}])")
+    lead, x2, ng = _grouped_input(x, tuple(weight.shape), groups, weight.dtype)  # K = 0 too
+    kg = weight.shape[1]
     check_device(x, weight)
-    lead = x.shape[:-1]
-    x2 = x.reshape(lead.numel(), x.shape[-1]).to(weight.dtype).contiguous()  # K = 0 too
     m = x2.shape[0]
     out = torch.empty(m, groups * ng, dtype=weight.dtype, device=x.device)
     if out.numel() == 0:
         return out.reshape(*lead, groups * ng)
     if kg == 0:
         return out.zero_().reshape(*lead, groups * ng)
-    steps = triton.cdiv(kg, DENSE_BLOCK_K[weight.dtype])
-    require(num_splits is None or 1 <= num_splits <= steps,
-            f"num_splits = {num_splits} is not in [1, {steps}] (K steps)")
+    _check_splits(num_splits, kg, weight.dtype)
     plan = _dense_plan(m, ng, kg, groups, weight.dtype, sm_count(x.device), num_splits,
                        workspace)
     return _run_dense(plan, x2, weight.contiguous(), groups, out).reshape(*lead, groups * ng)
@@ -1563,17 +1576,8 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             and tuple(scale.shape) == want,
             f"scale must be float8_e8m0fnu {list(want)} for a weight {[rows, kg]}, got "
             f"{getattr(scale, 'dtype', None)} {tuple(getattr(scale, 'shape', ()))}")
-    require(isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1
-            and rows % groups == 0,
-            f"groups must be a positive int dividing {rows} rows, got {groups!r}")
-    ng = rows // groups
-    require(isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] == groups * kg
-            and x.is_floating_point(),
-            f"x {tuple(getattr(x, 'shape', ()))} does not match weight {[rows, kg]} "
-            f"in {groups} groups (want [..., {groups * kg}])")
+    lead, x2, ng = _grouped_input(x, (rows, kg), groups, torch.bfloat16)
     check_device(x, weight, scale)
-    lead = x.shape[:-1]
-    x2 = x.reshape(lead.numel(), x.shape[-1]).to(torch.bfloat16).contiguous()
     m = x2.shape[0]
     if out is None:
         out = torch.empty(m, rows, dtype=torch.bfloat16, device=x.device)
@@ -1587,9 +1591,7 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         return out.reshape(*lead, rows)
     if kg == 0:
         return out.zero_().reshape(*lead, rows)
-    steps = triton.cdiv(kg, DENSE_BLOCK_K[torch.bfloat16])
-    require(num_splits is None or 1 <= num_splits <= steps,
-            f"num_splits = {num_splits} is not in [1, {steps}] (K steps)")
+    _check_splits(num_splits, kg, torch.bfloat16)
     sms = sm_count(x.device)
     order = _dense_order(ng, kg, groups, torch.bfloat16, sms, num_splits)
     bm, bn, warps, stages, tma_tile = _tile_row(DENSE_FP8_TILES, m)
