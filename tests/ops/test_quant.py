@@ -286,3 +286,22 @@ def test_quantisers_reject_partial_blocks():
     with pytest.raises(ValueError):
         fp4_quant(torch.zeros(2, 24, dtype=BF16), 16, "e4m3")
 
+
+
+def test_out_buffer_names_what_it_got():
+    """The ops' ``out`` check: a new tensor for None, the given one when it fits, else a
+    ValueError naming the wanted and the given dtype, shape, device and layout."""
+    from dsv41attn.ops.common.buffers import out_buffer
+    cpu = torch.device("cpu")
+    new = out_buffer(None, (2, 3), torch.bfloat16, cpu)
+    assert new.shape == (2, 3) and new.dtype == torch.bfloat16
+    assert out_buffer(new, (2, 3), torch.bfloat16, cpu) is new
+    want = "out must be a contiguous torch.bfloat16 [2, 3] tensor on cpu, got "
+    for bad, got in ((torch.empty(3, 2, dtype=torch.bfloat16), "torch.bfloat16 [3, 2] on cpu"),
+                     (torch.empty(2, 3), "torch.float32 [2, 3] on cpu"),
+                     (torch.empty(3, 2, dtype=torch.bfloat16).t(),
+                      "torch.bfloat16 [2, 3] on cpu, not contiguous"),
+                     ([[0.0] * 3] * 2, "list")):
+        with pytest.raises(ValueError) as e:
+            out_buffer(bad, (2, 3), torch.bfloat16, cpu)
+        assert str(e.value) == want + got

@@ -58,6 +58,7 @@ except ImportError:  # pragma: no cover - older Triton: plain loads
     TensorDescriptor = None
 
 from .reference import check_rope
+from ..common.buffers import out_buffer
 from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, any_nan, check_device, cos_sin,
                              e4m3_code, e4m3_to_fp32, e8m0_to_fp32, interpreting, require,
                              rms_norm_warps, rms_row_scale, rope_heads, rope_rotate, round_bf16,
@@ -947,11 +948,7 @@ def fp8_gemm(x_codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
     _FP8_VALUE_TILES, _FP8_DECODE_TILES).
     """
     m, n, kb = _check_gemm(x_codes, x_scales, weight, weight_scale, num_splits, precise_dot)
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.float32, device=x_codes.device)
-    elif tuple(out.shape) != (m, n) or out.dtype != torch.float32 \
-            or out.device != x_codes.device or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous fp32 [{m}, {n}] tensor on x's device")
+    out = out_buffer(out, (m, n), torch.float32, x_codes.device)
     return _gemm_into(out, kb, x_codes, x_scales, weight, weight_scale, num_splits,
                       precise_dot, workspace)
 
@@ -1579,14 +1576,7 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     lead, x2, ng = _grouped_input(x, (rows, kg), groups, torch.bfloat16)
     check_device(x, weight, scale)
     m = x2.shape[0]
-    if out is None:
-        out = torch.empty(m, rows, dtype=torch.bfloat16, device=x.device)
-    else:
-        require(isinstance(out, torch.Tensor) and tuple(out.shape) == (m, rows)
-                and out.dtype == torch.bfloat16 and out.is_contiguous()
-                and out.device == x.device,
-                f"out must be a contiguous bf16 [{m}, {rows}] tensor on {x.device}, got "
-                f"{getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}")
+    out = out_buffer(out, (m, rows), torch.bfloat16, x.device)
     if out.numel() == 0:
         return out.reshape(*lead, rows)
     if kg == 0:

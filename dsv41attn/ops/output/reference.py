@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...checkpoint import Fp8Weight
+from ..common.buffers import out_buffer
 from ..common.cpu_kernels import torch_bf16_matmul
 from ..common.rope import apply_rope
 
@@ -52,14 +53,6 @@ def check_inputs(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Tensor |
     return k, weight.shape[0] // groups
 
 
-def check_out(out: torch.Tensor, o: torch.Tensor, columns: int) -> None:
-    """``out`` must be a contiguous bf16 [N, columns] tensor on o's device."""
-    if out.shape != (o.shape[0], columns) or out.dtype != torch.bfloat16 \
-            or out.device != o.device or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous bf16 [{o.shape[0]}, {columns}] tensor on "
-                         f"{o.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
-
-
 def prepare_wo_a(wo_a: torch.Tensor | Fp8Weight) -> dict:
     """Extra arguments of ``inverse_rope_wo_a`` prepared once per layer: none (it reads wo_a as
     it is; the triton backend keeps wo_a's e4m3 codes for decode-sized calls)."""
@@ -82,7 +75,7 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Ten
     """
     k, rk = check_inputs(o, rot, wo_a, groups)
     if out is not None:
-        check_out(out, o, groups * rk)
+        out_buffer(out, (o.shape[0], groups * rk), torch.bfloat16, o.device)
     weight = wo_a.dequantize() if isinstance(wo_a, Fp8Weight) else wo_a
     n = o.shape[0]
     if rot is not None:

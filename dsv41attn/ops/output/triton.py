@@ -38,10 +38,11 @@ import triton
 import triton.language as tl
 
 from ...checkpoint import Fp8Weight, exact_fp8
+from ..common.buffers import out_buffer
 from ..common.triton import (FP8_BLOCK, check_device, cos_sin, e4m3_to_fp32, e8m0_to_fp32,
                              interpreting, rope_heads, sm_count, to_bf16)
 from ..linear.triton import dense_fp8_linear, dense_linear
-from .reference import check_inputs, check_out
+from .reference import check_inputs
 
 # Calls of up to this many rows read wo_a's e4m3 codes (dense_fp8_linear) where the op has
 # them (an Fp8Weight wo_a, or ``codes`` from prepare_wo_a): dense_linear's bits on half the
@@ -262,10 +263,7 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Ten
                         f"{type(codes).__name__}")
     # wo_a's fp8 form for the codes' kernel, where the op has one that is current
     fp8_form = wo_a if fp8 else codes.fp8 if codes is not None and codes.serves(wo_a) else None
-    if out is None:
-        out = torch.empty(n, gr, dtype=torch.bfloat16, device=o.device)
-    else:
-        check_out(out, o, gr)
+    out = out_buffer(out, (n, gr), torch.bfloat16, o.device)
     if out.numel() == 0:
         return out
     if (n > fused_max_rows and num_splits is None) or rot is None:

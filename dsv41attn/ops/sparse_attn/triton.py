@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.buffers import out_buffer
 from ..common.triton import (check_rot, cos_sin, e4m3_of_e2m1, e4m3_to_fp32, interpreting,
                              rope_heads, rope_rotate, sm_count, to_bf16)
 
@@ -117,16 +118,6 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, scale, M, H, N,
     _finish(o_ptr, sink_ptr, bi, offs_h, h_mask, offs_d, m_i, l_i, acc, H, D, INTERPRET)
 
 
-def _output_buffer(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """``out`` checked (contiguous bf16, q's shape and device) or a new one like q."""
-    if out is None:
-        return torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-    if out.shape != q.shape or out.dtype != torch.bfloat16 or out.device != q.device \
-            or not out.is_contiguous():
-        raise ValueError("out must be a contiguous bf16 tensor shaped like q on q's device")
-    return out
-
-
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
                 scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """o[b,i,h] = sum_t e^{l_t} kv[idx_t] / (sum_t e^{l_t} + e^{sink_h}), l_t = scale q.kv[idx_t].
@@ -155,7 +146,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         raise ValueError(f"head dim {d} must be a power of two >= 16")
     if len({t.device for t in (q, kv, sink, idx)}) != 1:
         raise ValueError("q, kv, sink, idx must be on one device")
-    out = _output_buffer(q, out)
+    out = out_buffer(out, q.shape, torch.bfloat16, q.device)
     if out.numel() == 0:
         return out
     if idx.shape[2] == 0:  # no entries at all: every row is empty, o = 0 (as the reference)
@@ -715,7 +706,7 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     if len({x.device for x in tensors.values()}) != 1:
         raise ValueError("all tensors must be on one device, got " +
                          ", ".join(f"{n} on {x.device}" for n, x in tensors.items()))
-    out = _output_buffer(q, out)
+    out = out_buffer(out, q.shape, torch.bfloat16, q.device)
     if out.numel() == 0:
         return out
     if ww + k == 0:  # no entries at all: every row is empty, o = 0 (as the reference)
