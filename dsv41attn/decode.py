@@ -192,18 +192,24 @@ class DecodeGraph:
             warm = plan.run(self.inputs)
         torch.cuda.current_stream(plan.state.device).wait_stream(side)
         self.warmup_outputs = {L: y.clone() for L, y in warm.items()}
-        # the layers' prepared weight copies the captured kernels read: each must still serve
-        # its weights at every replay (a weight written in place would leave the graph reading
-        # the old copy: a wrong answer, raised instead)
-        self.serving = {L: plan.stack.layers[L].serving_copies() for L in plan.layers}
+        # the layers' prepared weight copies the captured kernels read (those whose ops noted
+        # a read while capturing): each must still serve its weights at every replay (a weight
+        # written in place would leave the graph reading the old copy: a wrong answer, raised
+        # instead); copies the graph does not read may come and go
+        copies = {L: plan.stack.layers[L].serving_copies() for L in plan.layers}
+        reads = {L: {k: c.reads for k, c in held.items()} for L, held in copies.items()}
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.outputs = dict(plan._launch(self.inputs, UndoLog(enabled=False)))
+        self.serving = {L: {k: c for k, c in held.items() if c.reads != reads[L][k]}
+                        for L, held in copies.items()}
 
     def replay(self, xs: Inputs | None = None) -> dict[int, torch.Tensor]:
         """One decode step (xs: as ``DecodePlan.run``; None reuses the static inputs). Raises
         StateError, changing nothing, where a weight whose prepared copy the graph reads was
-        written in place since the capture (``AttentionStack.prepare``, then capture again)."""
+        written in place since the capture and not prepared again (``AttentionStack.prepare``
+        rewrites the copy in place, and the graph reads the new values), or its copy was
+        dropped or replaced (capture again)."""
         self.plan._check_live()
         layers = self.plan.stack.layers
         for L, held in self.serving.items():
@@ -213,9 +219,9 @@ class DecodeGraph:
             gone = [k for k, copy in held.items() if now.get(k) is not copy]
             if gone:
                 raise StateError(f"layer {L}: {', '.join(gone)} changed since this graph was "
-                                 "captured (written in place, or prepared again), and the "
-                                 "graph reads the copy the backend prepared before: capture "
-                                 "again (after stack.prepare(), to use the new weights' copy)")
+                                 "captured, and the graph reads the copy the backend prepared "
+                                 "before: call stack.prepare() (which rewrites the copy in "
+                                 "place where the new weights have one), or capture again")
         if xs is not None:
             for L, x in self.plan._inputs(xs).items():
                 self.inputs[L].copy_(x.view(self.inputs[L].shape))

@@ -76,15 +76,23 @@ class AttentionLayer:
         """Build the backend's copies of weights (``prepared_nbytes``) from ``self.weights`` as
         they are now; ``__init__`` does. Call it after writing weights in place: a copy serves
         only the tensor it was made from, unchanged, so until then eager calls take the
-        slower path that reads the weights themselves, and a ``DecodeGraph`` captured while the
-        copy served refuses to replay (it would read the old copy)."""
+        slower path that reads the weights themselves, and a ``DecodeGraph`` whose launches
+        read the copy refuses to replay (it would read the old values). A copy made from the
+        same tensors is rewritten in place, so such a graph replays again, reading the new
+        values; one the new weights cannot have (wo_a no longer exactly fp8) is dropped, and
+        a graph that read it must be captured again."""
         w = self.weights
         # the r > 1 compressor's projections (the triton backend's step-sized mode: a float64
         # copy of wkv and wgate, docs/numerics.md §9)
-        self.compressor_kw = (self.ops.compressor_prepare(w.compressor_wkv, w.compressor_wgate)
+        # (each rewritten in place where it was made from the same tensors: a decode graph
+        # that captured it then reads the new values)
+        before = getattr(self, "compressor_kw", {}).get("prepared")
+        self.compressor_kw = (self.ops.compressor_prepare(w.compressor_wkv, w.compressor_wgate,
+                                                          previous=before)
                               if self.spec.is_kv_source and self.spec.ratio > 1 else {})
         # wo_a's (the triton backend: its e4m3 codes, read by decode-sized calls)
-        self.wo_a_kw = self.ops.wo_a_prepare(w.wo_a)
+        before = getattr(self, "wo_a_kw", {}).get("codes")
+        self.wo_a_kw = self.ops.wo_a_prepare(w.wo_a, previous=before)
 
     def _prepared(self) -> dict[str, tuple[object, bool]]:
         """Each prepared copy, by the weights it was made from: (the copy, whether it still

@@ -250,15 +250,48 @@ def test_weights_written_in_place_leave_the_prepared_copies():
         state = s.new_state(3, capacity=16, device=DEV)
         outs.append(s.plan_decode(state, steps=1, layers=[L]).run({L: x})[L])
     assert torch.equal(outs[0], outs[1])  # the stale codes were not read
+    codes = layer.wo_a_kw["codes"]
+    reads = codes.reads
+    stack.prepare()  # rewritten in place: the same copy, the doubled wo_a's exact codes
+    assert layer.stale_prepared() == [] and layer.wo_a_kw["codes"] is codes
+    assert codes.serves(layer.weights.wo_a)
+    want = fresh.layers[L].wo_a_kw["codes"].fp8
+    assert torch.equal(codes.fp8.weight.view(torch.uint8), want.weight.view(torch.uint8))
+    assert torch.equal(codes.fp8.scale.view(torch.uint8), want.scale.view(torch.uint8))
+    state = stack.new_state(3, capacity=16, device=DEV)
+    assert torch.equal(stack.plan_decode(state, steps=1, layers=[L]).run({L: x})[L], outs[1])
+    assert codes.reads == reads + 1  # this step read the codes
+    with torch.no_grad():  # no exact fp8 form any more: the codes go, the op reads wo_a
+        layer.weights.wo_a[0, 0] = 1.0 + 2.0 ** -7
     stack.prepare()
-    assert layer.stale_prepared() == [] and layer.wo_a_kw["codes"].serves(layer.weights.wo_a)
+    assert "codes" not in layer.wo_a_kw and layer.stale_prepared() == []
+
+
+def test_prepare_rewrites_the_compressor_copy_in_place():
+    """The step-sized mode's float64 copy of a ratio > 1 compressor's wkv and wgate: after
+    they are written in place, ``prepare`` rewrites the same copy with their new values."""
+    L = next(L for L in range(ODD.n_layers)
+             if ODD.layer(L).ratio > 1 and ODD.layer(L).is_kv_source)
+    stack = AttentionStack(ODD, {L: random_layer_weights(ODD, L, seed=3).to(DEV)}, "triton")
+    layer = stack.layers[L]
+    copy = layer.compressor_kw["prepared"]
+    with torch.no_grad():
+        layer.weights.compressor_wkv.mul_(3)
+    assert layer.stale_prepared() == ["compressor_wkv / compressor_wgate"]
+    stack.prepare()
+    assert layer.compressor_kw["prepared"] is copy and layer.stale_prepared() == []
+    w = layer.weights
+    assert torch.equal(copy.both, torch.cat([w.compressor_wkv, w.compressor_wgate]).double())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_refuses_to_replay_a_stale_prepared_copy():
     """A graph captured while wo_a's codes served reads those codes: after wo_a is written in
-    place, or prepared again, replay raises (the state untouched) instead of giving the old
-    weights' output; a graph captured again replays the new weights."""
+    place, replay raises (the state untouched) instead of giving the old weights' output;
+    ``prepare`` rewrites the codes in place, and the same graph then gives the new weights'
+    output; where the new wo_a has no fp8 form the codes go and replay raises until a graph is
+    captured again. A graph of more rows than the codes serve never reads them: it replays the
+    weights written in place as they are."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("set TRITON_INTERPRET=0 to compile the kernels for the GPU")
     stack = _stack(ODD, "triton", device="cuda")
@@ -273,8 +306,28 @@ def test_cuda_graph_refuses_to_replay_a_stale_prepared_copy():
     with pytest.raises(StateError, match="layer 0: wo_a changed since this graph was captured"):
         graph.replay(xs[2])
     assert plan.steps_left == left
-    stack.prepare()  # fresh codes: the graph still holds the old ones
-    with pytest.raises(StateError, match="prepared again"):
-        graph.replay(xs[2])
-    again = stack.plan_decode(state, steps=2).capture(xs[2])
-    again.replay(xs[3])
+    stack.prepare()  # the codes rewritten in place: the graph reads the doubled wo_a's
+    eager = state.clone()
+    want = stack.plan_decode(eager, steps=1).run(xs[2])
+    got = graph.replay(xs[2])
+    for L in want:
+        assert torch.equal(got[L], want[L]), f"layer {L}"
+    with torch.no_grad():  # no fp8 form: prepare drops the codes the graph reads
+        stack.layers[0].weights.wo_a[0, 0] = 1.0 + 2.0 ** -7
+    stack.prepare()
+    with pytest.raises(StateError, match="call stack.prepare"):
+        graph.replay(xs[3])
+    again = stack.plan_decode(state, steps=2).capture(xs[3])
+    again.replay(xs[4])
+
+    # 20 rows: past the codes' 16 (the default mode), so the graph reads wo_a itself
+    wide = _prefilled(stack, [2] * 20, device="cuda")
+    xw = _tokens(ODD, 3, 20, device="cuda")
+    graph = stack.plan_decode(wide, steps=3).capture(xw[0])
+    with torch.no_grad():
+        stack.layers[0].weights.wo_a.mul_(2)  # not prepared: the graph does not need it
+    eager = wide.clone()
+    want = stack.plan_decode(eager, steps=1).run(xw[1])
+    got = graph.replay(xw[1])
+    for L in want:
+        assert torch.equal(got[L], want[L]), f"layer {L}"

@@ -25,9 +25,10 @@ def project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor
     return linear(xf, wkv), linear(xf, wgate)
 
 
-def prepare_project(wkv: torch.Tensor, wgate: torch.Tensor) -> dict:
+def prepare_project(wkv: torch.Tensor, wgate: torch.Tensor, previous: object = None) -> dict:
     """Extra arguments of ``project`` prepared once per layer: none (it reads wkv and wgate as
-    they are; the triton backend's step-sized form keeps a float64 copy)."""
+    they are; the triton backend's step-sized form keeps a float64 copy, ``previous`` the one
+    it had)."""
     return {}
 
 

@@ -418,18 +418,20 @@ def _project_rows(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor
     return out[0], out[1]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class ProjectWeights:
     """wkv and wgate [D, dim] fp32 as one float64 [2 D, dim] tensor ``both`` (an exact copy),
     so that the step-sized mode's projections past a few rows run as one float64 GEMM without
     converting the weights on every call. Built once per layer by ``project_weights``; holds
     2 x 8 x D x dim bytes (42 MB at V4.1-Flash's D = 512, dim = 5120). It serves only the
-    tensors it was built from, unchanged since (``serves``)."""
+    tensors it was built from, unchanged since (``serves``) or since ``prepare_project``
+    refreshed it in place. ``reads``: the calls that read it (as ``WoACodes.reads``)."""
 
     wkv: torch.Tensor
     wgate: torch.Tensor
     both: torch.Tensor
     versions: tuple[int, int]
+    reads: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -458,9 +460,17 @@ def project_weights(wkv: torch.Tensor, wgate: torch.Tensor) -> ProjectWeights:
                           (wkv._version, wgate._version))
 
 
-def prepare_project(wkv: torch.Tensor, wgate: torch.Tensor) -> dict:
+def prepare_project(wkv: torch.Tensor, wgate: torch.Tensor,
+                    previous: ProjectWeights | None = None) -> dict:
     """The step-sized mode's extra arguments of ``project`` for one layer: its
-    ``ProjectWeights`` (``ops.backends``: built when the layer is)."""
+    ``ProjectWeights`` (``ops.backends``: built when the layer is). ``previous``: the layer's
+    copy so far; when it was made from these very tensors (since written in place), it is
+    rewritten in place and returned, so that a decode graph that captured it reads the new
+    values."""
+    if isinstance(previous, ProjectWeights) and previous.wkv is wkv and previous.wgate is wgate:
+        previous.both.copy_(torch.cat([wkv, wgate]))  # exact: fp32 -> float64
+        previous.versions = (wkv._version, wgate._version)
+        return {"prepared": previous}
     return {"prepared": project_weights(wkv, wgate)}
 
 
@@ -486,6 +496,7 @@ def project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, *,
     if not ready:
         return reference.project(x, wkv, wgate)
     m, d = x.shape[0], wkv.shape[0]
+    prepared.reads += 1
     both = torch.mm(x.double(), prepared.both.t())  # [T, 2 D] float64
     out = torch.empty(2, m, d, dtype=torch.float32, device=x.device)
     out.copy_(both.view(m, 2, d).transpose(0, 1))  # rounded once to fp32, as the reference

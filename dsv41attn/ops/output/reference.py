@@ -53,9 +53,10 @@ def check_inputs(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Tensor |
     return k, weight.shape[0] // groups
 
 
-def prepare_wo_a(wo_a: torch.Tensor | Fp8Weight) -> dict:
+def prepare_wo_a(wo_a: torch.Tensor | Fp8Weight, previous: object = None) -> dict:
     """Extra arguments of ``inverse_rope_wo_a`` prepared once per layer: none (it reads wo_a as
-    it is; the triton backend keeps wo_a's e4m3 codes for decode-sized calls)."""
+    it is; the triton backend keeps wo_a's e4m3 codes for decode-sized calls, ``previous``
+    the ones it had)."""
     return {}
 
 

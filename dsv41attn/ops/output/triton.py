@@ -185,17 +185,19 @@ def _pick_splits(programs: int, k_blocks: int, partial_row_bytes: int, weight_by
     return max(1, s)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class WoACodes:
     """A bf16 wo_a's exact e4m3 form (``checkpoint.exact_fp8``: what the checkpoint stored, 34
     MB per V4.1-Flash layer beside the 67 MB bf16 copy), for decode-sized calls to read half
     the bytes. Built once per layer by ``prepare_wo_a``; it serves only the tensor it was made
     from, unchanged since (``serves``: a wo_a written in place, or another tensor, runs the
-    bf16 path)."""
+    bf16 path) or since ``prepare_wo_a`` refreshed it in place. ``reads``: the calls that read
+    it (a captured decode graph notes which copies its launches read)."""
 
     fp8: Fp8Weight
     source: torch.Tensor
     version: int
+    reads: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -207,13 +209,20 @@ class WoACodes:
         return wo_a is self.source and wo_a._version == self.version
 
 
-def prepare_wo_a(wo_a: torch.Tensor | Fp8Weight) -> dict:
+def prepare_wo_a(wo_a: torch.Tensor | Fp8Weight, previous: WoACodes | None = None) -> dict:
     """Extra arguments of ``inverse_rope_wo_a`` for one layer, built once: ``codes``, a bf16
     wo_a's ``WoACodes``; {} when wo_a has no exact e4m3 form or is an Fp8Weight already (the
-    op reads that one as it is)."""
+    op reads that one as it is). ``previous``: the layer's codes so far; when they were made
+    from this very tensor (since written in place), they are rewritten in place and returned,
+    so that a decode graph that captured them reads the new codes."""
     if isinstance(wo_a, torch.Tensor) and wo_a.dtype == torch.bfloat16 and wo_a.dim() == 2:
         fp8 = exact_fp8(wo_a)
         if fp8 is not None:
+            if isinstance(previous, WoACodes) and previous.source is wo_a:
+                previous.fp8.weight.copy_(fp8.weight)  # same shapes: the same tensor's form
+                previous.fp8.scale.copy_(fp8.scale)
+                previous.version = wo_a._version
+                return {"codes": previous}
             return {"codes": WoACodes(fp8, wo_a, wo_a._version)}
     return {}
 
@@ -272,6 +281,8 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Ten
                    rope_heads(o, rot, inverse=True, in_place=in_place)).view(n, h * d)
         limit = WO_A_CODES_MAX_ROWS if fixed_order else WO_A_STEP_CODES_MAX_ROWS
         if fp8_form is not None and n <= limit:  # dense_linear's bits on the fp8 bytes
+            if not fp8:
+                codes.reads += 1
             return dense_fp8_linear(rotated, fp8_form.weight, fp8_form.scale, groups, out=out)
         w16 = wo_a.dequantize() if fp8 else weight
         if not fixed_order:  # torch's batched GEMM writes straight into out's [G, N, Rk] view
