@@ -218,8 +218,9 @@ def prepare_wo_a(wo_a: torch.Tensor | Fp8Weight, previous: WoACodes | None = Non
     if isinstance(wo_a, torch.Tensor) and wo_a.dtype == torch.bfloat16 and wo_a.dim() == 2:
         fp8 = exact_fp8(wo_a)
         if fp8 is not None:
-            if isinstance(previous, WoACodes) and previous.source is wo_a:
-                previous.fp8.weight.copy_(fp8.weight)  # same shapes: the same tensor's form
+            if isinstance(previous, WoACodes) and previous.source is wo_a \
+                    and previous.fp8.weight.shape == fp8.weight.shape:  # not resized
+                previous.fp8.weight.copy_(fp8.weight)
                 previous.fp8.scale.copy_(fp8.scale)
                 previous.version = wo_a._version
                 return {"codes": previous}
