@@ -239,6 +239,9 @@ def test_weights_written_in_place_leave_the_prepared_copies():
     stack, fresh = one_layer(), one_layer()
     layer = stack.layers[L]
     assert layer.stale_prepared() == [] and "codes" in layer.wo_a_kw
+    codes = layer.wo_a_kw["codes"]
+    stack.prepare()  # nothing written: the same copy, not rebuilt
+    assert layer.wo_a_kw["codes"] is codes and codes.version == layer.weights.wo_a._version
     with torch.no_grad():
         layer.weights.wo_a.mul_(2)
         fresh.layers[L].weights.wo_a.mul_(2)

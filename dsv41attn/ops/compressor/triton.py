@@ -467,6 +467,8 @@ def prepare_project(wkv: torch.Tensor, wgate: torch.Tensor,
     copy so far; when it was made from these very tensors (since written in place), it is
     rewritten in place and returned, so that a decode graph that captured it reads the new
     values."""
+    if isinstance(previous, ProjectWeights) and previous.serves(wkv, wgate):
+        return {"prepared": previous}  # unchanged: nothing to rebuild
     if isinstance(previous, ProjectWeights) and previous.wkv is wkv and previous.wgate is wgate \
             and previous.both.shape == (wkv.shape[0] + wgate.shape[0], wkv.shape[1]):
         previous.both.copy_(torch.cat([wkv, wgate]))  # exact: fp32 -> float64

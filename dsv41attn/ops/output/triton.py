@@ -215,6 +215,8 @@ def prepare_wo_a(wo_a: torch.Tensor | Fp8Weight, previous: WoACodes | None = Non
     op reads that one as it is). ``previous``: the layer's codes so far; when they were made
     from this very tensor (since written in place), they are rewritten in place and returned,
     so that a decode graph that captured them reads the new codes."""
+    if isinstance(previous, WoACodes) and previous.serves(wo_a):
+        return {"codes": previous}  # unchanged: nothing to rebuild
     if isinstance(wo_a, torch.Tensor) and wo_a.dtype == torch.bfloat16 and wo_a.dim() == 2:
         fp8 = exact_fp8(wo_a)
         if fp8 is not None:
