@@ -683,6 +683,12 @@ INDEXER_CASES = [("top-k", 1, 2048), ("candidate source", 1, 4096),  # short con
                  ("candidate source, prefill", 1, 16384), ("candidate source, prefill", 1, 65536)]
 
 
+def _weight_copies(make, nbytes: int, min_bytes: int) -> list:
+    """``make()`` called until the copies, ``nbytes`` each, pass ``min_bytes``: a timed loop
+    over them streams its weights from HBM, not L2, as a model's layers do."""
+    return [make() for _ in range(-(-min_bytes // nbytes))]
+
+
 GEMM_WEIGHTS = ("wq_a", "wkv", "wq_b", "indexer.wq_b", "wo_b")  # the layer's fp8_linear calls
 GEMM_ROWS = (1, 8, 64, 256, 4096, 8192)  # 8192: an 8K prefill's projections
 
@@ -703,7 +709,7 @@ def bench_gemm(copy_bw: float, rows=GEMM_ROWS, names=GEMM_WEIGHTS, layer: int = 
         n, k = shapes[name + ".weight"][1]
         w = quantize_fp8(torch.randn(n, k, device="cuda") / k ** 0.5)
         wbytes = w.weight.numel() + w.scale.numel()
-        copies = [(w.weight.clone(), w.scale.clone()) for _ in range(-(-min_bytes // wbytes))]
+        copies = _weight_copies(lambda: (w.weight.clone(), w.scale.clone()), wbytes, min_bytes)
         for m in rows:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
 
@@ -750,9 +756,9 @@ def bench_wo_a(copy_bw: float, rows=WO_A_ROWS, layer: int = 2,
     wbytes = w.weight.numel() + w.scale.numel()
     out = []
     for form in ("codes", "bf16 torch", "bf16 fixed"):
-        one = wbytes if form == "codes" else w16.numel() * 2
-        copies = [(w.weight.clone(), w.scale.clone()) if form == "codes" else w16.clone()
-                  for _ in range(-(-min_bytes // one))]
+        copies = _weight_copies((lambda: (w.weight.clone(), w.scale.clone())) if form == "codes"
+                                else w16.clone, wbytes if form == "codes" else w16.numel() * 2,
+                                min_bytes)
         for m in rows:
             x = torch.randn(m, groups * kg, device="cuda").to(torch.bfloat16)
             y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")

@@ -208,8 +208,9 @@ class AttentionStack:
         return sum(layer.prepared_nbytes for layer in self.layers.values())
 
     def prepare(self) -> None:
-        """Rebuild every layer's prepared weight copies (``AttentionLayer.prepare``): after
-        writing weights in place, before capturing a decode graph again."""
+        """Rebuild every layer's prepared weight copies (``AttentionLayer.prepare``) after
+        writing weights in place: copies made from the same tensors are rewritten in place,
+        so decode graphs that read them replay the new weights."""
         for layer in self.layers.values():
             layer.prepare()
 
