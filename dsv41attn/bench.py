@@ -756,9 +756,9 @@ def bench_wo_a(copy_bw: float, rows=WO_A_ROWS, layer: int = 2,
     wbytes = w.weight.numel() + w.scale.numel()
     out = []
     for form in ("codes", "bf16 torch", "bf16 fixed"):
-        copies = _weight_copies((lambda: (w.weight.clone(), w.scale.clone())) if form == "codes"
-                                else w16.clone, wbytes if form == "codes" else w16.numel() * 2,
-                                min_bytes)
+        make, one = ((lambda: (w.weight.clone(), w.scale.clone())), wbytes) if form == "codes" \
+            else (w16.clone, w16.numel() * 2)
+        copies = _weight_copies(make, one, min_bytes)
         for m in rows:
             x = torch.randn(m, groups * kg, device="cuda").to(torch.bfloat16)
             y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")

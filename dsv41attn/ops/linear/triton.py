@@ -1558,9 +1558,9 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     float8_e8m0fnu [cdiv(groups * Ng, 32), cdiv(Kg, 32)]. num_splits: dense_linear's. tiles:
     (BLOCK_M, BLOCK_N, warps, stages), None = DENSE_FP8_TILES by M (for tuning; the same bits
     at any); tma: read the codes through a TMA descriptor (None: as DENSE_FP8_TILES says,
-    where _tma_weight allows); out: a contiguous bf16 [rows of x, groups * Ng] to write into. The ranges run as separate
-    programs while the tiles leave SMs idle, the last to finish adding them. Returns [...,
-    groups * Ng] bf16.
+    where _tma_weight allows); out: a contiguous bf16 [rows of x, groups * Ng] to write into.
+    The ranges run as separate programs while the tiles leave SMs idle, the last to finish
+    adding them. Returns [..., groups * Ng] bf16.
     """
     require(isinstance(weight, torch.Tensor) and weight.dim() == 2
             and weight.dtype == torch.float8_e4m3fn,
