@@ -28,8 +28,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
-BLOCK_N = gl.constexpr(64)  # list entries per block (rows per ring stage)
-HEADS = gl.constexpr(64)  # heads a program: the wgmma's 64-row side
+ROWS, MAX_HEADS = 64, 64  # list entries per block (rows per ring stage); heads a program
+BLOCK_N, HEADS = gl.constexpr(ROWS), gl.constexpr(MAX_HEADS)  # the same, for the kernels
 ROWS_PER_STORE = 8  # rows the producer decodes per shared-memory store (the swizzle's period)
 PRODUCER_WARPS = gl.constexpr(4)
 PRODUCER_REGS = 56  # the producer's register budget (setmaxnreg); the consumers get the rest
@@ -162,8 +162,8 @@ def window_attn(q: torch.Tensor, sink: torch.Tensor, scale: float, window_ring: 
     [T, WW] int32 (ids as ``sparse_attn_paged``'s). Returns [T, H, D] bf16."""
     t, h, d = q.shape
     rb = d + d // 32
-    if q.dtype != torch.bfloat16 or not 1 <= h <= HEADS or d % 64 or d > 512:
-        raise ValueError(f"q must be [T, H <= {HEADS}, D] bf16 with D a multiple of 64 up to "
+    if q.dtype != torch.bfloat16 or not 1 <= h <= MAX_HEADS or d % 64 or d > 512:
+        raise ValueError(f"q must be [T, H <= {MAX_HEADS}, D] bf16 with D a multiple of 64 up to "
                          f"512, got {tuple(q.shape)} {q.dtype}")
     for name, x, shape, dtype in (("sink", sink, (h,), torch.float32),
                                   ("new_rows", new_rows, (t, rb), torch.uint8),
@@ -176,9 +176,13 @@ def window_attn(q: torch.Tensor, sink: torch.Tensor, scale: float, window_ring: 
             or not window_ring.is_contiguous():
         raise ValueError(f"window_ring must be a contiguous [B, S, {rb}] uint8 tensor, got "
                          f"{tuple(window_ring.shape)} {window_ring.dtype}")
-    if stages < 1 or stages * BLOCK_N * d * 2 + HEADS * d * 2 > 200 * 1024:
+    if stages < 1 or (stages * ROWS + MAX_HEADS) * d * 2 > 200 * 1024:
         raise ValueError(f"stages = {stages}: the ring and q must fit in shared memory")
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
+        raise ValueError(f"window_attn runs on a Hopper or newer CUDA GPU, got q on {q.device}")
     out = torch.empty_like(q) if out is None else out
+    if t == 0:
+        return out
     n_ring = window_ring.numel() // rb
     q, new_rows, widx = q.contiguous(), new_rows.contiguous(), window_ids
     widx = widx if widx.stride(1) == 1 else widx.contiguous()
