@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon window attention (ops/sparse_attn/gluon.py).
+"""The warp-specialized Gluon sparse attention (ops/sparse_attn/gluon.py).
 
 Gluon kernels do not run under TRITON_INTERPRET=1 (a Gluon launch needs a GPU driver), so on
 the CPU the kernel is only compiled for sm_90a (the stand-in driver of sm90_compile.py) at the
@@ -22,7 +22,7 @@ SHAPES = [(512, 2), (128, 3), (64, 2)]
 
 
 def _compile(d: int, stages: int) -> dict:
-    """Compile _window_attn_kernel for sm_90a in a fresh process (the stand-in driver must not
+    """Compile _sparse_attn_ws_kernel for sm_90a in a fresh process (the stand-in driver must not
     touch this process's Triton); its shared memory and (registers, stack, local ld/st, loop)."""
     import subprocess
     import sys
@@ -34,9 +34,11 @@ s._setup_worker()
 import torch
 from triton.runtime.jit import MockTensor as M
 import dsv41attn.ops.sparse_attn.gluon as g
-k = g._window_attn_kernel.warmup(M(torch.bfloat16), M(torch.float32), M(torch.uint8),
-    M(torch.uint8), M(torch.int32), M(torch.bfloat16), 0.05, 64, 1000, 8, 128, 128, D={d},
-    STAGES={stages}, RS=g.ROWS_PER_STORE, PRODUCER_REGS=g.PRODUCER_REGS, num_warps=8, grid=(1,))
+k = g._sparse_attn_ws_kernel.warmup(M(torch.bfloat16), M(torch.float32), M(torch.uint8),
+    M(torch.uint8), M(torch.int32), M(torch.uint8), M(torch.int64), M(torch.int64),
+    M(torch.int32), M(torch.bfloat16), 0.05, 64, 1000, 8, 128, 512, 64, 256, 128, 512, 64,
+    D={d}, PAGE_SHIFT=8, STAGES={stages}, RS=g.ROWS_PER_STORE, PRODUCER_REGS=g.PRODUCER_REGS,
+    num_warps=8, grid=(1,))
 ptx = k.asm["ptx"]
 print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["cubin"], True),
                   "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
@@ -64,28 +66,46 @@ def test_compiles_warp_specialized_for_sm90(d, stages):
 
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
 @pytest.mark.parametrize("d,stages", SHAPES)
-@pytest.mark.parametrize("t,h,ww", [(7, 64, 128), (5, 17, 70), (3, 64, 1), (4, 64, 0)])
-def test_matches_reference_and_triton_kernel(t, h, d, stages, ww):
-    """Window-only lists (holes, pads, a token with no entries): the Gluon kernel against the
-    reference op, within the Triton kernel's own distance to it, and against the Triton kernel
-    (the same rounding points; only the row sums of p may add in another order)."""
-    from dsv41attn.ops.sparse_attn.gluon import window_attn
+@pytest.mark.parametrize("t,h,ww,k,page_rows", [
+    (7, 64, 128, 0, 4),  # SWA: window only
+    (5, 17, 70, 0, 4),  # padded heads, a block cut by the list's end
+    (3, 64, 1, 0, 4),
+    (4, 64, 0, 0, 4),  # empty lists
+    (7, 64, 128, 200, 8),  # window then compressed rows, the pages a power of two
+    (5, 64, 70, 130, 6),  # a block of both kinds; page and row by division
+    (3, 64, 0, 65, 8),  # compressed only
+])
+def test_matches_reference_and_triton_kernel(t, h, d, stages, ww, k, page_rows):
+    """Lists with holes, pads and a token with no entries (make_step): the Gluon kernel
+    against the reference op, within twice the Triton kernel's own distance to it, and beside
+    the Triton kernel (the same rounding points; only the row sums of p may add in another
+    order)."""
+    from dsv41attn.ops.sparse_attn.gluon import sparse_attn_paged_ws
     from dsv41attn.ops.sparse_attn.triton import sparse_attn_paged as tri_paged
-    q, sink, args = make_step(t, h, d, ww, 0, 4, seed=d + ww)
+    q, sink, args = make_step(t, h, d, ww, k, page_rows, seed=d + ww + k)
     scale = d ** -0.5
-    ref = ref_paged(q.cpu(), sink.cpu(), scale, **{k: v if v is None else v.cpu()
-                                                    for k, v in args.items()})
+    ref = ref_paged(q.cpu(), sink.cpu(), scale, **{n: v if v is None else v.cpu()
+                                                    for n, v in args.items()})
     tri = tri_paged(q, sink, scale, **args, split_blocks=0, num_splits=1)
-    glu = window_attn(q, sink, scale, args["window_ring"], args["new_rows"],
-                      args["window_ids"], stages=stages)
+    glu = sparse_attn_paged_ws(q, sink, scale, **args, stages=stages)
     torch.cuda.synchronize()
     assert not glu.isnan().any()
-    assert torch.equal(glu[t // 2].float(), torch.zeros_like(glu[t // 2].float())), \
-        "a token without entries gives 0"
+    assert not glu[t // 2].any(), "a token without entries gives 0"
     err_tri = (tri.float().cpu() - ref.float()).abs().max().item()
     err_glu = (glu.float().cpu() - ref.float()).abs().max().item()
     assert err_glu <= max(2 * err_tri, 1e-2), (err_glu, err_tri)
     differ = (glu != tri).sum().item()
-    print(f"t={t} h={h} d={d} ww={ww} stages={stages}: {differ} of {glu.numel()} outputs "
-          f"differ from the Triton kernel's; max err vs reference {err_glu:.2e} "
+    print(f"t={t} h={h} d={d} ww={ww} k={k} stages={stages}: {differ} of {glu.numel()} "
+          f"outputs differ from the Triton kernel's; max err vs reference {err_glu:.2e} "
           f"(Triton {err_tri:.2e})")
+
+
+@pytest.mark.skipif(not GPU, reason="needs a Hopper GPU")
+def test_rejects_bad_inputs():
+    from dsv41attn.ops.sparse_attn.gluon import sparse_attn_paged_ws
+    q, sink, args = make_step(3, 64, 512, 10, 0, 4)
+    with pytest.raises(ValueError, match="stages"):
+        sparse_attn_paged_ws(q, sink, 0.1, **args, stages=3)
+    with pytest.raises(ValueError, match="H must be"):
+        sparse_attn_paged_ws(torch.zeros(3, 65, 512, dtype=torch.bfloat16, device="cuda"),
+                             torch.zeros(65, device="cuda"), 0.1, **args)

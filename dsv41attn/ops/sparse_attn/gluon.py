@@ -1,4 +1,4 @@
-"""Sparse attention over a window of packed fp8 rows, warp-specialized in Gluon (Hopper).
+"""Sparse attention from the packed caches, warp-specialized in Gluon (Hopper).
 
 Why: the Triton kernel (``triton.sparse_attn_paged``) decodes a block's packed rows, then runs
 its MMAs, then decodes the next block, in the same warps: Triton waits for each ``tl.dot``'s
@@ -8,8 +8,10 @@ producer partition (4 warps) decodes each 64-row block into a shared-memory ring
 consumer partition (two warp groups, the default one) runs the logits' and P.V's wgmmas on the
 block before, handing buffers over by mbarriers.
 
-Scope of this first kernel: window entries only (SWA's lists, ``compressed_idx`` with K = 0),
-no split of the list, 64 heads a program, D a multiple of 64 up to 512. Its reference is
+Scope of this first kernel: ``triton.sparse_attn_paged``'s lists (window entries from the ring
+or the step's new rows, then compressed entries through the block table), no split of the
+list (one program a token), no ``out_rot``, 64 heads a program, D a multiple of 64 up to 512.
+Its reference is
 ``reference.sparse_attn_paged`` and its twin the Triton kernel, which the CPU tests run under
 the interpreter; Gluon kernels do not run under the interpreter, so this one is checked on a
 GPU against the Triton kernel, and on the CPU only compiled for sm_90a.
@@ -32,51 +34,94 @@ ROWS, MAX_HEADS = 64, 64  # list entries per block (rows per ring stage); heads 
 BLOCK_N, HEADS = gl.constexpr(ROWS), gl.constexpr(MAX_HEADS)  # the same, for the kernels
 ROWS_PER_STORE = 8  # rows the producer decodes per shared-memory store (the swizzle's period)
 PRODUCER_WARPS = gl.constexpr(4)
-PRODUCER_REGS = 56  # the producer's register budget (setmaxnreg); the consumers get the rest
+PRODUCER_REGS = 96  # the producer's registers a thread (setmaxnreg; sm_90a at D = 512: 8 B of stack on
+# Triton 3.6 against 104 at 56); the consumers get the rest (204)
 
 
 @gluon.jit
 def _row_ptrs(ring_ptr, new_ptr, ids, N_RING, N_NEW, RB: gl.constexpr):
-    """Byte pointers of window entries ``ids`` and their validity (as triton._window_ptrs):
-    id < N_RING: ring row id; id >= N_RING: new row id - N_RING (clamped); -1: none."""
-    ok = ids >= 0
-    r = gl.where(ok, ids, 0).to(gl.int64)
-    ptr = gl.where(r < N_RING, ring_ptr + r * RB,
-                   new_ptr + gl.minimum(r - N_RING, N_NEW - 1) * RB)
-    return ptr, ok
+    """Byte pointers of window entries ``ids`` (as triton._window_ptrs): id < N_RING: ring row
+    id; id >= N_RING: new row id - N_RING (clamped to the last); -1: ring row 0 (masked)."""
+    r = gl.where(ids >= 0, ids, 0).to(gl.int64)
+    return gl.where(r < N_RING, ring_ptr + r * RB,
+                    new_ptr + gl.minimum(r - N_RING, N_NEW - 1) * RB)
 
 
 @gluon.jit
-def _producer(ring_ptr, new_ptr, widx_ptr, kv_bufs, ready, empty, t, N_RING, N_NEW, WW, sw_t,
-              D: gl.constexpr, STAGES: gl.constexpr, RS: gl.constexpr):
-    """Decode block j's 64 window rows into ring stage j % STAGES, RS rows a store (a multiple
-    of the shared layout's swizzle period, 8 rows)."""
+def _window_rows(ring_ptr, new_ptr, ids, ok, cols, N_RING, N_NEW, D: gl.constexpr):
+    """Window rows ids (ok: valid) decoded to fp32 [RS, D]: e4m3 code x 2^(e-127), exact."""
+    RB: gl.constexpr = D + D // 32
+    ptr = _row_ptrs(ring_ptr, new_ptr, ids, N_RING, N_NEW, RB)
+    codes = gl.load(ptr[:, None] + cols[None, :], mask=ok[:, None], other=0)
+    e = gl.load(ptr[:, None] + D + cols[None, :] // 32, mask=ok[:, None], other=0)
+    scale = (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)  # 2^(e-127); 0 -> 0
+    return codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale
+
+
+@gluon.jit
+def _compressed_rows(pool_ptr, bt_base, cr, ok, cols, PAGES, PAGE_ROWS,
+                     PAGE_SHIFT: gl.constexpr, D: gl.constexpr):
+    """Compressed rows g = cr (ok: valid) of the token's pages decoded to fp32 [RS, D]: each
+    e2m1 nibble (element 2i low) re-encoded as the e4m3 byte s|0 0 e1 e0|m 0 0 (its value x
+    2^-6), times its e4m3 scale x 64, exact. Page -1 (unallocated) reads page 0, as the
+    reference's clamp."""
+    g = gl.where(ok, cr, 0)
+    if PAGE_SHIFT >= 0:
+        pg, row = g >> PAGE_SHIFT, g & ((1 << PAGE_SHIFT) - 1)
+    else:
+        pg, row = g // PAGE_ROWS, g % PAGE_ROWS
+    page = gl.load(bt_base + pg, mask=ok & (pg < PAGES), other=0)
+    ptr = pool_ptr + (gl.maximum(page, 0) * PAGE_ROWS + row) * (D // 2 + D // 16)
+    byte = gl.load(ptr[:, None] + cols[None, :] // 2, mask=ok[:, None], other=0).to(gl.int32)
+    n = (byte >> ((cols[None, :] % 2) * 4)) & 15
+    code = (((n & 8) << 4) | ((n & 7) << 2)).to(gl.uint8)
+    sc = gl.load(ptr[:, None] + D // 2 + cols[None, :] // 16, mask=ok[:, None], other=0)
+    scf = sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 64.0
+    return code.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scf
+
+
+@gluon.jit
+def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr, kv_bufs, ready,
+              empty, t, N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t, sc_t, bt_r,
+              PAGE_SHIFT: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+              RS: gl.constexpr):
+    """Decode block j's 64 list entries (window entries, then compressed ones) into ring stage
+    j % STAGES, RS rows a store (a multiple of the shared layout's swizzle period, 8 rows)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [PRODUCER_WARPS, 1], [1, 0])
     rows = gl.arange(0, RS, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    RB: gl.constexpr = D + D // 32
-    n_blocks = gl.cdiv(WW, BLOCK_N)
-    for j in range(n_blocks):
+    bt_base = bt_ptr + gl.load(trow_ptr + t) * bt_r  # the token's block-table row
+    for j in range(gl.cdiv(WW + K, BLOCK_N)):
         stage = j % STAGES
         phase = (j // STAGES) & 1
         mbarrier.wait(empty.index(stage), phase ^ 1)
         buf = kv_bufs.index(stage)
         for r0 in gl.static_range(0, BLOCK_N, RS):
-            e_idx = j * BLOCK_N + r0 + rows
-            ids = gl.load(widx_ptr + t * sw_t + e_idx, mask=e_idx < WW, other=-1)
-            ptr, ok = _row_ptrs(ring_ptr, new_ptr, ids, N_RING, N_NEW, RB)
-            codes = gl.load(ptr[:, None] + cols[None, :], mask=ok[:, None], other=0)
-            e = gl.load(ptr[:, None] + D + cols[None, :] // 32, mask=ok[:, None], other=0)
-            scale = (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)  # 2^(e-127); 0 -> 0
-            v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale
+            e0 = j * BLOCK_N + r0
+            e_idx = e0 + rows
+            if e0 + RS <= WW:  # window rows only
+                wr = gl.load(widx_ptr + t * sw_t + e_idx)
+                v = _window_rows(ring_ptr, new_ptr, wr, wr >= 0, cols, N_RING, N_NEW, D)
+            elif e0 >= WW:  # compressed rows only
+                cr = gl.load(cidx_ptr + t * sc_t + (e_idx - WW), mask=e_idx < WW + K, other=-1)
+                v = _compressed_rows(pool_ptr, bt_base, cr, cr >= 0, cols, PAGES, PAGE_ROWS,
+                                     PAGE_SHIFT, D)
+            else:  # the rows where the window part ends: each one or the other
+                wr = gl.load(widx_ptr + t * sw_t + e_idx, mask=e_idx < WW, other=-1)
+                cr = gl.load(cidx_ptr + t * sc_t + (e_idx - WW),
+                             mask=(e_idx >= WW) & (e_idx < WW + K), other=-1)
+                v = _window_rows(ring_ptr, new_ptr, wr, wr >= 0, cols, N_RING, N_NEW, D) + \
+                    _compressed_rows(pool_ptr, bt_base, cr, cr >= 0, cols, PAGES, PAGE_ROWS,
+                                     PAGE_SHIFT, D)
             buf.slice(r0, RS, dim=0).store(v.to(gl.bfloat16))
         fence_async_shared()
         mbarrier.arrive(ready.index(stage), count=1)
 
 
 @gluon.jit
-def _consumer(q_smem, kv_bufs, ready, empty, widx_ptr, sink_ptr, o_ptr, t, H, WW, sw_t, scale,
-              D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _consumer(q_smem, kv_bufs, ready, empty, widx_ptr, cidx_ptr, sink_ptr, o_ptr, t, H, WW, K,
+              sw_t, sc_t, scale, D: gl.constexpr, STAGES: gl.constexpr,
+              num_warps: gl.constexpr):
     """The online softmax over the blocks the producer fills; o [t] = acc / (l + e^(sink-m))."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, BLOCK_N // 2, 16])
@@ -87,12 +132,14 @@ def _consumer(q_smem, kv_bufs, ready, empty, widx_ptr, sink_ptr, o_ptr, t, H, WW
     l_i = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([HEADS, D], gl.float32, layout=o_layout)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    n_blocks = gl.cdiv(WW, BLOCK_N)
-    for j in range(n_blocks):
+    for j in range(gl.cdiv(WW + K, BLOCK_N)):
         stage = j % STAGES
         phase = (j // STAGES) & 1
         e_idx = j * BLOCK_N + cols
-        valid = gl.load(widx_ptr + t * sw_t + e_idx, mask=e_idx < WW, other=-1) >= 0
+        wr = gl.load(widx_ptr + t * sw_t + e_idx, mask=e_idx < WW, other=-1)
+        cr = gl.load(cidx_ptr + t * sc_t + (e_idx - WW), mask=(e_idx >= WW) & (e_idx < WW + K),
+                     other=-1)
+        valid = (wr >= 0) | (cr >= 0)
         mbarrier.wait(ready.index(stage), phase)
         kv = kv_bufs.index(stage)
         s = warpgroup_mma(q_smem, kv.permute((1, 0)),
@@ -120,13 +167,15 @@ def _consumer(q_smem, kv_bufs, ready, empty, widx_ptr, sink_ptr, o_ptr, t, H, WW
 
 
 @gluon.jit
-def _window_attn_kernel(q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, o_ptr, scale, H, N_RING,
-                        N_NEW, WW, sw_t, D: gl.constexpr, STAGES: gl.constexpr,
-                        RS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        num_warps: gl.constexpr):
-    """One program a token t: q [T, H, D] bf16 (H <= 64, padded heads load 0), the window
-    ring [*, D + D/32] and new rows [N_NEW, D + D/32] uint8, widx [T, WW] int32 entries
-    (token stride sw_t), o [T, H, D] bf16."""
+def _sparse_attn_ws_kernel(q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr,
+                           trow_ptr, cidx_ptr, o_ptr, scale, H, N_RING, N_NEW, WW, K, PAGES,
+                           PAGE_ROWS, sw_t, sc_t, bt_r, D: gl.constexpr,
+                           PAGE_SHIFT: gl.constexpr, STAGES: gl.constexpr, RS: gl.constexpr,
+                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """One program a token t: q [T, H, D] bf16 (H <= 64, padded heads load 0); its list is
+    widx [t, :WW] (ring rows [*, D + D/32] or the step's new rows, uint8) then cidx [t, :K]
+    (rows of the pool [*, PAGE_ROWS, D/2 + D/16] through block-table row trow[t]); o [T, H,
+    D] bf16."""
     t = gl.program_id(0).to(gl.int64)
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
     qr = gl.arange(0, HEADS, layout=gl.SliceLayout(1, q_layout))
@@ -146,48 +195,66 @@ def _window_attn_kernel(q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, o_ptr, sca
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
     gl.warp_specialize([
-        (_consumer, (q_smem, kv_bufs, ready, empty, widx_ptr, sink_ptr, o_ptr, t, H, WW, sw_t,
-                     scale, D, STAGES, num_warps)),
-        (_producer, (ring_ptr, new_ptr, widx_ptr, kv_bufs, ready, empty, t, N_RING, N_NEW, WW,
-                     sw_t, D, STAGES, RS)),
+        (_consumer, (q_smem, kv_bufs, ready, empty, widx_ptr, cidx_ptr, sink_ptr, o_ptr, t, H,
+                     WW, K, sw_t, sc_t, scale, D, STAGES, num_warps)),
+        (_producer, (ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr, kv_bufs,
+                     ready, empty, t, N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t, sc_t, bt_r,
+                     PAGE_SHIFT, D, STAGES, RS)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
-def window_attn(q: torch.Tensor, sink: torch.Tensor, scale: float, window_ring: torch.Tensor,
-                new_rows: torch.Tensor, window_ids: torch.Tensor, *, stages: int = 2,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """``sparse_attn_paged`` for window-only lists (no compressed entries, no ``out_rot``), on
-    a Hopper GPU: q [T, H, D] bf16 (H <= 64, D a multiple of 64, at most 512), sink [H] fp32,
-    window_ring [B, S, D + D/32] uint8 contiguous, new_rows [T, D + D/32] uint8, window_ids
-    [T, WW] int32 (ids as ``sparse_attn_paged``'s). Returns [T, H, D] bf16."""
+def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
+                        window_ring: torch.Tensor, new_rows: torch.Tensor,
+                        window_ids: torch.Tensor, compressed_pool: torch.Tensor | None,
+                        block_table: torch.Tensor | None, token_row: torch.Tensor,
+                        compressed_idx: torch.Tensor, *, stages: int = 2,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """``triton.sparse_attn_paged`` (same arguments and results; no split of the lists, no
+    ``out_rot``) on a Hopper GPU, warp-specialized: H <= 64 heads, D a multiple of 64 up to
+    512; ``stages`` ring stages of 64 decoded rows in shared memory. Returns [T, H, D] bf16."""
+    from .triton import _check
+    _check("q", q, ("T", "H", "D"), torch.bfloat16)
     t, h, d = q.shape
     rb = d + d // 32
-    if q.dtype != torch.bfloat16 or not 1 <= h <= MAX_HEADS or d % 64 or d > 512:
-        raise ValueError(f"q must be [T, H <= {MAX_HEADS}, D] bf16 with D a multiple of 64 up to "
-                         f"512, got {tuple(q.shape)} {q.dtype}")
-    for name, x, shape, dtype in (("sink", sink, (h,), torch.float32),
-                                  ("new_rows", new_rows, (t, rb), torch.uint8),
-                                  ("window_ids", window_ids, (t, window_ids.shape[-1]),
-                                   torch.int32)):
-        if tuple(x.shape) != shape or x.dtype != dtype:
-            raise ValueError(f"{name} must be {list(shape)} {dtype}, got {tuple(x.shape)} "
-                             f"{x.dtype}")
-    if window_ring.dtype != torch.uint8 or window_ring.shape[-1] != rb \
-            or not window_ring.is_contiguous():
-        raise ValueError(f"window_ring must be a contiguous [B, S, {rb}] uint8 tensor, got "
-                         f"{tuple(window_ring.shape)} {window_ring.dtype}")
+    if not 1 <= h <= MAX_HEADS or d % 64 or d > 512:
+        raise ValueError(f"q {tuple(q.shape)}: H must be 1..{MAX_HEADS} and D a multiple of 64 "
+                         f"up to 512")
+    _check("sink", sink, (h,), torch.float32)
+    _check("window_ring", window_ring, ("B", "S", rb), torch.uint8)
+    if not window_ring.is_contiguous():
+        raise ValueError(f"window_ring {tuple(window_ring.shape)} must be contiguous")
+    _check("new_rows", new_rows, (t, rb), torch.uint8)
+    _check("window_ids", window_ids, (t, "Ww"), torch.int32)
+    _check("token_row", token_row, (t,), torch.int64)
+    _check("compressed_idx", compressed_idx, (t, "K"), torch.int32)
+    ww, k = window_ids.shape[1], compressed_idx.shape[1]
+    if k:
+        if compressed_pool is None or block_table is None:
+            raise ValueError(f"compressed_idx has K = {k} entries per token but the pool or "
+                             f"the block table is None")
+        _check("compressed_pool", compressed_pool, ("P", "page_rows", d // 2 + d // 16),
+               torch.uint8)
+        _check("block_table", block_table, ("B", "pages"), torch.int64)
     if stages < 1 or (stages * ROWS + MAX_HEADS) * d * 2 > 200 * 1024:
         raise ValueError(f"stages = {stages}: the ring and q must fit in shared memory")
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
-        raise ValueError(f"window_attn runs on a Hopper or newer CUDA GPU, got q on {q.device}")
+        raise ValueError(f"sparse_attn_paged_ws runs on a Hopper or newer CUDA GPU, got q on "
+                         f"{q.device}")
     out = torch.empty_like(q) if out is None else out
     if t == 0:
         return out
     n_ring = window_ring.numel() // rb
-    q, new_rows, widx = q.contiguous(), new_rows.contiguous(), window_ids
-    widx = widx if widx.stride(1) == 1 else widx.contiguous()
+    q, sink, new_rows, token_row = (x.contiguous() for x in (q, sink, new_rows, token_row))
+    widx, cidx = (x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
+                  for x in (window_ids, compressed_idx))
     ring = window_ring if n_ring else new_rows
-    _window_attn_kernel[(t,)](q, sink, ring, new_rows, widx, out, float(scale), h, n_ring, t,
-                              widx.shape[1], widx.stride(0), D=d, STAGES=stages,
-                              RS=ROWS_PER_STORE, PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
+    pool, table = (compressed_pool.contiguous(), block_table.contiguous()) if k else \
+        (ring, token_row.view(1, -1))  # never read without k
+    page_rows = pool.shape[1]
+    page_shift = page_rows.bit_length() - 1 if page_rows & (page_rows - 1) == 0 else -1
+    _sparse_attn_ws_kernel[(t,)](
+        q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out, float(scale), h,
+        n_ring, t, ww, k, table.shape[1], page_rows, widx.stride(0), cidx.stride(0),
+        table.stride(0), D=d, PAGE_SHIFT=page_shift, STAGES=stages, RS=ROWS_PER_STORE,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
     return out
