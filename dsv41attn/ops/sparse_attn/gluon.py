@@ -24,11 +24,13 @@ denominator at the end. The row sums of p may add in another order than the Trit
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
+
+from ..common.buffers import out_buffer
+from .triton import check_paged_inputs
 
 ROWS, MAX_HEADS = 64, 64  # list entries per block (rows per ring stage); heads a program
 BLOCK_N, HEADS = gl.constexpr(ROWS), gl.constexpr(MAX_HEADS)  # the same, for the kernels
@@ -212,36 +214,19 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
     """``triton.sparse_attn_paged`` (same arguments and results; no split of the lists, no
     ``out_rot``) on a Hopper GPU, warp-specialized: H <= 64 heads, D a multiple of 64 up to
     512; ``stages`` ring stages of 64 decoded rows in shared memory. Returns [T, H, D] bf16."""
-    from .triton import _check
-    _check("q", q, ("T", "H", "D"), torch.bfloat16)
-    t, h, d = q.shape
+    t, h, d, ww, k = check_paged_inputs(q, sink, window_ring, new_rows, window_ids,
+                                        compressed_pool, block_table, token_row, compressed_idx)
     rb = d + d // 32
-    if not 1 <= h <= MAX_HEADS or d % 64 or d > 512:
+    if h > MAX_HEADS or d % 64 or d > 512:
         raise ValueError(f"q {tuple(q.shape)}: H must be 1..{MAX_HEADS} and D a multiple of 64 "
                          f"up to 512")
-    _check("sink", sink, (h,), torch.float32)
-    _check("window_ring", window_ring, ("B", "S", rb), torch.uint8)
-    if not window_ring.is_contiguous():
-        raise ValueError(f"window_ring {tuple(window_ring.shape)} must be contiguous")
-    _check("new_rows", new_rows, (t, rb), torch.uint8)
-    _check("window_ids", window_ids, (t, "Ww"), torch.int32)
-    _check("token_row", token_row, (t,), torch.int64)
-    _check("compressed_idx", compressed_idx, (t, "K"), torch.int32)
-    ww, k = window_ids.shape[1], compressed_idx.shape[1]
-    if k:
-        if compressed_pool is None or block_table is None:
-            raise ValueError(f"compressed_idx has K = {k} entries per token but the pool or "
-                             f"the block table is None")
-        _check("compressed_pool", compressed_pool, ("P", "page_rows", d // 2 + d // 16),
-               torch.uint8)
-        _check("block_table", block_table, ("B", "pages"), torch.int64)
     if stages < 1 or (stages * ROWS + MAX_HEADS) * d * 2 > 200 * 1024:
         raise ValueError(f"stages = {stages}: the ring and q must fit in shared memory")
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
         raise ValueError(f"sparse_attn_paged_ws runs on a Hopper or newer CUDA GPU, got q on "
                          f"{q.device}")
-    out = torch.empty_like(q) if out is None else out
-    if t == 0:
+    out = out_buffer(out, q.shape, torch.bfloat16, q.device)
+    if out.numel() == 0:
         return out
     n_ring = window_ring.numel() // rb
     q, sink, new_rows, token_row = (x.contiguous() for x in (q, sink, new_rows, token_row))

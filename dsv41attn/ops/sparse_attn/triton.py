@@ -625,6 +625,36 @@ def _check(name: str, t, shape: tuple, dtype: torch.dtype) -> None:
         raise TypeError(f"{name} must be {want}, got {got}")
 
 
+def check_paged_inputs(q, sink, window_ring, new_rows, window_ids, compressed_pool,
+                       block_table, token_row, compressed_idx) -> tuple[int, int, int, int, int]:
+    """sparse_attn_paged's arguments checked as its docstring says (ValueError or TypeError
+    naming the argument, what it is and what is wanted); (T, H, D, Ww, K)."""
+    _check("q", q, ("T", "H", "D"), torch.bfloat16)
+    t_all, h, d = q.shape
+    rb = d + d // 32  # packed window row bytes
+    if d < 32 or d & (d - 1):
+        raise ValueError(f"q {tuple(q.shape)}: head dim D = {d} must be a power of two >= 32")
+    _check("sink", sink, (h,), torch.float32)
+    _check("window_ring", window_ring, ("B", "S", rb), torch.uint8)
+    if not window_ring.is_contiguous():  # read in place as [B*S, D + D/32]: never copied
+        raise ValueError(f"window_ring {tuple(window_ring.shape)} must be contiguous (it is read "
+                         f"in place as [B*S, {rb}]), got strides {window_ring.stride()}")
+    _check("new_rows", new_rows, (t_all, rb), torch.uint8)
+    _check("window_ids", window_ids, (t_all, "Ww"), torch.int32)
+    _check("token_row", token_row, (t_all,), torch.int64)
+    _check("compressed_idx", compressed_idx, (t_all, "K"), torch.int32)
+    ww, k = window_ids.shape[1], compressed_idx.shape[1]
+    if k:
+        for name, x in (("compressed_pool", compressed_pool), ("block_table", block_table)):
+            if x is None:
+                raise ValueError(f"{name} is None but compressed_idx "
+                                 f"{tuple(compressed_idx.shape)} has K = {k} entries per token")
+        _check("compressed_pool", compressed_pool, ("P", "page_rows", d // 2 + d // 16),
+               torch.uint8)
+        _check("block_table", block_table, ("B", "pages"), torch.int64)
+    return t_all, h, d, ww, k
+
+
 def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
                       window_ring: torch.Tensor, new_rows: torch.Tensor, window_ids: torch.Tensor,
                       compressed_pool: torch.Tensor | None, block_table: torch.Tensor | None,
@@ -664,29 +694,10 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     place after the kernel.
     Returns [T, H, D] bf16; a token without entries gives 0 (no NaN).
     """
-    _check("q", q, ("T", "H", "D"), torch.bfloat16)
-    t_all, h, d = q.shape
+    t_all, h, d, ww, k = check_paged_inputs(q, sink, window_ring, new_rows, window_ids,
+                                            compressed_pool, block_table, token_row,
+                                            compressed_idx)
     rb = d + d // 32  # packed window row bytes
-    if d < 32 or d & (d - 1):
-        raise ValueError(f"q {tuple(q.shape)}: head dim D = {d} must be a power of two >= 32")
-    _check("sink", sink, (h,), torch.float32)
-    _check("window_ring", window_ring, ("B", "S", rb), torch.uint8)
-    if not window_ring.is_contiguous():  # read in place as [B*S, D + D/32]: never copied
-        raise ValueError(f"window_ring {tuple(window_ring.shape)} must be contiguous (it is read "
-                         f"in place as [B*S, {rb}]), got strides {window_ring.stride()}")
-    _check("new_rows", new_rows, (t_all, rb), torch.uint8)
-    _check("window_ids", window_ids, (t_all, "Ww"), torch.int32)
-    _check("token_row", token_row, (t_all,), torch.int64)
-    _check("compressed_idx", compressed_idx, (t_all, "K"), torch.int32)
-    ww, k = window_ids.shape[1], compressed_idx.shape[1]
-    if k:
-        for name, x in (("compressed_pool", compressed_pool), ("block_table", block_table)):
-            if x is None:
-                raise ValueError(f"{name} is None but compressed_idx "
-                                 f"{tuple(compressed_idx.shape)} has K = {k} entries per token")
-        _check("compressed_pool", compressed_pool, ("P", "page_rows", d // 2 + d // 16),
-               torch.uint8)
-        _check("block_table", block_table, ("B", "pages"), torch.int64)
     if block_h is None and split_blocks == 0 and t_all == 1:
         block_h = BLOCK_H  # one token, splits sized to the step: more, smaller programs
     block_h = block_h or min(BLOCK_H_MAX, max(BLOCK_H, triton.next_power_of_2(h)))
