@@ -36,7 +36,7 @@ ROWS, MAX_HEADS = 64, 64  # list entries per block (rows per ring stage); heads 
 BLOCK_N, HEADS = gl.constexpr(ROWS), gl.constexpr(MAX_HEADS)  # the same, for the kernels
 ROWS_PER_STORE = 8  # rows the producer decodes per shared-memory store (the swizzle's period)
 PRODUCER_WARPS = gl.constexpr(4)
-PRODUCER_REGS = 96  # the producer's registers a thread (setmaxnreg; sm_90a at D = 512: 8 B of stack on
+PRODUCER_REGS = 96  # the producer's registers a thread (setmaxnreg; sm_90a at D = 512: 16 B of stack on
 # Triton 3.6 against 104 at 56); the consumers get the rest (204)
 
 
@@ -49,24 +49,43 @@ def _row_ptrs(ring_ptr, new_ptr, ids, N_RING, N_NEW, RB: gl.constexpr):
                     new_ptr + gl.minimum(r - N_RING, N_NEW - 1) * RB)
 
 
+@gluon.constexpr_function
+def _chunk_layout(W, E):
+    """[RS, D/16, E] over W warps: a lane per 16-column chunk of a row, a warp per row, a
+    chunk's E elements (or bytes) in one thread; the distribution of a [RS, D] tile whose
+    threads each hold 16 consecutive columns (PRODUCER_LAYOUT), so that a chunk's scale is one
+    load a thread and its codes one vector load."""
+    return gl.BlockedLayout([1, 1, E], [1, 32, 1], [W, 1, 1], [2, 1, 0])
+
+
 @gluon.jit
-def _window_rows(ring_ptr, new_ptr, ids, ok, cols, N_RING, N_NEW, D: gl.constexpr):
-    """Window rows ids (ok: valid) decoded to fp32 [RS, D]: e4m3 code x 2^(e-127), exact."""
+def _window_rows(ring_ptr, new_ptr, ids, ok, N_RING, N_NEW, RS: gl.constexpr,
+                 D: gl.constexpr):
+    """Window rows ids (ok: valid) decoded to fp32 [RS, D/16, 16]: e4m3 code x 2^(e-127),
+    exact."""
+    L3: gl.constexpr = _chunk_layout(PRODUCER_WARPS, 16)
     RB: gl.constexpr = D + D // 32
     ptr = _row_ptrs(ring_ptr, new_ptr, ids, N_RING, N_NEW, RB)
-    codes = gl.load(ptr[:, None] + cols[None, :], mask=ok[:, None], other=0)
-    e = gl.load(ptr[:, None] + D + cols[None, :] // 32, mask=ok[:, None], other=0)
+    ptr = gl.convert_layout(ptr, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    ok = gl.convert_layout(ok, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    chunk = gl.arange(0, D // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    inner = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    codes = gl.load(ptr[:, None, None] + chunk[None, :, None] * 16 + inner[None, None, :],
+                    mask=ok[:, None, None], other=0)
+    e = gl.load(ptr[:, None] + D + chunk[None, :] // 2, mask=ok[:, None], other=0)
     scale = (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)  # 2^(e-127); 0 -> 0
-    return codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale
+    return codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, :, None]
 
 
 @gluon.jit
-def _compressed_rows(pool_ptr, bt_base, cr, ok, cols, PAGES, PAGE_ROWS,
-                     PAGE_SHIFT: gl.constexpr, D: gl.constexpr):
-    """Compressed rows g = cr (ok: valid) of the token's pages decoded to fp32 [RS, D]: each
-    e2m1 nibble (element 2i low) re-encoded as the e4m3 byte s|0 0 e1 e0|m 0 0 (its value x
-    2^-6), times its e4m3 scale x 64, exact. Page -1 (unallocated) reads page 0, as the
-    reference's clamp."""
+def _compressed_rows(pool_ptr, bt_base, cr, ok, PAGES, PAGE_ROWS, PAGE_SHIFT: gl.constexpr,
+                     RS: gl.constexpr, D: gl.constexpr):
+    """Compressed rows g = cr (ok: valid) of the token's pages decoded to fp32 [RS, D/16,
+    16]: each e2m1 nibble (element 2i low) re-encoded as the e4m3 byte s|0 0 e1 e0|m 0 0 (its
+    value x 2^-6), times its 16-element group's e4m3 scale x 64, exact. Page -1 (unallocated)
+    reads page 0, as the reference's clamp."""
+    L3: gl.constexpr = _chunk_layout(PRODUCER_WARPS, 16)
+    L3H: gl.constexpr = _chunk_layout(PRODUCER_WARPS, 8)
     g = gl.where(ok, cr, 0)
     if PAGE_SHIFT >= 0:
         pg, row = g >> PAGE_SHIFT, g & ((1 << PAGE_SHIFT) - 1)
@@ -74,12 +93,21 @@ def _compressed_rows(pool_ptr, bt_base, cr, ok, cols, PAGES, PAGE_ROWS,
         pg, row = g // PAGE_ROWS, g % PAGE_ROWS
     page = gl.load(bt_base + pg, mask=ok & (pg < PAGES), other=0)
     ptr = pool_ptr + (gl.maximum(page, 0) * PAGE_ROWS + row) * (D // 2 + D // 16)
-    byte = gl.load(ptr[:, None] + cols[None, :] // 2, mask=ok[:, None], other=0).to(gl.int32)
-    n = (byte >> ((cols[None, :] % 2) * 4)) & 15
+    ptr_h = gl.convert_layout(ptr, gl.SliceLayout(1, gl.SliceLayout(2, L3H)))
+    ok_h = gl.convert_layout(ok, gl.SliceLayout(1, gl.SliceLayout(2, L3H)))
+    chunk = gl.arange(0, D // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3H)))
+    inner = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3H)))
+    pairs = gl.load(ptr_h[:, None, None] + chunk[None, :, None] * 8 + inner[None, None, :],
+                    mask=ok_h[:, None, None], other=0).to(gl.int32)
+    n = gl.reshape(gl.join(pairs & 15, pairs >> 4), [RS, D // 16, 16])  # element 2i: low
+    n = gl.convert_layout(n, L3)
     code = (((n & 8) << 4) | ((n & 7) << 2)).to(gl.uint8)
-    sc = gl.load(ptr[:, None] + D // 2 + cols[None, :] // 16, mask=ok[:, None], other=0)
+    ptr3 = gl.convert_layout(ptr, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    ok3 = gl.convert_layout(ok, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    chunk3 = gl.arange(0, D // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    sc = gl.load(ptr3[:, None] + D // 2 + chunk3[None, :], mask=ok3[:, None], other=0)
     scf = sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 64.0
-    return code.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scf
+    return code.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scf[:, :, None]
 
 
 @gluon.jit
@@ -89,9 +117,8 @@ def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
               RS: gl.constexpr):
     """Decode block j's 64 list entries (window entries, then compressed ones) into ring stage
     j % STAGES, RS rows a store (a multiple of the shared layout's swizzle period, 8 rows)."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [PRODUCER_WARPS, 1], [1, 0])
-    rows = gl.arange(0, RS, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    L3: gl.constexpr = _chunk_layout(PRODUCER_WARPS, 16)
+    rows = gl.arange(0, RS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
     bt_base = bt_ptr + gl.load(trow_ptr + t) * bt_r  # the token's block-table row
     for j in range(gl.cdiv(WW + K, BLOCK_N)):
         stage = j % STAGES
@@ -103,19 +130,19 @@ def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
             e_idx = e0 + rows
             if e0 + RS <= WW:  # window rows only
                 wr = gl.load(widx_ptr + t * sw_t + e_idx)
-                v = _window_rows(ring_ptr, new_ptr, wr, wr >= 0, cols, N_RING, N_NEW, D)
+                v = _window_rows(ring_ptr, new_ptr, wr, wr >= 0, N_RING, N_NEW, RS, D)
             elif e0 >= WW:  # compressed rows only
                 cr = gl.load(cidx_ptr + t * sc_t + (e_idx - WW), mask=e_idx < WW + K, other=-1)
-                v = _compressed_rows(pool_ptr, bt_base, cr, cr >= 0, cols, PAGES, PAGE_ROWS,
-                                     PAGE_SHIFT, D)
+                v = _compressed_rows(pool_ptr, bt_base, cr, cr >= 0, PAGES, PAGE_ROWS,
+                                     PAGE_SHIFT, RS, D)
             else:  # the rows where the window part ends: each one or the other
                 wr = gl.load(widx_ptr + t * sw_t + e_idx, mask=e_idx < WW, other=-1)
                 cr = gl.load(cidx_ptr + t * sc_t + (e_idx - WW),
                              mask=(e_idx >= WW) & (e_idx < WW + K), other=-1)
-                v = _window_rows(ring_ptr, new_ptr, wr, wr >= 0, cols, N_RING, N_NEW, D) + \
-                    _compressed_rows(pool_ptr, bt_base, cr, cr >= 0, cols, PAGES, PAGE_ROWS,
-                                     PAGE_SHIFT, D)
-            buf.slice(r0, RS, dim=0).store(v.to(gl.bfloat16))
+                v = _window_rows(ring_ptr, new_ptr, wr, wr >= 0, N_RING, N_NEW, RS, D) + \
+                    _compressed_rows(pool_ptr, bt_base, cr, cr >= 0, PAGES, PAGE_ROWS,
+                                     PAGE_SHIFT, RS, D)
+            buf.slice(r0, RS, dim=0).store(gl.reshape(v.to(gl.bfloat16), [RS, D]))
         fence_async_shared()
         mbarrier.arrive(ready.index(stage), count=1)
 
