@@ -36,8 +36,9 @@ ROWS, MAX_HEADS = 64, 64  # list entries per block (rows per ring stage); heads 
 BLOCK_N, HEADS = gl.constexpr(ROWS), gl.constexpr(MAX_HEADS)  # the same, for the kernels
 ROWS_PER_STORE = 8  # rows the producer decodes per shared-memory store (the swizzle's period)
 PRODUCER_WARPS = gl.constexpr(4)
-PRODUCER_REGS = 96  # the producer's registers a thread (setmaxnreg; sm_90a at D = 512: 16 B of stack on
-# Triton 3.6 against 104 at 56); the consumers get the rest (204)
+# the producer's registers a thread (setmaxnreg; sm_90a at D = 512 on Triton 3.6: 16 B of stack,
+# 112 B at 56 registers); the consumers get the rest (204)
+PRODUCER_REGS = 96
 
 
 @gluon.jit
