@@ -21,7 +21,7 @@ GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 \
 SHAPES = [(512, 2), (128, 3), (64, 2)]
 
 
-def _compile(d: int, stages: int) -> dict:
+def _compile(d: int, stages: int, split: bool) -> dict:
     """Compile _sparse_attn_ws_kernel for sm_90a in a fresh process (the stand-in driver must not
     touch this process's Triton); its shared memory and (registers, stack, local ld/st, loop)."""
     import subprocess
@@ -36,9 +36,9 @@ from triton.runtime.jit import MockTensor as M
 import dsv41attn.ops.sparse_attn.gluon as g
 k = g._sparse_attn_ws_kernel.warmup(M(torch.bfloat16), M(torch.float32), M(torch.uint8),
     M(torch.uint8), M(torch.int32), M(torch.uint8), M(torch.int64), M(torch.int64),
-    M(torch.int32), M(torch.bfloat16), 0.05, 64, 1000, 8, 128, 512, 64, 256, 128, 512, 64,
-    D={d}, PAGE_SHIFT=8, STAGES={stages}, RS=g.ROWS_PER_STORE, PRODUCER_REGS=g.PRODUCER_REGS,
-    num_warps=8, grid=(1,))
+    M(torch.int32), M(torch.bfloat16), M(torch.float32), M(torch.float32), 0.05, 64, 1000, 8,
+    128, 512, 64, 256, 4, 128, 512, 64, D={d}, PAGE_SHIFT=8, STAGES={stages},
+    RS=g.ROWS_PER_STORE, SPLIT={split}, PRODUCER_REGS=g.PRODUCER_REGS, num_warps=8, grid=(1,))
 ptx = k.asm["ptx"]
 print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["cubin"], True),
                   "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
@@ -55,11 +55,11 @@ print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("d,stages", SHAPES[:2])
-def test_compiles_warp_specialized_for_sm90(d, stages):
+@pytest.mark.parametrize("d,stages,split", [(512, 2, True), (128, 3, False)])
+def test_compiles_warp_specialized_for_sm90(d, stages, split):
     """The kernel lowers for an H100/H200: async wgmmas, mbarrier hand-overs between the
     partitions, register budgets per partition, and shared memory within a block's 227 KB."""
-    r = _compile(d, stages)
+    r = _compile(d, stages, split)
     assert r["shared"] <= 232448, r
     assert r["wgmma"] > 0 and r["setmaxnreg"] > 0 and r["mbarrier"] > 0, r
 
@@ -87,7 +87,7 @@ def test_matches_reference_and_triton_kernel(t, h, d, stages, ww, k, page_rows):
     ref = ref_paged(q.cpu(), sink.cpu(), scale, **{n: v if v is None else v.cpu()
                                                     for n, v in args.items()})
     tri = tri_paged(q, sink, scale, **args, split_blocks=0, num_splits=1)
-    glu = sparse_attn_paged_ws(q, sink, scale, **args, stages=stages)
+    glu = sparse_attn_paged_ws(q, sink, scale, **args, num_splits=1, stages=stages)
     torch.cuda.synchronize()
     assert not glu.isnan().any()
     assert not glu[t // 2].any(), "a token without entries gives 0"
@@ -100,12 +100,52 @@ def test_matches_reference_and_triton_kernel(t, h, d, stages, ww, k, page_rows):
           f"(Triton {err_tri:.2e})")
 
 
+@pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
+@pytest.mark.parametrize("split_blocks", [1, 3, None, 0])
+@pytest.mark.parametrize("t,ww,k,r2", [
+    (7, 128, 200, 32),  # 6 blocks: splits of 1, 3 and 2 blocks, the last one shorter
+    (4, 70, 130, 1),  # a block of both kinds cut between splits, one rotated pair
+    (2, 0, 65, 0),  # compressed only, a split with one valid row
+])
+def test_splits_and_out_rot(t, ww, k, r2, split_blocks):
+    """The list split into programs of split_blocks 64-blocks (None: the Triton kernel's
+    fixed cut; 0: sized to the step) and merged by the Triton kernel's merge, which also turns
+    out_rot back: within the unsplit kernel's error to the reference, every element written,
+    the rotation as rope_heads' on the plain output (and none where r2 = 0)."""
+    from dsv41attn.ops.common.triton import rope_heads
+    from dsv41attn.ops.sparse_attn.gluon import sparse_attn_paged_ws
+    d, h = 512, 64
+    q, sink, args = make_step(t, h, d, ww, k, 8, seed=ww + k + r2)
+    g = torch.Generator().manual_seed(r2)
+    rot = torch.polar(torch.ones(t, r2), torch.rand(t, r2, generator=g) * 6.3).cuda() \
+        if r2 else None
+    ref = ref_paged(q.cpu(), sink.cpu(), d ** -0.5, **{n: v if v is None else v.cpu()
+                                                      for n, v in args.items()})
+    one = sparse_attn_paged_ws(q, sink, d ** -0.5, **args, num_splits=1)
+    out = torch.full_like(q, float("nan"))
+    got = sparse_attn_paged_ws(q, sink, d ** -0.5, **args, split_blocks=split_blocks, out=out,
+                               out_rot=rot)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
+    plain = got if rot is None else rope_heads(got, rot)  # turned forward again
+    err_one = (one.float().cpu() - ref.float()).abs().max().item()
+    err = (plain.float().cpu() - ref.float()).abs().max().item()
+    assert err <= max(2 * err_one, 1e-2), (err, err_one)
+    if rot is not None:
+        split_plain = sparse_attn_paged_ws(q, sink, d ** -0.5, **args, split_blocks=split_blocks)
+        assert torch.equal(got, rope_heads(split_plain, rot, inverse=True))
+
+
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU")
 def test_rejects_bad_inputs():
     from dsv41attn.ops.sparse_attn.gluon import sparse_attn_paged_ws
     q, sink, args = make_step(3, 64, 512, 10, 0, 4)
     with pytest.raises(ValueError, match="stages"):
         sparse_attn_paged_ws(q, sink, 0.1, **args, stages=3)
+    with pytest.raises(ValueError, match="split_blocks"):
+        sparse_attn_paged_ws(q, sink, 0.1, **args, split_blocks=-1)
+    with pytest.raises(ValueError, match="num_splits"):
+        sparse_attn_paged_ws(q, sink, 0.1, **args, num_splits=0)
     with pytest.raises(ValueError, match="H must be"):
         sparse_attn_paged_ws(torch.zeros(3, 65, 512, dtype=torch.bfloat16, device="cuda"),
                              torch.zeros(65, device="cuda"), 0.1, **args)

@@ -24,13 +24,15 @@ denominator at the end. The row sums of p may add in another order than the Trit
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
 from ..common.buffers import out_buffer
-from .triton import check_paged_inputs
+from ..common.triton import check_rot, rope_heads
+from .triton import check_paged_inputs, merge_splits, plan_splits
 
 ROWS, MAX_HEADS = 64, 64  # list entries per block (rows per ring stage); heads a program
 BLOCK_N, HEADS = gl.constexpr(ROWS), gl.constexpr(MAX_HEADS)  # the same, for the kernels
@@ -113,17 +115,19 @@ def _compressed_rows(pool_ptr, bt_base, cr, ok, PAGES, PAGE_ROWS, PAGE_SHIFT: gl
 
 @gluon.jit
 def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr, kv_bufs, ready,
-              empty, t, N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t, sc_t, bt_r,
+              empty, t, j_lo, j_hi, N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t, sc_t, bt_r,
               PAGE_SHIFT: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
               RS: gl.constexpr):
-    """Decode block j's 64 list entries (window entries, then compressed ones) into ring stage
-    j % STAGES, RS rows a store (a multiple of the shared layout's swizzle period, 8 rows)."""
+    """Decode list blocks j_lo..j_hi-1 (64 entries each: window entries, then compressed
+    ones) into the ring, the i-th into stage i % STAGES, RS rows a store (a multiple of the
+    shared layout's swizzle period, 8 rows)."""
     L3: gl.constexpr = _chunk_layout(PRODUCER_WARPS, 16)
     rows = gl.arange(0, RS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
     bt_base = bt_ptr + gl.load(trow_ptr + t) * bt_r  # the token's block-table row
-    for j in range(gl.cdiv(WW + K, BLOCK_N)):
-        stage = j % STAGES
-        phase = (j // STAGES) & 1
+    for i in range(j_hi - j_lo):
+        j = j_lo + i
+        stage = i % STAGES
+        phase = (i // STAGES) & 1
         mbarrier.wait(empty.index(stage), phase ^ 1)
         buf = kv_bufs.index(stage)
         for r0 in gl.static_range(0, BLOCK_N, RS):
@@ -149,10 +153,12 @@ def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
 
 
 @gluon.jit
-def _consumer(q_smem, kv_bufs, ready, empty, widx_ptr, cidx_ptr, sink_ptr, o_ptr, t, H, WW, K,
-              sw_t, sc_t, scale, D: gl.constexpr, STAGES: gl.constexpr,
-              num_warps: gl.constexpr):
-    """The online softmax over the blocks the producer fills; o [t] = acc / (l + e^(sink-m))."""
+def _consumer(q_smem, kv_bufs, ready, empty, widx_ptr, cidx_ptr, sink_ptr, o_ptr, ml_ptr,
+              acc_ptr, t, j_lo, j_hi, H, WW, K, sw_t, sc_t, scale, D: gl.constexpr,
+              STAGES: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
+    """The online softmax over the blocks the producer fills; then o [t] = acc / (l +
+    e^(sink-m)), or SPLIT: this split's fp32 m, l and acc stored as the Triton kernel's
+    partials (m then l [2, T, S, H], acc [T, S, H, D]) for its merge."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, BLOCK_N // 2, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -162,10 +168,10 @@ def _consumer(q_smem, kv_bufs, ready, empty, widx_ptr, cidx_ptr, sink_ptr, o_ptr
     l_i = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([HEADS, D], gl.float32, layout=o_layout)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    for j in range(gl.cdiv(WW + K, BLOCK_N)):
-        stage = j % STAGES
-        phase = (j // STAGES) & 1
-        e_idx = j * BLOCK_N + cols
+    for i in range(j_hi - j_lo):
+        stage = i % STAGES
+        phase = (i // STAGES) & 1
+        e_idx = (j_lo + i) * BLOCK_N + cols
         wr = gl.load(widx_ptr + t * sw_t + e_idx, mask=e_idx < WW, other=-1)
         cr = gl.load(cidx_ptr + t * sc_t + (e_idx - WW), mask=(e_idx >= WW) & (e_idx < WW + K),
                      other=-1)
@@ -188,25 +194,39 @@ def _consumer(q_smem, kv_bufs, ready, empty, widx_ptr, cidx_ptr, sink_ptr, o_ptr
         mbarrier.arrive(empty.index(stage), count=1)
     heads = gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
     h_mask = heads < H
-    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    l_o = l_o + gl.exp(gl.load(sink_ptr + heads, mask=h_mask, other=0.0) - m_o)
-    o = (acc / gl.where(l_o > 0, l_o, 1.0)[:, None]).to(gl.bfloat16)
     dcols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    gl.store(o_ptr + t * H * D + heads[:, None] * D + dcols[None, :], o, mask=h_mask[:, None])
+    if SPLIT:
+        n_s = gl.num_programs(1)
+        part = (t * n_s + gl.program_id(1)) * H  # row of head 0 in the [T, S, H] partials
+        heads_s = gl.arange(0, HEADS, layout=gl.SliceLayout(1, s_layout))
+        gl.store(ml_ptr + part + heads_s, m_i, mask=heads_s < H)
+        gl.store(ml_ptr + gl.num_programs(0) * n_s * H + part + heads_s, l_i, mask=heads_s < H)
+        gl.store(acc_ptr + (part + heads)[:, None] * D + dcols[None, :], acc,
+                 mask=h_mask[:, None])
+    else:
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        l_o = l_o + gl.exp(gl.load(sink_ptr + heads, mask=h_mask, other=0.0) - m_o)
+        o = (acc / gl.where(l_o > 0, l_o, 1.0)[:, None]).to(gl.bfloat16)
+        gl.store(o_ptr + t * H * D + heads[:, None] * D + dcols[None, :], o,
+                 mask=h_mask[:, None])
 
 
 @gluon.jit
 def _sparse_attn_ws_kernel(q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr,
-                           trow_ptr, cidx_ptr, o_ptr, scale, H, N_RING, N_NEW, WW, K, PAGES,
-                           PAGE_ROWS, sw_t, sc_t, bt_r, D: gl.constexpr,
-                           PAGE_SHIFT: gl.constexpr, STAGES: gl.constexpr, RS: gl.constexpr,
-                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """One program a token t: q [T, H, D] bf16 (H <= 64, padded heads load 0); its list is
-    widx [t, :WW] (ring rows [*, D + D/32] or the step's new rows, uint8) then cidx [t, :K]
-    (rows of the pool [*, PAGE_ROWS, D/2 + D/16] through block-table row trow[t]); o [T, H,
-    D] bf16."""
+                           trow_ptr, cidx_ptr, o_ptr, ml_ptr, acc_ptr, scale, H, N_RING, N_NEW,
+                           WW, K, PAGES, PAGE_ROWS, BLOCKS_PER_SPLIT, sw_t, sc_t, bt_r,
+                           D: gl.constexpr, PAGE_SHIFT: gl.constexpr, STAGES: gl.constexpr,
+                           RS: gl.constexpr, SPLIT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                           num_warps: gl.constexpr):
+    """One program a (token t, split s): q [T, H, D] bf16 (H <= 64, padded heads load 0); the
+    token's list is widx [t, :WW] (ring rows [*, D + D/32] or the step's new rows, uint8) then
+    cidx [t, :K] (rows of the pool [*, PAGE_ROWS, D/2 + D/16] through block-table row
+    trow[t]), of which the program takes 64-blocks [s*BPS, (s+1)*BPS); o [T, H, D] bf16, or
+    SPLIT: the partials ml, acc (see _consumer)."""
     t = gl.program_id(0).to(gl.int64)
+    j_lo = gl.program_id(1) * BLOCKS_PER_SPLIT
+    j_hi = gl.minimum(j_lo + BLOCKS_PER_SPLIT, gl.cdiv(WW + K, BLOCK_N))
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
     qr = gl.arange(0, HEADS, layout=gl.SliceLayout(1, q_layout))
     qc = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
@@ -225,11 +245,12 @@ def _sparse_attn_ws_kernel(q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, pool_pt
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
     gl.warp_specialize([
-        (_consumer, (q_smem, kv_bufs, ready, empty, widx_ptr, cidx_ptr, sink_ptr, o_ptr, t, H,
-                     WW, K, sw_t, sc_t, scale, D, STAGES, num_warps)),
+        (_consumer, (q_smem, kv_bufs, ready, empty, widx_ptr, cidx_ptr, sink_ptr, o_ptr, ml_ptr,
+                     acc_ptr, t, j_lo, j_hi, H, WW, K, sw_t, sc_t, scale, D, STAGES, SPLIT,
+                     num_warps)),
         (_producer, (ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr, kv_bufs,
-                     ready, empty, t, N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t, sc_t, bt_r,
-                     PAGE_SHIFT, D, STAGES, RS)),
+                     ready, empty, t, j_lo, j_hi, N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t,
+                     sc_t, bt_r, PAGE_SHIFT, D, STAGES, RS)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -237,11 +258,14 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
                         window_ring: torch.Tensor, new_rows: torch.Tensor,
                         window_ids: torch.Tensor, compressed_pool: torch.Tensor | None,
                         block_table: torch.Tensor | None, token_row: torch.Tensor,
-                        compressed_idx: torch.Tensor, *, stages: int = 2,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
-    """``triton.sparse_attn_paged`` (same arguments and results; no split of the lists, no
-    ``out_rot``) on a Hopper GPU, warp-specialized: H <= 64 heads, D a multiple of 64 up to
-    512; ``stages`` ring stages of 64 decoded rows in shared memory. Returns [T, H, D] bf16."""
+                        compressed_idx: torch.Tensor, *, num_splits: int | None = None,
+                        split_blocks: int | None = None, stages: int = 2, out: torch.Tensor | None = None,
+                        out_rot: torch.Tensor | None = None) -> torch.Tensor:
+    """``triton.sparse_attn_paged`` (the same arguments, results and splits) on a Hopper GPU,
+    warp-specialized: H <= 64 heads, D a multiple of 64 up to 512. num_splits and split_blocks
+    cut each list into programs as there (by default splits of SPLIT_BLOCKS 64-blocks, the same
+    cut in every step), the splits merged by the Triton kernel's merge (which also turns ``out_rot`` back);
+    ``stages`` ring stages of 64 decoded rows in shared memory. Returns [T, H, D] bf16."""
     t, h, d, ww, k = check_paged_inputs(q, sink, window_ring, new_rows, window_ids,
                                         compressed_pool, block_table, token_row, compressed_idx)
     rb = d + d // 32
@@ -250,12 +274,19 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
                          f"up to 512")
     if stages < 1 or (stages * ROWS + MAX_HEADS) * d * 2 > 200 * 1024:
         raise ValueError(f"stages = {stages}: the ring and q must fit in shared memory")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if split_blocks is not None and split_blocks < 0:
+        raise ValueError(f"split_blocks must be >= 0, got {split_blocks}")
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
         raise ValueError(f"sparse_attn_paged_ws runs on a Hopper or newer CUDA GPU, got q on "
                          f"{q.device}")
+    r2 = 0 if out_rot is None else check_rot(out_rot, t, d)
     out = out_buffer(out, q.shape, torch.bfloat16, q.device)
     if out.numel() == 0:
         return out
+    if ww + k == 0:  # no entries at all: every row is empty, o = 0 (as the reference)
+        return out.zero_()  # (its rotation back is the identity)
     n_ring = window_ring.numel() // rb
     q, sink, new_rows, token_row = (x.contiguous() for x in (q, sink, new_rows, token_row))
     widx, cidx = (x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
@@ -265,9 +296,19 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
         (ring, token_row.view(1, -1))  # never read without k
     page_rows = pool.shape[1]
     page_shift = page_rows.bit_length() - 1 if page_rows & (page_rows - 1) == 0 else -1
-    _sparse_attn_ws_kernel[(t,)](
-        q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out, float(scale), h,
-        n_ring, t, ww, k, table.shape[1], page_rows, widx.stride(0), cidx.stride(0),
-        table.stride(0), D=d, PAGE_SHIFT=page_shift, STAGES=stages, RS=ROWS_PER_STORE,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
+    s, per_split = plan_splits(t, triton.cdiv(ww + k, ROWS), q.device, num_splits,
+                               split_blocks)
+    ml = acc = sink  # partials: unused without a split
+    if s > 1:  # m and l [2, T, S, H], acc [T, S, H, D]
+        ml = q.new_empty(2, t, s, h, dtype=torch.float32)
+        acc = q.new_empty(t, s, h, d, dtype=torch.float32)
+    _sparse_attn_ws_kernel[(t, s)](
+        q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out, ml, acc, float(scale),
+        h, n_ring, t, ww, k, table.shape[1], page_rows, per_split, widx.stride(0),
+        cidx.stride(0), table.stride(0), D=d, PAGE_SHIFT=page_shift, STAGES=stages,
+        RS=ROWS_PER_STORE, SPLIT=s > 1, PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
+    if s > 1:
+        merge_splits(ml, acc, sink, out, out_rot, r2)
+    elif out_rot is not None:
+        out = rope_heads(out, out_rot, inverse=True, in_place=True)
     return out

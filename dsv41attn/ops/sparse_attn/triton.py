@@ -611,6 +611,31 @@ def _wave_splits(programs: int, n_blocks: int, sms: int) -> int:
     return triton.cdiv(n_blocks, triton.cdiv(n_blocks, s))  # no split left without a block
 
 
+def plan_splits(programs: int, n_blocks: int, device: torch.device,
+                num_splits: int | None = None, split_blocks: int | None = None
+                ) -> tuple[int, int]:
+    """(splits, 64-blocks per split) of lists of ``n_blocks`` blocks for ``programs``
+    programs a split, as sparse_attn_paged's num_splits and split_blocks say."""
+    if num_splits is None and split_blocks == 0:
+        num_splits = _wave_splits(programs, n_blocks, sm_count(device))
+    if num_splits is None:
+        return _pick_splits(n_blocks, split_blocks or SPLIT_BLOCKS)
+    return num_splits, triton.cdiv(n_blocks, num_splits)
+
+
+def merge_splits(ml: torch.Tensor, acc: torch.Tensor, sink: torch.Tensor, out: torch.Tensor,
+                 out_rot: torch.Tensor | None, r2: int) -> None:
+    """out [T, H, D] bf16 = the merge of a paged kernel's split partials (m then l [2, T, S,
+    H] and acc [T, S, H, D] fp32) with the sink, the last 2 r2 dims of each head turned back
+    by out_rot (r2 = 0: none), by _combine_kernel."""
+    t_all, s, h, d = acc.shape
+    bd = min(d, 128)  # small merge tiles: enough programs to read the partials fast
+    _combine_kernel[(t_all, triton.cdiv(h, BLOCK_H), d // bd)](
+        ml, acc, sink, out, sink if out_rot is None else cos_sin(out_rot), h, s, D=d,
+        BLOCK_H=BLOCK_H, BLOCK_D=bd, S_PAD=triton.next_power_of_2(s), R2=r2,
+        INTERPRET=interpreting())
+
+
 def _check(name: str, t, shape: tuple, dtype: torch.dtype) -> None:
     """Raise unless t is a tensor of ``dtype`` shaped ``shape`` (a str entry: any size), naming
     the argument, its shape and dtype and what is wanted: ValueError for a rank or size,
@@ -737,13 +762,9 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     words = d // nh >= 128 and all(x.data_ptr() % 4 == 0 for x in (ring, new_rows, pool))
     page_rows = pool.shape[1]
     page_shift = page_rows.bit_length() - 1 if page_rows & (page_rows - 1) == 0 else -1
-    n_blocks, h_blocks = triton.cdiv(ww + k, BLOCK_N), triton.cdiv(h, block_h)
-    if num_splits is None and split_blocks == 0:
-        num_splits = _wave_splits(t_all * h_blocks, n_blocks, sm_count(q.device))
-    if num_splits is None:
-        s, per_split = _pick_splits(n_blocks, split_blocks or SPLIT_BLOCKS)
-    else:
-        s, per_split = num_splits, triton.cdiv(n_blocks, num_splits)
+    h_blocks = triton.cdiv(h, block_h)
+    s, per_split = plan_splits(t_all * h_blocks, triton.cdiv(ww + k, BLOCK_N), q.device,
+                               num_splits, split_blocks)
     ml = acc = sink  # partials: unused without a split
     if s > 1:  # m and l [2, T, S, H], acc [T, S, H, D]
         ml, acc = q.new_empty(2, t_all, s, h, dtype=torch.float32), q.new_empty(
@@ -757,11 +778,7 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
         BLOCK_N=BLOCK_N,
         SPLIT=s > 1, WORDS=words, INTERPRET=interp, num_warps=warps)
     if s > 1:
-        bd = min(d, 128)  # small merge tiles: enough programs to read the partials fast
-        _combine_kernel[(t_all, triton.cdiv(h, BLOCK_H), d // bd)](
-            ml, acc, sink, out, sink if out_rot is None else cos_sin(out_rot), h, s, D=d,
-            BLOCK_H=BLOCK_H, BLOCK_D=bd, S_PAD=triton.next_power_of_2(s), R2=r2,
-            INTERPRET=interp)
+        merge_splits(ml, acc, sink, out, out_rot, r2)
     elif out_rot is not None:
         out = rope_heads(out, out_rot, inverse=True, in_place=True)
     return out
