@@ -18,7 +18,7 @@ GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 \
     and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 # (D, stages): the model's head dim and a small one
-SHAPES = [(512, 2), (128, 3), (64, 2)]
+SHAPES = [(512, 2), (128, 3), (256, 2)]
 
 
 def _compile(d: int, stages: int, split: bool) -> dict:
@@ -38,7 +38,8 @@ k = g._sparse_attn_ws_kernel.warmup(M(torch.bfloat16), M(torch.float32), M(torch
     M(torch.uint8), M(torch.int32), M(torch.uint8), M(torch.int64), M(torch.int64),
     M(torch.int32), M(torch.bfloat16), M(torch.float32), M(torch.float32), 0.05, 64, 1000, 8,
     128, 512, 64, 256, 4, 128, 512, 64, D={d}, PAGE_SHIFT=8, STAGES={stages},
-    RS=g.ROWS_PER_STORE, SPLIT={split}, PRODUCER_REGS=g.PRODUCER_REGS, num_warps=8, grid=(1,))
+    RS=g.ROWS_PER_STORE, SUB=g.SUB_ROWS, RAW=g.RAW_STAGES, SPLIT={split},
+    PRODUCER_REGS=g.PRODUCER_REGS, num_warps=8, grid=(1,))
 ptx = k.asm["ptx"]
 print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["cubin"], True),
                   "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),

@@ -6,15 +6,17 @@ wgmma right after issuing it, and at 64 heads x 512 columns one program holds an
 tensor cores idle while rows are decoded (docs/benchmarks.md, twenty-eighth session). Here a
 producer partition (4 warps) decodes each 64-row block into a shared-memory ring while the
 consumer partition (two warp groups, the default one) runs the logits' and P.V's wgmmas on the
-block before, handing buffers over by mbarriers.
+block before, handing buffers over by mbarriers. The producer's packed bytes come by async
+copies into raw stages of 16 rows, two stages ahead of the one it decodes, so that about 17 KB
+a program are in flight (register loads of 8 rows at a time left one index -> page -> row
+chain of global latencies in line per 8 rows).
 
-Scope of this first kernel: ``triton.sparse_attn_paged``'s lists (window entries from the ring
-or the step's new rows, then compressed entries through the block table), no split of the
-list (one program a token), no ``out_rot``, 64 heads a program, D a multiple of 64 up to 512.
-Its reference is
+Scope: ``triton.sparse_attn_paged``'s lists (window entries from the ring or the step's new
+rows, then compressed entries through the block table), its splits and its merge (with
+``out_rot``), 64 heads a program, D 128, 256 or 512. Its reference is
 ``reference.sparse_attn_paged`` and its twin the Triton kernel, which the CPU tests run under
 the interpreter; Gluon kernels do not run under the interpreter, so this one is checked on a
-GPU against the Triton kernel, and on the CPU only compiled for sm_90a.
+GPU against both, and on the CPU only compiled for sm_90a.
 
 Numerics as the Triton kernel's: each row's e4m3 codes times its block's 2^(e-127), exact in
 bf16; logits one wgmma chain over D in K order; running max from -1e30 over the logits, p
@@ -27,6 +29,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
@@ -37,119 +40,207 @@ from .triton import check_paged_inputs, merge_splits, plan_splits
 ROWS, MAX_HEADS = 64, 64  # list entries per block (rows per ring stage); heads a program
 BLOCK_N, HEADS = gl.constexpr(ROWS), gl.constexpr(MAX_HEADS)  # the same, for the kernels
 ROWS_PER_STORE = 8  # rows the producer decodes per shared-memory store (the swizzle's period)
+SUB_ROWS = 16  # rows per raw stage: the producer's async-copy unit
+RAW_STAGES = 3  # raw stages: while one is decoded, the copies of the next two are in flight
 PRODUCER_WARPS = gl.constexpr(4)
-# the producer's registers a thread (setmaxnreg; sm_90a at D = 512 on Triton 3.6: 16 B of stack,
-# 112 B at 56 registers); the consumers get the rest (204)
-PRODUCER_REGS = 96
+# the producer's registers a thread (setmaxnreg); the consumers get the rest
+PRODUCER_REGS = 120
+SMEM_BYTES = 232448  # an sm_90 block's shared memory (227 KB)
 
 
-@gluon.jit
-def _row_ptrs(ring_ptr, new_ptr, ids, N_RING, N_NEW, RB: gl.constexpr):
-    """Byte pointers of window entries ``ids`` (as triton._window_ptrs): id < N_RING: ring row
-    id; id >= N_RING: new row id - N_RING (clamped to the last); -1: ring row 0 (masked)."""
-    r = gl.where(ids >= 0, ids, 0).to(gl.int64)
-    return gl.where(r < N_RING, ring_ptr + r * RB,
-                    new_ptr + gl.minimum(r - N_RING, N_NEW - 1) * RB)
+def smem_bytes(d: int, stages: int) -> int:
+    """Shared memory the kernel takes at head dim d: q, the bf16 ring, the raw stages, and 4 KB
+    for the consumer's reductions and layout changes (measured 4132 B at d = 512)."""
+    return (MAX_HEADS + stages * ROWS) * d * 2 + RAW_STAGES * SUB_ROWS * (d + d // 16) + 4352
+
+
+# the names of Triton 3.9 / 3.6
+_thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+_async_copy = async_copy.async_load if hasattr(async_copy, "async_load") else \
+    async_copy.async_copy_global_to_shared
 
 
 @gluon.constexpr_function
-def _chunk_layout(W, E):
-    """[RS, D/16, E] over W warps: a lane per 16-column chunk of a row, a warp per row, a
-    chunk's E elements (or bytes) in one thread; the distribution of a [RS, D] tile whose
-    threads each hold 16 consecutive columns (PRODUCER_LAYOUT), so that a chunk's scale is one
-    load a thread and its codes one vector load."""
-    return gl.BlockedLayout([1, 1, E], [1, 32, 1], [W, 1, 1], [2, 1, 0])
+def _copy_layout(D):
+    """[rows, D] bytes (a raw stage's codes) over the producer's warps, 16 bytes a thread:
+    a warp copies whole rows. The scales' [rows, D/16] take it too (lanes past the row's end
+    repeat its first ones), so that both copies' row pointers come in one distribution."""
+    lanes = min(32, D // 16)
+    return gl.BlockedLayout([1, 16], [32 // lanes, lanes], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _chunk_layout(D, E):
+    """[RS, D/16, E]: a lane per 16-column chunk of a row, a warp per row (or rows, at D <
+    512), the chunk's E elements (or bytes) in one thread."""
+    lanes = min(32, D // 16)
+    return gl.BlockedLayout([1, 1, E], [32 // lanes, lanes, 1], [4, 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _pair_layout(D):
+    """[RS, D/32, 2, 16]: _chunk_layout(D, 16) with each 32-column block's two chunks on a
+    pair axis, so that a block's scale byte broadcasts over both."""
+    lanes = min(32, D // 16)
+    return gl.BlockedLayout([1, 1, 1, 16], [32 // lanes, lanes // 2, 2, 1], [4, 1, 1, 1],
+                            [3, 2, 1, 0])
 
 
 @gluon.jit
-def _window_rows(ring_ptr, new_ptr, ids, ok, N_RING, N_NEW, RS: gl.constexpr,
-                 D: gl.constexpr):
-    """Window rows ids (ok: valid) decoded to fp32 [RS, D/16, 16]: e4m3 code x 2^(e-127),
-    exact."""
-    L3: gl.constexpr = _chunk_layout(PRODUCER_WARPS, 16)
+def _entry_ids(widx_ptr, cidx_ptr, t, e, WW, K, sw_t, sc_t):
+    """List entries e of token t: (window id or -1, compressed row or -1)."""
+    wr = gl.load(widx_ptr + t * sw_t + e, mask=e < WW, other=-1)
+    cr = gl.load(cidx_ptr + t * sc_t + (e - WW), mask=(e >= WW) & (e < WW + K), other=-1)
+    return wr, cr
+
+
+@gluon.jit
+def _page_of(bt_base, cr, PAGES, PAGE_ROWS, PAGE_SHIFT: gl.constexpr):
+    """The pool page of compressed row cr (-1: none, or an unallocated entry: page 0, as the
+    reference's clamp)."""
+    g = gl.where(cr >= 0, cr, 0)
+    pg = g >> PAGE_SHIFT if PAGE_SHIFT >= 0 else g // PAGE_ROWS
+    page = gl.load(bt_base + pg, mask=(cr >= 0) & (pg < PAGES), other=0)
+    return gl.maximum(page, 0)
+
+
+@gluon.jit
+def _copy_rows(codes, extra, ring_ptr, new_ptr, pool_ptr, wr, cr, page, N_RING, N_NEW,
+               PAGE_ROWS, PAGE_SHIFT: gl.constexpr, D: gl.constexpr, SUB: gl.constexpr):
+    """Start async copies of SUB list entries' packed bytes into one raw stage (wr, cr and
+    page in SliceLayout(1, _copy_layout(D))): a window row
+    (wr >= 0: ring row or new row) as its D codes into ``codes`` and its D/32 exponents into
+    ``extra``; a compressed row (cr >= 0) as its D/2 bytes of e2m1 pairs into ``codes`` and
+    its D/16 scales into ``extra``. Bytes no entry fills are zero."""
+    LC: gl.constexpr = _copy_layout(D)
     RB: gl.constexpr = D + D // 32
-    ptr = _row_ptrs(ring_ptr, new_ptr, ids, N_RING, N_NEW, RB)
-    ptr = gl.convert_layout(ptr, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-    ok = gl.convert_layout(ok, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-    chunk = gl.arange(0, D // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-    inner = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    codes = gl.load(ptr[:, None, None] + chunk[None, :, None] * 16 + inner[None, None, :],
-                    mask=ok[:, None, None], other=0)
-    e = gl.load(ptr[:, None] + D + chunk[None, :] // 2, mask=ok[:, None], other=0)
-    scale = (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)  # 2^(e-127); 0 -> 0
-    return codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, :, None]
+    CB: gl.constexpr = D // 2 + D // 16
+    # rows start ALIGN-byte aligned (the tensors 16-byte aligned, the host checks): a hint
+    # for the copies' vector width, which the select of two pointers would otherwise lose
+    ALIGN: gl.constexpr = min(16, RB & -RB, CB & -CB)
+    r = gl.where(wr >= 0, wr, 0).to(gl.int64)
+    w_ptr = gl.where(r < N_RING, ring_ptr + r * RB,
+                     new_ptr + gl.minimum(r - N_RING, N_NEW - 1) * RB)
+    g = gl.where(cr >= 0, cr, 0)
+    row = g & ((1 << PAGE_SHIFT) - 1) if PAGE_SHIFT >= 0 else g % PAGE_ROWS
+    c_ptr = pool_ptr + (page.to(gl.int64) * PAGE_ROWS + row) * CB
+    is_w, is_c = wr >= 0, cr >= 0
+
+    col = gl.arange(0, D, layout=gl.SliceLayout(0, LC))
+    base = gl.multiple_of(gl.where(is_w, w_ptr, c_ptr), ALIGN)
+    ok = is_w[:, None] | (is_c[:, None] & (col < D // 2)[None, :])
+    _async_copy(codes, base[:, None] + col[None, :], mask=ok)
+    ecol = gl.arange(0, D // 16, layout=gl.SliceLayout(0, LC))
+    base = gl.multiple_of(gl.where(is_w, w_ptr + D, c_ptr + D // 2), ALIGN)
+    ok = (is_w[:, None] & (ecol < D // 32)[None, :]) | is_c[:, None]
+    _async_copy(extra, base[:, None] + ecol[None, :], mask=ok)
 
 
 @gluon.jit
-def _compressed_rows(pool_ptr, bt_base, cr, ok, PAGES, PAGE_ROWS, PAGE_SHIFT: gl.constexpr,
-                     RS: gl.constexpr, D: gl.constexpr):
-    """Compressed rows g = cr (ok: valid) of the token's pages decoded to fp32 [RS, D/16,
-    16]: each e2m1 nibble (element 2i low) re-encoded as the e4m3 byte s|0 0 e1 e0|m 0 0 (its
-    value x 2^-6), times its 16-element group's e4m3 scale x 64, exact. Page -1 (unallocated)
-    reads page 0, as the reference's clamp."""
-    L3: gl.constexpr = _chunk_layout(PRODUCER_WARPS, 16)
-    L3H: gl.constexpr = _chunk_layout(PRODUCER_WARPS, 8)
-    g = gl.where(ok, cr, 0)
-    if PAGE_SHIFT >= 0:
-        pg, row = g >> PAGE_SHIFT, g & ((1 << PAGE_SHIFT) - 1)
-    else:
-        pg, row = g // PAGE_ROWS, g % PAGE_ROWS
-    page = gl.load(bt_base + pg, mask=ok & (pg < PAGES), other=0)
-    ptr = pool_ptr + (gl.maximum(page, 0) * PAGE_ROWS + row) * (D // 2 + D // 16)
-    ptr_h = gl.convert_layout(ptr, gl.SliceLayout(1, gl.SliceLayout(2, L3H)))
-    ok_h = gl.convert_layout(ok, gl.SliceLayout(1, gl.SliceLayout(2, L3H)))
-    chunk = gl.arange(0, D // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3H)))
-    inner = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3H)))
-    pairs = gl.load(ptr_h[:, None, None] + chunk[None, :, None] * 8 + inner[None, None, :],
-                    mask=ok_h[:, None, None], other=0).to(gl.int32)
+def _window_decode(codes, extra, RS: gl.constexpr, D: gl.constexpr):
+    """RS window rows from a raw stage's slices, fp32 [RS, D]: e4m3 code x 2^(e-127), exact."""
+    L4: gl.constexpr = _pair_layout(D)
+    c = gl.convert_layout(gl.reshape(codes.load(_copy_layout(D)), [RS, D // 32, 2, 16]), L4)
+    e = extra.slice(0, D // 32, dim=1).load(gl.SliceLayout(2, gl.SliceLayout(3, L4)))
+    scale = (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)  # 2^(e-127); 0 -> 0
+    v = c.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, :, None, None]
+    return gl.reshape(v, [RS, D])
+
+
+@gluon.jit
+def _compressed_decode(codes, extra, RS: gl.constexpr, D: gl.constexpr):
+    """RS compressed rows from a raw stage's slices, fp32 [RS, D]: each e2m1 nibble (element
+    2i low) re-encoded as the e4m3 byte s|0 0 e1 e0|m 0 0 (its value x 2^-6), times its
+    16-element group's e4m3 scale x 64, exact."""
+    L3: gl.constexpr = _chunk_layout(D, 16)
+    L3H: gl.constexpr = _chunk_layout(D, 8)
+    LP: gl.constexpr = gl.BlockedLayout([1, 8], [32 // min(32, D // 16), min(32, D // 16)],
+                                        [4, 1], [1, 0])  # [RS, D/2] bytes, 8 a thread
+    pairs = codes.slice(0, D // 2, dim=1).load(LP)
+    pairs = gl.convert_layout(gl.reshape(pairs, [RS, D // 16, 8]), L3H).to(gl.int32)
     n = gl.reshape(gl.join(pairs & 15, pairs >> 4), [RS, D // 16, 16])  # element 2i: low
     n = gl.convert_layout(n, L3)
     code = (((n & 8) << 4) | ((n & 7) << 2)).to(gl.uint8)
-    ptr3 = gl.convert_layout(ptr, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-    ok3 = gl.convert_layout(ok, gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-    chunk3 = gl.arange(0, D // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-    sc = gl.load(ptr3[:, None] + D // 2 + chunk3[None, :], mask=ok3[:, None], other=0)
+    sc = extra.load(gl.SliceLayout(2, L3))
     scf = sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 64.0
-    return code.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scf[:, :, None]
+    v = code.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scf[:, :, None]
+    return gl.reshape(v, [RS, D])
 
 
 @gluon.jit
 def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr, kv_bufs, ready,
-              empty, t, j_lo, j_hi, N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t, sc_t, bt_r,
-              PAGE_SHIFT: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-              RS: gl.constexpr):
-    """Decode list blocks j_lo..j_hi-1 (64 entries each: window entries, then compressed
-    ones) into the ring, the i-th into stage i % STAGES, RS rows a store (a multiple of the
-    shared layout's swizzle period, 8 rows)."""
-    L3: gl.constexpr = _chunk_layout(PRODUCER_WARPS, 16)
-    rows = gl.arange(0, RS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+              empty, raw_codes, raw_extra, t, j_lo, j_hi, N_RING, N_NEW, WW, K, PAGES,
+              PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT: gl.constexpr, D: gl.constexpr,
+              STAGES: gl.constexpr, RS: gl.constexpr, SUB: gl.constexpr,
+              RAW: gl.constexpr):
+    """Fill the ring with list blocks j_lo..j_hi-1 (64 entries each: window entries, then
+    compressed ones), the i-th block into stage i % STAGES.
+
+    The packed bytes travel by async copies, SUB entries (a sub-block) a raw stage, RAW - 1
+    sub-blocks ahead of the one being decoded: at step w the copies of sub-block w start and
+    sub-block u = w - (RAW - 1) is decoded from its raw stage into the ring, RS rows a store
+    (a multiple of the ring's swizzle period, 8 rows). Each sub-block's list entries are
+    loaded two steps before its copies start and its pages one step before, so no index or
+    page load waits in line. One barrier a step: after it, every thread's copies of
+    sub-block u have landed and every thread has finished decoding u - 1, whose raw stage
+    sub-block w reuses."""
+    NSUB: gl.constexpr = BLOCK_N // SUB
+    LI: gl.constexpr = gl.SliceLayout(1, _copy_layout(D))
+    L2: gl.constexpr = _copy_layout(D)  # [RS, D] values, 16 columns a thread
+    sub = gl.arange(0, SUB, layout=LI)
+    rows = gl.arange(0, RS, layout=gl.SliceLayout(1, L2))
     bt_base = bt_ptr + gl.load(trow_ptr + t) * bt_r  # the token's block-table row
+    n_sub = (j_hi - j_lo) * NSUB
+    e_lo = j_lo * BLOCK_N
+    wr, cr = _entry_ids(widx_ptr, cidx_ptr, t, e_lo + sub, WW, K, sw_t, sc_t)
+    page = _page_of(bt_base, cr, PAGES, PAGE_ROWS, PAGE_SHIFT)
+    wr1, cr1 = _entry_ids(widx_ptr, cidx_ptr, t, e_lo + SUB + sub, WW, K, sw_t, sc_t)
+    for p0 in gl.static_range(RAW - 1):  # the first sub-blocks' copies
+        if p0 < n_sub:
+            _copy_rows(raw_codes.index(p0), raw_extra.index(p0), ring_ptr, new_ptr, pool_ptr, wr,
+                       cr, page, N_RING, N_NEW, PAGE_ROWS, PAGE_SHIFT, D, SUB)
+        async_copy.commit_group()
+        page = _page_of(bt_base, cr1, PAGES, PAGE_ROWS, PAGE_SHIFT)
+        wr, cr = wr1, cr1
+        wr1, cr1 = _entry_ids(widx_ptr, cidx_ptr, t, e_lo + (p0 + 2) * SUB + sub, WW, K, sw_t,
+                              sc_t)
     for i in range(j_hi - j_lo):
-        j = j_lo + i
         stage = i % STAGES
-        phase = (i // STAGES) & 1
-        mbarrier.wait(empty.index(stage), phase ^ 1)
+        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
         buf = kv_bufs.index(stage)
-        for r0 in gl.static_range(0, BLOCK_N, RS):
-            e0 = j * BLOCK_N + r0
-            e_idx = e0 + rows
-            if e0 + RS <= WW:  # window rows only
-                wr = gl.load(widx_ptr + t * sw_t + e_idx)
-                v = _window_rows(ring_ptr, new_ptr, wr, wr >= 0, N_RING, N_NEW, RS, D)
-            elif e0 >= WW:  # compressed rows only
-                cr = gl.load(cidx_ptr + t * sc_t + (e_idx - WW), mask=e_idx < WW + K, other=-1)
-                v = _compressed_rows(pool_ptr, bt_base, cr, cr >= 0, PAGES, PAGE_ROWS,
-                                     PAGE_SHIFT, RS, D)
-            else:  # the rows where the window part ends: each one or the other
-                wr = gl.load(widx_ptr + t * sw_t + e_idx, mask=e_idx < WW, other=-1)
-                cr = gl.load(cidx_ptr + t * sc_t + (e_idx - WW),
-                             mask=(e_idx >= WW) & (e_idx < WW + K), other=-1)
-                v = _window_rows(ring_ptr, new_ptr, wr, wr >= 0, N_RING, N_NEW, RS, D) + \
-                    _compressed_rows(pool_ptr, bt_base, cr, cr >= 0, PAGES, PAGE_ROWS,
-                                     PAGE_SHIFT, RS, D)
-            buf.slice(r0, RS, dim=0).store(gl.reshape(v.to(gl.bfloat16), [RS, D]))
+        for q in gl.static_range(NSUB):
+            u = i * NSUB + q  # the sub-block decoded now
+            w = u + RAW - 1  # the sub-block whose copies start now
+            async_copy.wait_group(RAW - 2)  # sub-block u's copies (this thread's) have landed
+            _thread_barrier()
+            if w < n_sub:
+                _copy_rows(raw_codes.index(w % RAW), raw_extra.index(w % RAW), ring_ptr,
+                           new_ptr, pool_ptr, wr, cr, page, N_RING, N_NEW, PAGE_ROWS,
+                           PAGE_SHIFT, D, SUB)
+            async_copy.commit_group()  # (empty past the end: the wait count stays the same)
+            page = _page_of(bt_base, cr1, PAGES, PAGE_ROWS, PAGE_SHIFT)
+            wr, cr = wr1, cr1
+            wr1, cr1 = _entry_ids(widx_ptr, cidx_ptr, t, e_lo + (w + 2) * SUB + sub, WW, K,
+                                  sw_t, sc_t)
+            codes = raw_codes.index(u % RAW)
+            extra = raw_extra.index(u % RAW)
+            e0 = e_lo + u * SUB
+            for r0 in gl.static_range(0, SUB, RS):
+                c_rs = codes.slice(r0, RS, dim=0)
+                x_rs = extra.slice(r0, RS, dim=0)
+                if e0 + r0 + RS <= WW:  # window rows only
+                    v = gl.convert_layout(_window_decode(c_rs, x_rs, RS, D), L2)
+                elif e0 + r0 >= WW:  # compressed rows only
+                    v = gl.convert_layout(_compressed_decode(c_rs, x_rs, RS, D), L2)
+                else:  # the rows where the window part ends: each one or the other
+                    is_w = e0 + r0 + rows < WW
+                    v = gl.where(is_w[:, None],
+                                 gl.convert_layout(_window_decode(c_rs, x_rs, RS, D), L2),
+                                 gl.convert_layout(_compressed_decode(c_rs, x_rs, RS, D), L2))
+                buf.slice(q * SUB + r0, RS, dim=0).store(v.to(gl.bfloat16))
         fence_async_shared()
         mbarrier.arrive(ready.index(stage), count=1)
+    async_copy.wait_group(0)
 
 
 @gluon.jit
@@ -217,7 +308,8 @@ def _sparse_attn_ws_kernel(q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, pool_pt
                            trow_ptr, cidx_ptr, o_ptr, ml_ptr, acc_ptr, scale, H, N_RING, N_NEW,
                            WW, K, PAGES, PAGE_ROWS, BLOCKS_PER_SPLIT, sw_t, sc_t, bt_r,
                            D: gl.constexpr, PAGE_SHIFT: gl.constexpr, STAGES: gl.constexpr,
-                           RS: gl.constexpr, SPLIT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                           RS: gl.constexpr, SUB: gl.constexpr, RAW: gl.constexpr,
+                           SPLIT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            num_warps: gl.constexpr):
     """One program a (token t, split s): q [T, H, D] bf16 (H <= 64, padded heads load 0); the
     token's list is widx [t, :WW] (ring rows [*, D + D/32] or the step's new rows, uint8) then
@@ -238,6 +330,9 @@ def _sparse_attn_ws_kernel(q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, pool_pt
     kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D],
                                                                              gl.bfloat16))
+    raw_layout: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 1, [1, 0])
+    raw_codes = gl.allocate_shared_memory(gl.uint8, [RAW, SUB, D], raw_layout)
+    raw_extra = gl.allocate_shared_memory(gl.uint8, [RAW, SUB, D // 16], raw_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -249,8 +344,8 @@ def _sparse_attn_ws_kernel(q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, pool_pt
                      acc_ptr, t, j_lo, j_hi, H, WW, K, sw_t, sc_t, scale, D, STAGES, SPLIT,
                      num_warps)),
         (_producer, (ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr, kv_bufs,
-                     ready, empty, t, j_lo, j_hi, N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t,
-                     sc_t, bt_r, PAGE_SHIFT, D, STAGES, RS)),
+                     ready, empty, raw_codes, raw_extra, t, j_lo, j_hi, N_RING, N_NEW, WW, K,
+                     PAGES, PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT, D, STAGES, RS, SUB, RAW)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -259,21 +354,30 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
                         window_ids: torch.Tensor, compressed_pool: torch.Tensor | None,
                         block_table: torch.Tensor | None, token_row: torch.Tensor,
                         compressed_idx: torch.Tensor, *, num_splits: int | None = None,
-                        split_blocks: int | None = None, stages: int = 2, out: torch.Tensor | None = None,
-                        out_rot: torch.Tensor | None = None) -> torch.Tensor:
+                        split_blocks: int | None = None, stages: int = 2,
+                        out: torch.Tensor | None = None, out_rot: torch.Tensor | None = None
+                        ) -> torch.Tensor:
     """``triton.sparse_attn_paged`` (the same arguments, results and splits) on a Hopper GPU,
-    warp-specialized: H <= 64 heads, D a multiple of 64 up to 512. num_splits and split_blocks
-    cut each list into programs as there (by default splits of SPLIT_BLOCKS 64-blocks, the same
-    cut in every step), the splits merged by the Triton kernel's merge (which also turns ``out_rot`` back);
-    ``stages`` ring stages of 64 decoded rows in shared memory. Returns [T, H, D] bf16."""
+    warp-specialized: H <= 64 heads, D 128, 256 or 512, the packed tensors 16-byte aligned.
+    num_splits and split_blocks cut each list into programs as there (by default splits of
+    SPLIT_BLOCKS 64-blocks, the same cut in every step), the splits merged by the Triton
+    kernel's merge (which also turns ``out_rot`` back); ``stages`` ring stages of 64 decoded
+    rows in shared memory. Returns [T, H, D] bf16."""
     t, h, d, ww, k = check_paged_inputs(q, sink, window_ring, new_rows, window_ids,
                                         compressed_pool, block_table, token_row, compressed_idx)
     rb = d + d // 32
-    if h > MAX_HEADS or d % 64 or d > 512:
-        raise ValueError(f"q {tuple(q.shape)}: H must be 1..{MAX_HEADS} and D a multiple of 64 "
-                         f"up to 512")
-    if stages < 1 or (stages * ROWS + MAX_HEADS) * d * 2 > 200 * 1024:
-        raise ValueError(f"stages = {stages}: the ring and q must fit in shared memory")
+    if h > MAX_HEADS or d not in (128, 256, 512):
+        raise ValueError(f"q {tuple(q.shape)}: H must be 1..{MAX_HEADS} and D 128, 256 or 512 "
+                         f"(the async copies move 4 bytes or more)")
+    if stages < 1 or smem_bytes(d, stages) > SMEM_BYTES:
+        raise ValueError(f"stages = {stages}: the ring, q and the raw stages must fit in "
+                         f"{SMEM_BYTES} B of shared memory at D = {d}, got "
+                         f"{smem_bytes(d, stages)} B")
+    for name, x in (("window_ring", window_ring), ("new_rows", new_rows),
+                    ("compressed_pool", compressed_pool)):
+        if x is not None and x.data_ptr() % 16:
+            raise ValueError(f"{name} must start 16-byte aligned (the rows are copied in "
+                             f"16-byte pieces), got address {x.data_ptr():#x}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if split_blocks is not None and split_blocks < 0:
@@ -306,7 +410,7 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
         q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out, ml, acc, float(scale),
         h, n_ring, t, ww, k, table.shape[1], page_rows, per_split, widx.stride(0),
         cidx.stride(0), table.stride(0), D=d, PAGE_SHIFT=page_shift, STAGES=stages,
-        RS=ROWS_PER_STORE, SPLIT=s > 1, PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
+        RS=ROWS_PER_STORE, SUB=SUB_ROWS, RAW=RAW_STAGES, SPLIT=s > 1, PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
     if s > 1:
         merge_splits(ml, acc, sink, out, out_rot, r2)
     elif out_rot is not None:
