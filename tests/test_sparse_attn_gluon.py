@@ -150,3 +150,26 @@ def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="H must be"):
         sparse_attn_paged_ws(torch.zeros(3, 65, 512, dtype=torch.bfloat16, device="cuda"),
                              torch.zeros(65, device="cuda"), 0.1, **args)
+
+
+def _shifted(x: torch.Tensor, by: int) -> torch.Tensor:
+    """A contiguous copy of x whose storage starts ``by`` bytes past an aligned allocation."""
+    buf = torch.empty(x.numel() + by, dtype=torch.uint8, device=x.device)
+    y = buf[by:].view(x.shape)
+    y.copy_(x)
+    return y
+
+
+@pytest.mark.skipif(not GPU, reason="needs a Hopper GPU")
+def test_alignment_of_the_packed_inputs():
+    """The rows are copied in 16-byte pieces: a ring or pool not 16-byte aligned is refused by
+    name (read in place, never copied), the step's new rows are copied to an aligned buffer
+    (the same output)."""
+    from dsv41attn.ops.sparse_attn.gluon import sparse_attn_paged_ws
+    q, sink, args = make_step(3, 64, 512, 70, 65, 8, seed=3)
+    want = sparse_attn_paged_ws(q, sink, 0.1, **args)
+    got = sparse_attn_paged_ws(q, sink, 0.1, **dict(args, new_rows=_shifted(args["new_rows"], 4)))
+    assert torch.equal(got, want)
+    for name in ("window_ring", "compressed_pool"):
+        with pytest.raises(ValueError, match=f"{name} must start 16-byte aligned"):
+            sparse_attn_paged_ws(q, sink, 0.1, **dict(args, **{name: _shifted(args[name], 4)}))

@@ -358,7 +358,7 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
                         out: torch.Tensor | None = None, out_rot: torch.Tensor | None = None
                         ) -> torch.Tensor:
     """``triton.sparse_attn_paged`` (the same arguments, results and splits) on a Hopper GPU,
-    warp-specialized: H <= 64 heads, D 128, 256 or 512, the packed tensors 16-byte aligned.
+    warp-specialized: H <= 64 heads, D 128, 256 or 512, the ring and the pool 16-byte aligned.
     num_splits and split_blocks cut each list into programs as there (by default splits of
     SPLIT_BLOCKS 64-blocks, the same cut in every step), the splits merged by the Triton
     kernel's merge (which also turns ``out_rot`` back); ``stages`` ring stages of 64 decoded
@@ -373,9 +373,8 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
         raise ValueError(f"stages = {stages}: the ring, q and the raw stages must fit in "
                          f"{SMEM_BYTES} B of shared memory at D = {d}, got "
                          f"{smem_bytes(d, stages)} B")
-    for name, x in (("window_ring", window_ring), ("new_rows", new_rows),
-                    ("compressed_pool", compressed_pool)):
-        if x is not None and x.data_ptr() % 16:
+    for name, x in (("window_ring", window_ring), ("compressed_pool", compressed_pool)):
+        if x is not None and x.data_ptr() % 16:  # read in place: never copied
             raise ValueError(f"{name} must start 16-byte aligned (the rows are copied in "
                              f"16-byte pieces), got address {x.data_ptr():#x}")
     if num_splits is not None and num_splits < 1:
@@ -393,6 +392,8 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
         return out.zero_()  # (its rotation back is the identity)
     n_ring = window_ring.numel() // rb
     q, sink, new_rows, token_row = (x.contiguous() for x in (q, sink, new_rows, token_row))
+    if new_rows.data_ptr() % 16:  # the step's few rows: a fresh (aligned) copy
+        new_rows = new_rows.clone()
     widx, cidx = (x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
                   for x in (window_ids, compressed_idx))
     ring = window_ring if n_ring else new_rows
@@ -410,7 +411,8 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
         q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out, ml, acc, float(scale),
         h, n_ring, t, ww, k, table.shape[1], page_rows, per_split, widx.stride(0),
         cidx.stride(0), table.stride(0), D=d, PAGE_SHIFT=page_shift, STAGES=stages,
-        RS=ROWS_PER_STORE, SUB=SUB_ROWS, RAW=RAW_STAGES, SPLIT=s > 1, PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
+        RS=ROWS_PER_STORE, SUB=SUB_ROWS, RAW=RAW_STAGES, SPLIT=s > 1,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
     if s > 1:
         merge_splits(ml, acc, sink, out, out_rot, r2)
     elif out_rot is not None:
