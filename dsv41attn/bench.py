@@ -597,6 +597,48 @@ def bench_attn_variants(batches=(1, 8, 64, 256), prefill: int = 8192, context: i
     return rows
 
 
+ATTN_KERNELS = {  # sparse attention kernel and cut: (op, keyword arguments)
+    "triton, 2-block splits": ("triton", {}),
+    "triton, step-sized": ("triton", {"split_blocks": 0}),
+    "triton, unsplit": ("triton", {"num_splits": 1}),
+    "gluon, unsplit": ("gluon", {"num_splits": 1}),
+    "gluon, 2-block splits": ("gluon", {}),
+    "gluon, step-sized": ("gluon", {"split_blocks": 0}),
+}
+
+
+def bench_attn_kernels(batches=(1, 8, 64, 256), context: int = 4096,
+                       kernels=ATTN_KERNELS) -> list[dict]:
+    """The Triton sparse attention and the warp-specialized Gluon one
+    (``gluon.sparse_attn_paged_ws``), each in the cuts of ``kernels``, on the decode cases of
+    ``decode_attn_case`` at V4.1-Flash's heads: the window alone and the window plus
+    ``index_topk`` compressed rows, at ``context``; us in a CUDA graph, and how many output
+    elements differ from the unsplit Triton kernel's."""
+    from .ops.sparse_attn.gluon import sparse_attn_paged_ws
+    from .ops.sparse_attn.triton import sparse_attn_paged
+
+    ops = {"triton": sparse_attn_paged, "gluon": sparse_attn_paged_ws}
+    cfg = preset("v41-flash")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for topk in (0, cfg.index_topk):
+        for b in batches:
+            args = decode_attn_case(b, cfg.n_heads, cfg.head_dim, cfg.window_size, topk,
+                                    context, generator=g)
+            base = sparse_attn_paged(*args, num_splits=1)
+            for name, (op, kw) in kernels.items():
+                row = {"kernel": name, "list": cfg.window_size + topk, "batch": b}
+                try:
+                    out = ops[op](*args, **kw)
+                    row["us"] = _graph_ms(lambda: ops[op](*args, **kw)) * 1e3
+                    row["differing"] = int((out != base).sum())
+                except Exception as e:  # noqa: BLE001 - a kernel this GPU cannot run
+                    row["us"], row["failed"] = float("nan"), f"{type(e).__name__}: {e}"[:200]
+                rows.append(row)
+            torch.cuda.empty_cache()
+    return rows
+
+
 def prefill_attn_case(tokens: int, heads: int, head_dim: int, window: int, topk: int,
                       ratio: int, device="cuda", generator=None, page_rows: int = 256,
                       chunk: int = 1024) -> tuple[tuple, int]:
@@ -931,6 +973,23 @@ def main(args) -> int:
                   f"{r['ratio']:>7.2f}  {same}")
         if args.part == "gemm":
             return 0
+    if args.part == "attn_kernels":
+        rows = bench_attn_kernels()
+        print("sparse attention, the Triton kernel and the warp-specialized Gluon one by cut, "
+              "V4.1-Flash decode at 4K; us = CUDA-graph replay; [n] = output elements that "
+              "differ from the unsplit Triton kernel's")
+        cases = list(dict.fromkeys((r["list"], r["batch"]) for r in rows))
+        print(f"{'kernel':<24}" + "".join(f"{f'{n} rows b={b}':>18}" for n, b in cases))
+        for name in dict.fromkeys(r["kernel"] for r in rows):
+            cells = []
+            for r in (r for r in rows if r["kernel"] == name):
+                diff = "" if r.get("differing") in (None, 0) else f" [{r['differing']}]"
+                cells.append(f"{r['us']:.1f}{diff}" if "failed" not in r else "failed")
+            print(f"{name:<24}" + "".join(f"{c:>18}" for c in cells))
+        for r in rows:
+            if "failed" in r:
+                print(f"  {r['kernel']} {r['list']} rows b={r['batch']}: {r['failed']}")
+        return 0
     if args.part == "attn_variants":
         rows = bench_attn_variants()
         cases = list(dict.fromkeys(r["case"] for r in rows))

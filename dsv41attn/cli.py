@@ -901,14 +901,16 @@ def build_parser() -> argparse.ArgumentParser:
                                     "and the floor (FLOPs and bytes moved).")
     bn.add_argument("--csv", metavar="FILE", help="also write the layer rows as CSV")
     bn.add_argument("--part", choices=("layers", "sparse_attn", "indexer", "gemm", "all",
-                                       "attn_variants"),
+                                       "attn_variants", "attn_kernels"),
                     default="all",
                     help="layers: one layer per role; sparse_attn: the sparse-attention kernel "
                          "alone; indexer: the lightning indexer alone; gemm: each fp8 linear "
                          "alone, and wo_a from its fp8 codes, on torch and on dense_linear; "
                          "all: every part (default: all); attn_variants (not in all): "
                          "the sparse-attention kernel's launch options (head tile, warps, "
-                         "column chunks) against its defaults, decode and an 8K prefill")
+                         "column chunks) against its defaults, decode and an 8K prefill; "
+                         "attn_kernels (not in all): the Triton and the warp-specialized "
+                         "Gluon sparse attention by cut, decode at 4K")
     bn.add_argument("--roles", metavar="LIST",
                     help="comma-separated subset of: SWA,Full r=2,Full r=1 cand,Reindex,Reuse "
                          "(default: all)")

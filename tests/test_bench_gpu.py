@@ -144,3 +144,20 @@ def test_attention_launch_variants_part():
     for r in rows:
         assert "failed" not in r and math.isfinite(r["us"]) and r["us"] > 0, r
         assert r["differing"] == 0 if r["variant"] == "default" else r["differing"] >= 0, r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="the Gluon kernel needs a Hopper GPU")
+def test_attention_kernels_part():
+    """bench --part attn_kernels at small cases: each kernel and cut times each case, the
+    unsplit Gluon kernel gives the unsplit Triton kernel's bits (the same rounding points and
+    sums), every differing count is a count."""
+    from dsv41attn.bench import ATTN_KERNELS, bench_attn_kernels
+    rows = bench_attn_kernels(batches=(1, 3), context=1024)
+    assert [(r["kernel"], r["list"], r["batch"]) for r in rows] == [
+        (k, n, b) for n in (128, 640) for b in (1, 3) for k in ATTN_KERNELS]
+    for r in rows:
+        assert "failed" not in r and math.isfinite(r["us"]) and r["us"] > 0, r
+        assert r["differing"] >= 0, r
+        if r["kernel"] in ("triton, unsplit", "gluon, unsplit"):
+            assert r["differing"] == 0, r
