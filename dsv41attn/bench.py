@@ -627,7 +627,8 @@ def bench_attn_kernels(batches=(1, 8, 64, 256), context: int = 4096,
                                     context, generator=g)
             base = sparse_attn_paged(*args, num_splits=1)
             for name, (op, kw) in kernels.items():
-                row = {"kernel": name, "list": cfg.window_size + topk, "batch": b}
+                n = cfg.window_size + topk
+                row = {"kernel": name, "list": n, "batch": b, "case": f"{n} rows b={b}"}
                 try:
                     out = ops[op](*args, **kw)
                     row["us"] = _graph_ms(lambda: ops[op](*args, **kw)) * 1e3
@@ -637,6 +638,23 @@ def bench_attn_kernels(batches=(1, 8, 64, 256), context: int = 4096,
                 rows.append(row)
             torch.cuda.empty_cache()
     return rows
+
+
+def _print_attn_grid(rows: list[dict], key: str, width: int) -> None:
+    """bench_attn_kernels' or bench_attn_variants' rows as a grid: a line per ``key`` (kernel
+    or variant), a column per case, each cell the us and [the differing outputs] if any;
+    then what failed."""
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    print(f"{key:<24}" + "".join(f"{c:>{width}}" for c in cases))
+    for name in dict.fromkeys(r[key] for r in rows):
+        cells = []
+        for r in (r for r in rows if r[key] == name):
+            diff = "" if r.get("differing") in (None, 0) else f" [{r['differing']}]"
+            cells.append(f"{r['us']:.1f}{diff}" if "failed" not in r else "failed")
+        print(f"{name:<24}" + "".join(f"{c:>{width}}" for c in cells))
+    for r in rows:
+        if "failed" in r:
+            print(f"  {r[key]} {r['case']}: {r['failed']}")
 
 
 def prefill_attn_case(tokens: int, heads: int, head_dim: int, window: int, topk: int,
@@ -973,39 +991,19 @@ def main(args) -> int:
                   f"{r['ratio']:>7.2f}  {same}")
         if args.part == "gemm":
             return 0
-    if args.part == "attn_kernels":
-        rows = bench_attn_kernels()
-        print("sparse attention, the Triton kernel and the warp-specialized Gluon one by cut, "
-              "V4.1-Flash decode at 4K; us = CUDA-graph replay; [n] = output elements that "
-              "differ from the unsplit Triton kernel's")
-        cases = list(dict.fromkeys((r["list"], r["batch"]) for r in rows))
-        print(f"{'kernel':<24}" + "".join(f"{f'{n} rows b={b}':>18}" for n, b in cases))
-        for name in dict.fromkeys(r["kernel"] for r in rows):
-            cells = []
-            for r in (r for r in rows if r["kernel"] == name):
-                diff = "" if r.get("differing") in (None, 0) else f" [{r['differing']}]"
-                cells.append(f"{r['us']:.1f}{diff}" if "failed" not in r else "failed")
-            print(f"{name:<24}" + "".join(f"{c:>18}" for c in cells))
-        for r in rows:
-            if "failed" in r:
-                print(f"  {r['kernel']} {r['list']} rows b={r['batch']}: {r['failed']}")
-        return 0
-    if args.part == "attn_variants":
-        rows = bench_attn_variants()
-        cases = list(dict.fromkeys(r["case"] for r in rows))
-        print("sparse attention by launch variant (sparse_attn_paged's block_h, num_warps, "
-              "d_chunks), V4.1-Flash; us = CUDA-graph replay; [n] = output elements that "
-              "differ from the default launch's")
-        print(f"{'variant':<24}" + "".join(f"{c:>22}" for c in cases))
-        for name in dict.fromkeys(r["variant"] for r in rows):
-            cells = []
-            for r in (r for r in rows if r["variant"] == name):
-                diff = "" if r.get("differing") in (None, 0) else f" [{r['differing']}]"
-                cells.append(f"{r['us']:.1f}{diff}" if "failed" not in r else "failed")
-            print(f"{name:<24}" + "".join(f"{c:>22}" for c in cells))
-        for r in rows:
-            if "failed" in r:
-                print(f"  {r['variant']} {r['case']}: {r['failed']}")
+    grids = {  # the parts not in all: (title, rows, line key, column width)
+        "attn_kernels": ("sparse attention, the Triton kernel and the warp-specialized Gluon "
+                         "one by cut, V4.1-Flash decode at 4K; us = CUDA-graph replay; [n] = "
+                         "output elements that differ from the unsplit Triton kernel's",
+                         bench_attn_kernels, "kernel", 18),
+        "attn_variants": ("sparse attention by launch variant (sparse_attn_paged's block_h, "
+                          "num_warps, d_chunks), V4.1-Flash; us = CUDA-graph replay; [n] = "
+                          "output elements that differ from the default launch's",
+                          bench_attn_variants, "variant", 22)}
+    if args.part in grids:
+        title, bench, key, width = grids[args.part]
+        print(title)
+        _print_attn_grid(bench(), key, width)
         return 0
     if args.part in ("sparse_attn", "all"):
         copy_bw = measure_copy_bandwidth()
