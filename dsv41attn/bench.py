@@ -622,12 +622,12 @@ def bench_attn_kernels(batches=(1, 8, 64, 256), context: int = 4096,
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for topk in (0, cfg.index_topk):
+        n = cfg.window_size + topk  # list entries a token
         for b in batches:
             args = decode_attn_case(b, cfg.n_heads, cfg.head_dim, cfg.window_size, topk,
                                     context, generator=g)
             base = sparse_attn_paged(*args, num_splits=1)
             for name, (op, kw) in kernels.items():
-                n = cfg.window_size + topk
                 row = {"kernel": name, "list": n, "batch": b, "case": f"{n} rows b={b}"}
                 try:
                     out = ops[op](*args, **kw)

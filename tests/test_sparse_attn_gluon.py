@@ -147,6 +147,8 @@ def test_rejects_bad_inputs():
         sparse_attn_paged_ws(q, sink, 0.1, **args, split_blocks=-1)
     with pytest.raises(ValueError, match="num_splits"):
         sparse_attn_paged_ws(q, sink, 0.1, **args, num_splits=0)
+    with pytest.raises(ValueError, match="one device"):
+        sparse_attn_paged_ws(q, sink.cpu(), 0.1, **args)
     with pytest.raises(ValueError, match="H must be"):
         sparse_attn_paged_ws(torch.zeros(3, 65, 512, dtype=torch.bfloat16, device="cuda"),
                              torch.zeros(65, device="cuda"), 0.1, **args)

@@ -34,8 +34,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma, warpgroup_mma_wait)
 
 from ..common.buffers import out_buffer
-from ..common.triton import check_rot, rope_heads
-from .triton import check_paged_inputs, merge_splits, plan_splits
+from ..common.triton import check_rot
+from .triton import (check_paged_devices, check_paged_inputs, check_split_args,
+                     finish_paged, paged_operands, plan_splits, split_partials)
 
 ROWS, MAX_HEADS = 64, 64  # list entries per block (rows per ring stage); heads a program
 BLOCK_N, HEADS = gl.constexpr(ROWS), gl.constexpr(MAX_HEADS)  # the same, for the kernels
@@ -365,7 +366,6 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
     rows in shared memory. Returns [T, H, D] bf16."""
     t, h, d, ww, k = check_paged_inputs(q, sink, window_ring, new_rows, window_ids,
                                         compressed_pool, block_table, token_row, compressed_idx)
-    rb = d + d // 32
     if h > MAX_HEADS or d not in (128, 256, 512):
         raise ValueError(f"q {tuple(q.shape)}: H must be 1..{MAX_HEADS} and D 128, 256 or 512 "
                          f"(the async copies move 4 bytes or more)")
@@ -377,10 +377,9 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
         if x is not None and x.data_ptr() % 16:  # read in place: never copied
             raise ValueError(f"{name} must start 16-byte aligned (the rows are copied in "
                              f"16-byte pieces), got address {x.data_ptr():#x}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if split_blocks is not None and split_blocks < 0:
-        raise ValueError(f"split_blocks must be >= 0, got {split_blocks}")
+    check_split_args(num_splits, split_blocks)
+    check_paged_devices(q, sink, window_ring, new_rows, window_ids, compressed_pool,
+                        block_table, token_row, compressed_idx)
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
         raise ValueError(f"sparse_attn_paged_ws runs on a Hopper or newer CUDA GPU, got q on "
                          f"{q.device}")
@@ -390,31 +389,16 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
         return out
     if ww + k == 0:  # no entries at all: every row is empty, o = 0 (as the reference)
         return out.zero_()  # (its rotation back is the identity)
-    n_ring = window_ring.numel() // rb
-    q, sink, new_rows, token_row = (x.contiguous() for x in (q, sink, new_rows, token_row))
-    if new_rows.data_ptr() % 16:  # the step's few rows: a fresh (aligned) copy
-        new_rows = new_rows.clone()
-    widx, cidx = (x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
-                  for x in (window_ids, compressed_idx))
-    ring = window_ring if n_ring else new_rows
-    pool, table = (compressed_pool.contiguous(), block_table.contiguous()) if k else \
-        (ring, token_row.view(1, -1))  # never read without k
-    page_rows = pool.shape[1]
-    page_shift = page_rows.bit_length() - 1 if page_rows & (page_rows - 1) == 0 else -1
+    q, sink, ring, new_rows, widx, pool, table, token_row, cidx, n_ring, page_shift = \
+        paged_operands(q, sink, window_ring, new_rows, window_ids, compressed_pool, block_table,
+                       token_row, compressed_idx, align=16)
     s, per_split = plan_splits(t, triton.cdiv(ww + k, ROWS), q.device, num_splits,
                                split_blocks)
-    ml = acc = sink  # partials: unused without a split
-    if s > 1:  # m and l [2, T, S, H], acc [T, S, H, D]
-        ml = q.new_empty(2, t, s, h, dtype=torch.float32)
-        acc = q.new_empty(t, s, h, d, dtype=torch.float32)
+    partials = split_partials(q, s) if s > 1 else None
     _sparse_attn_ws_kernel[(t, s)](
-        q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out, ml, acc, float(scale),
-        h, n_ring, t, ww, k, table.shape[1], page_rows, per_split, widx.stride(0),
-        cidx.stride(0), table.stride(0), D=d, PAGE_SHIFT=page_shift, STAGES=stages,
-        RS=ROWS_PER_STORE, SUB=SUB_ROWS, RAW=RAW_STAGES, SPLIT=s > 1,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
-    if s > 1:
-        merge_splits(ml, acc, sink, out, out_rot, r2)
-    elif out_rot is not None:
-        out = rope_heads(out, out_rot, inverse=True, in_place=True)
-    return out
+        q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out,
+        *(partials or (sink, sink)), float(scale), h, n_ring, t, ww, k, table.shape[1],
+        pool.shape[1], per_split, widx.stride(0), cidx.stride(0), table.stride(0), D=d,
+        PAGE_SHIFT=page_shift, STAGES=stages, RS=ROWS_PER_STORE, SUB=SUB_ROWS, RAW=RAW_STAGES,
+        SPLIT=s > 1, PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
+    return finish_paged(out, partials, sink, out_rot, r2)

@@ -623,17 +623,23 @@ def plan_splits(programs: int, n_blocks: int, device: torch.device,
     return num_splits, triton.cdiv(n_blocks, num_splits)
 
 
-def merge_splits(ml: torch.Tensor, acc: torch.Tensor, sink: torch.Tensor, out: torch.Tensor,
-                 out_rot: torch.Tensor | None, r2: int) -> None:
-    """out [T, H, D] bf16 = the merge of a paged kernel's split partials (m then l [2, T, S,
-    H] and acc [T, S, H, D] fp32) with the sink, the last 2 r2 dims of each head turned back
-    by out_rot (r2 = 0: none), by _combine_kernel."""
+def finish_paged(out: torch.Tensor, partials: tuple | None, sink: torch.Tensor,
+                 out_rot: torch.Tensor | None, r2: int) -> torch.Tensor:
+    """A paged kernel's output [T, H, D] bf16: with ``partials`` (split_partials' m then l [2,
+    T, S, H] and acc [T, S, H, D], fp32, as the kernel left them) out = their merge with the
+    sink by _combine_kernel, which also turns each head's last 2 r2 dims back by out_rot (r2 =
+    0: none); unsplit (None), out as the kernel wrote it, turned back by rope_heads in place
+    where out_rot is given."""
+    if partials is None:
+        return out if out_rot is None else rope_heads(out, out_rot, inverse=True, in_place=True)
+    ml, acc = partials
     t_all, s, h, d = acc.shape
     bd = min(d, 128)  # small merge tiles: enough programs to read the partials fast
     _combine_kernel[(t_all, triton.cdiv(h, BLOCK_H), d // bd)](
         ml, acc, sink, out, sink if out_rot is None else cos_sin(out_rot), h, s, D=d,
         BLOCK_H=BLOCK_H, BLOCK_D=bd, S_PAD=triton.next_power_of_2(s), R2=r2,
         INTERPRET=interpreting())
+    return out
 
 
 def _check(name: str, t, shape: tuple, dtype: torch.dtype) -> None:
@@ -678,6 +684,58 @@ def check_paged_inputs(q, sink, window_ring, new_rows, window_ids, compressed_po
                torch.uint8)
         _check("block_table", block_table, ("B", "pages"), torch.int64)
     return t_all, h, d, ww, k
+
+
+def check_split_args(num_splits: int | None, split_blocks: int | None) -> None:
+    """sparse_attn_paged's num_splits (>= 1) and split_blocks (>= 0), or None."""
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if split_blocks is not None and split_blocks < 0:
+        raise ValueError(f"split_blocks must be >= 0, got {split_blocks}")
+
+
+def check_paged_devices(q, sink, window_ring, new_rows, window_ids, compressed_pool, block_table,
+                        token_row, compressed_idx) -> None:
+    """Every tensor sparse_attn_paged reads on one device (the pool and block table only where
+    there are compressed entries), else ValueError naming where each is."""
+    tensors = {"q": q, "sink": sink, "window_ring": window_ring, "new_rows": new_rows,
+               "window_ids": window_ids, "token_row": token_row, "compressed_idx": compressed_idx}
+    if compressed_idx.shape[1]:
+        tensors.update(compressed_pool=compressed_pool, block_table=block_table)
+    if len({x.device for x in tensors.values()}) != 1:
+        raise ValueError("all tensors must be on one device, got " +
+                         ", ".join(f"{n} on {x.device}" for n, x in tensors.items()))
+
+
+def paged_operands(q, sink, window_ring, new_rows, window_ids, compressed_pool, block_table,
+                   token_row, compressed_idx, align: int = 1) -> tuple:
+    """The paged kernels' operands from checked inputs: (q, sink, ring, new_rows, widx,
+    pool, table, token_row, cidx, n_ring, page_shift). The ring is read in place (new_rows
+    stands in for an empty one: a valid pointer, never read); the index lists keep their
+    token stride (the layer may pass an expanded window list); without compressed entries the
+    pool and table are stand-ins never read (a view: no fill launch); new_rows is copied to a
+    fresh buffer when it does not start ``align``-byte aligned; page_shift: log2 of the page
+    rows, -1 when not a power of two."""
+    q, sink, new_rows, token_row = (x.contiguous() for x in (q, sink, new_rows, token_row))
+    if new_rows.data_ptr() % align:  # the step's few rows: a fresh (aligned) copy
+        new_rows = new_rows.clone()
+    n_ring = window_ring.shape[0] * window_ring.shape[1]
+    ring = window_ring if n_ring else new_rows
+    widx, cidx = (x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
+                  for x in (window_ids, compressed_idx))
+    pool, table = (compressed_pool.contiguous(), block_table.contiguous()) \
+        if compressed_idx.shape[1] else (ring, token_row.view(1, -1))
+    page_rows = pool.shape[1]
+    page_shift = page_rows.bit_length() - 1 if page_rows & (page_rows - 1) == 0 else -1
+    return q, sink, ring, new_rows, widx, pool, table, token_row, cidx, n_ring, page_shift
+
+
+def split_partials(q: torch.Tensor, splits: int) -> tuple:
+    """(ml, acc): the fp32 partials of a paged kernel cut into ``splits`` > 1 (m then l [2, T,
+    S, H], acc [T, S, H, D]), for finish_paged."""
+    t_all, h, d = q.shape
+    return (q.new_empty(2, t_all, splits, h, dtype=torch.float32),
+            q.new_empty(t_all, splits, h, d, dtype=torch.float32))
 
 
 def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
@@ -728,57 +786,36 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     block_h = block_h or min(BLOCK_H_MAX, max(BLOCK_H, triton.next_power_of_2(h)))
     if block_h < 16 or block_h & (block_h - 1):
         raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if d_chunks not in (None, 1, 2) or (d_chunks == 2 and d < 64):
         raise ValueError(f"d_chunks must be 1 or 2 (2 at D >= 64), got {d_chunks} at D = {d}")
-    if split_blocks is not None and split_blocks < 0:
-        raise ValueError(f"split_blocks must be >= 0, got {split_blocks}")
+    check_split_args(num_splits, split_blocks)
     r2 = 0 if out_rot is None else check_rot(out_rot, t_all, d)
-    tensors = {"q": q, "sink": sink, "window_ring": window_ring, "new_rows": new_rows,
-               "window_ids": window_ids, "token_row": token_row, "compressed_idx": compressed_idx}
-    if k:
-        tensors.update(compressed_pool=compressed_pool, block_table=block_table)
-    if len({x.device for x in tensors.values()}) != 1:
-        raise ValueError("all tensors must be on one device, got " +
-                         ", ".join(f"{n} on {x.device}" for n, x in tensors.items()))
+    check_paged_devices(q, sink, window_ring, new_rows, window_ids, compressed_pool,
+                        block_table, token_row, compressed_idx)
     out = out_buffer(out, q.shape, torch.bfloat16, q.device)
     if out.numel() == 0:
         return out
     if ww + k == 0:  # no entries at all: every row is empty, o = 0 (as the reference)
         out.zero_()
         return out if out_rot is None else rope_heads(out, out_rot, inverse=True, in_place=True)
-    q, sink, new_rows, token_row = (x.contiguous() for x in (q, sink, new_rows, token_row))
-    n_ring = window_ring.shape[0] * window_ring.shape[1]
-    ring = window_ring if n_ring else new_rows  # B*S = 0: a valid pointer, never read
-    # index lists keep their token stride (the layer may pass an expanded window list)
-    widx, cidx = (x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
-                  for x in (window_ids, compressed_idx))
-    pool, table = (compressed_pool.contiguous(), block_table.contiguous()) if k else \
-        (ring, token_row.view(1, -1))  # never read without k (a view: no fill launch)
+    q, sink, ring, new_rows, widx, pool, table, token_row, cidx, n_ring, page_shift = \
+        paged_operands(q, sink, window_ring, new_rows, window_ids, compressed_pool, block_table,
+                       token_row, compressed_idx)
     # D >= 128: rows load as int32 words when every base is 4-byte aligned (the row sizes are
     # multiples of 4 there); views that are not take the byte path instead of being copied
     nh = d_chunks or 1  # 2: fewer live registers per step, but more spills on Triton 3.6
     words = d // nh >= 128 and all(x.data_ptr() % 4 == 0 for x in (ring, new_rows, pool))
-    page_rows = pool.shape[1]
-    page_shift = page_rows.bit_length() - 1 if page_rows & (page_rows - 1) == 0 else -1
     h_blocks = triton.cdiv(h, block_h)
     s, per_split = plan_splits(t_all * h_blocks, triton.cdiv(ww + k, BLOCK_N), q.device,
                                num_splits, split_blocks)
-    ml = acc = sink  # partials: unused without a split
-    if s > 1:  # m and l [2, T, S, H], acc [T, S, H, D]
-        ml, acc = q.new_empty(2, t_all, s, h, dtype=torch.float32), q.new_empty(
-            t_all, s, h, d, dtype=torch.float32)
+    partials = split_partials(q, s) if s > 1 else None
     interp, warps = interpreting(), num_warps or (4 if d <= 128 else 8)
     _sparse_attn_paged_kernel[(t_all, h_blocks, s)](
-        q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out, ml, acc, float(scale),
-        h, n_ring, t_all, ww, k, table.shape[1], pool.shape[1], per_split,
-        widx.stride(0), cidx.stride(0), table.stride(0), D=d, NH=nh, PAGE_SHIFT=page_shift,
+        q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out,
+        *(partials or (sink, sink)), float(scale), h, n_ring, t_all, ww, k, table.shape[1],
+        pool.shape[1], per_split, widx.stride(0), cidx.stride(0), table.stride(0), D=d, NH=nh,
+        PAGE_SHIFT=page_shift,
         BLOCK_H=block_h,
         BLOCK_N=BLOCK_N,
         SPLIT=s > 1, WORDS=words, INTERPRET=interp, num_warps=warps)
-    if s > 1:
-        merge_splits(ml, acc, sink, out, out_rot, r2)
-    elif out_rot is not None:
-        out = rope_heads(out, out_rot, inverse=True, in_place=True)
-    return out
+    return finish_paged(out, partials, sink, out_rot, r2)
