@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..common.buffers import out_buffer
 from ..common.triton import check_rot
-from .triton import (check_paged_devices, check_paged_inputs, check_split_args,
+from .triton import (_FP4_WORD_ASM, check_paged_devices, check_paged_inputs, check_split_args,
                      finish_paged, paged_operands, plan_splits, split_partials)
 
 ROWS, MAX_HEADS = 64, 64  # list entries per block (rows per ring stage); heads a program
@@ -57,6 +57,7 @@ def smem_bytes(d: int, stages: int) -> int:
 
 # the names of Triton 3.9 / 3.6
 _thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 _async_copy = async_copy.async_load if hasattr(async_copy, "async_load") else \
     async_copy.async_copy_global_to_shared
 
@@ -139,32 +140,36 @@ def _copy_rows(codes, extra, ring_ptr, new_ptr, pool_ptr, wr, cr, page, N_RING, 
 
 @gluon.jit
 def _window_decode(codes, extra, RS: gl.constexpr, D: gl.constexpr):
-    """RS window rows from a raw stage's slices, fp32 [RS, D]: e4m3 code x 2^(e-127), exact."""
+    """RS window rows from a raw stage's slices, bf16 [RS, D]: e4m3 code x 2^(e-127) in fp32,
+    exact, then to bf16 (as the reference rounds it)."""
     L4: gl.constexpr = _pair_layout(D)
     c = gl.convert_layout(gl.reshape(codes.load(_copy_layout(D)), [RS, D // 32, 2, 16]), L4)
     e = extra.slice(0, D // 32, dim=1).load(gl.SliceLayout(2, gl.SliceLayout(3, L4)))
     scale = (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)  # 2^(e-127); 0 -> 0
     v = c.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, :, None, None]
-    return gl.reshape(v, [RS, D])
+    return gl.reshape(v, [RS, D]).to(gl.bfloat16)  # exact
 
 
 @gluon.jit
-def _compressed_decode(codes, extra, RS: gl.constexpr, D: gl.constexpr):
-    """RS compressed rows from a raw stage's slices, fp32 [RS, D]: each e2m1 nibble (element
-    2i low) re-encoded as the e4m3 byte s|0 0 e1 e0|m 0 0 (its value x 2^-6), times its
-    16-element group's e4m3 scale x 64, exact."""
-    L3: gl.constexpr = _chunk_layout(D, 16)
-    L3H: gl.constexpr = _chunk_layout(D, 8)
-    LP: gl.constexpr = gl.BlockedLayout([1, 8], [32 // min(32, D // 16), min(32, D // 16)],
-                                        [4, 1], [1, 0])  # [RS, D/2] bytes, 8 a thread
-    pairs = codes.slice(0, D // 2, dim=1).load(LP)
-    pairs = gl.convert_layout(gl.reshape(pairs, [RS, D // 16, 8]), L3H).to(gl.int32)
-    n = gl.reshape(gl.join(pairs & 15, pairs >> 4), [RS, D // 16, 16])  # element 2i: low
-    n = gl.convert_layout(n, L3)
-    code = (((n & 8) << 4) | ((n & 7) << 2)).to(gl.uint8)
-    sc = extra.load(gl.SliceLayout(2, L3))
-    scf = sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 64.0
-    v = code.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scf[:, :, None]
+def _compressed_decode(words, extra, RS: gl.constexpr, D: gl.constexpr):
+    """RS compressed rows from a raw stage's slices (``words``: the e2m1 pairs as int32 words,
+    [RS, D/8]), bf16 [RS, D]: the Triton kernel's word decode (_FP4_WORD_ASM, 8 nibbles a
+    call: each nibble re-encoded as the e4m3 byte s|0 0 e1 e0|m 0 0, worth its e2m1 value x
+    2^-6, converted in pairs by the hardware, times its 16-element group's e4m3 scale x 64 in
+    f16, exact, then to bf16), a thread per 16-element group (two words)."""
+    lanes: gl.constexpr = min(32, D // 16)
+    LW: gl.constexpr = gl.BlockedLayout([1, 2], [32 // lanes, lanes], [4, 1], [1, 0])
+    L3W: gl.constexpr = gl.BlockedLayout([1, 1, 2], [32 // lanes, lanes, 1], [4, 1, 1],
+                                         [2, 1, 0])
+    w = gl.convert_layout(gl.reshape(words.load(LW), [RS, D // 16, 2]), L3W)
+    sc = extra.load(gl.SliceLayout(2, L3W))
+    scf = (sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 64.0).to(gl.float16)
+    e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
+        _FP4_WORD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, scf[:, :, None]], dtype=(gl.bfloat16,) * 8,
+        is_pure=True, pack=1)
+    # nibble t of word k of group c: element 16c + 8k + t
+    v = gl.join(gl.join(gl.join(e0, e4), gl.join(e2, e6)),
+                gl.join(gl.join(e1, e5), gl.join(e3, e7)))
     return gl.reshape(v, [RS, D])
 
 
@@ -186,6 +191,7 @@ def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
     sub-block u have landed and every thread has finished decoding u - 1, whose raw stage
     sub-block w reuses."""
     NSUB: gl.constexpr = BLOCK_N // SUB
+    WORD_LAYOUT: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 1, [1, 0])  # raw codes as words
     LI: gl.constexpr = gl.SliceLayout(1, _copy_layout(D))
     L2: gl.constexpr = _copy_layout(D)  # [RS, D] values, 16 columns a thread
     sub = gl.arange(0, SUB, layout=LI)
@@ -224,20 +230,25 @@ def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
             wr1, cr1 = _entry_ids(widx_ptr, cidx_ptr, t, e_lo + (w + 2) * SUB + sub, WW, K,
                                   sw_t, sc_t)
             codes = raw_codes.index(u % RAW)
+            if _REINTERPRET:
+                words = codes.reinterpret(gl.int32, [SUB, D // 4], WORD_LAYOUT)
+            else:
+                words = codes._reinterpret(gl.int32, [SUB, D // 4], WORD_LAYOUT)
             extra = raw_extra.index(u % RAW)
             e0 = e_lo + u * SUB
             for r0 in gl.static_range(0, SUB, RS):
                 c_rs = codes.slice(r0, RS, dim=0)
+                w_rs = words.slice(r0, RS, dim=0).slice(0, D // 8, dim=1)
                 x_rs = extra.slice(r0, RS, dim=0)
                 if e0 + r0 + RS <= WW:  # window rows only
                     v = gl.convert_layout(_window_decode(c_rs, x_rs, RS, D), L2)
                 elif e0 + r0 >= WW:  # compressed rows only
-                    v = gl.convert_layout(_compressed_decode(c_rs, x_rs, RS, D), L2)
+                    v = gl.convert_layout(_compressed_decode(w_rs, x_rs, RS, D), L2)
                 else:  # the rows where the window part ends: each one or the other
                     is_w = e0 + r0 + rows < WW
                     v = gl.where(is_w[:, None],
                                  gl.convert_layout(_window_decode(c_rs, x_rs, RS, D), L2),
-                                 gl.convert_layout(_compressed_decode(c_rs, x_rs, RS, D), L2))
+                                 gl.convert_layout(_compressed_decode(w_rs, x_rs, RS, D), L2))
                 buf.slice(q * SUB + r0, RS, dim=0).store(v.to(gl.bfloat16))
         fence_async_shared()
         mbarrier.arrive(ready.index(stage), count=1)
