@@ -175,3 +175,48 @@ def test_alignment_of_the_packed_inputs():
     for name in ("window_ring", "compressed_pool"):
         with pytest.raises(ValueError, match=f"{name} must start 16-byte aligned"):
             sparse_attn_paged_ws(q, sink, 0.1, **dict(args, **{name: _shifted(args[name], 4)}))
+
+
+def test_the_backend_runs_the_triton_kernel_off_hopper():
+    """Off a Hopper GPU (here the CPU, under the interpreter) the triton backend's attention
+    is the Triton kernel: the same bits, splits and all."""
+    from dsv41attn.ops.backends import get_ops
+    from dsv41attn.ops.sparse_attn.paged import uses_gluon
+    from dsv41attn.ops.sparse_attn.triton import sparse_attn_paged as tri_paged
+    q, sink, args = make_step(3, 8, 128, 70, 65, 8, seed=5)
+    if q.is_cuda and GPU:
+        pytest.skip("a Hopper GPU runs the Gluon kernel (the test below)")
+    assert not uses_gluon(q, args["window_ring"], args["compressed_pool"])
+    for invariant in (False, True):
+        got = get_ops("triton", batch_invariant=invariant).sparse_attn_paged(q, sink, 0.1, **args)
+        want = tri_paged(q, sink, 0.1, **args, **({} if invariant else {"split_blocks": 0}))
+        assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("invariant", [False, True])
+def test_the_backend_runs_the_gluon_kernel_on_hopper(invariant):
+    """On a Hopper GPU the triton backend's attention is the Gluon kernel, in the backend's
+    splits (sized to the step, or the fixed cut), bit for bit; a Triton-only launch option, a
+    cache not 16-byte aligned or more than 64 heads take the Triton kernel; the choice never
+    follows the step's batch or lists."""
+    from dsv41attn.ops.backends import get_ops
+    from dsv41attn.ops.sparse_attn.gluon import sparse_attn_paged_ws
+    from dsv41attn.ops.sparse_attn.paged import uses_gluon
+    from dsv41attn.ops.sparse_attn.triton import sparse_attn_paged as tri_paged
+    paged = get_ops("triton", batch_invariant=invariant).sparse_attn_paged
+    cut = {} if invariant else {"split_blocks": 0}
+    for t, ww, k in ((1, 128, 512), (9, 128, 512), (4, 128, 0), (2, 0, 65)):
+        q, sink, args = make_step(t, 64, 512, ww, k, 8, seed=t + k)
+        assert uses_gluon(q, args["window_ring"], args["compressed_pool"])
+        got = paged(q, sink, 0.1, **args)
+        assert torch.equal(got, sparse_attn_paged_ws(q, sink, 0.1, **args, **cut)), (t, ww, k)
+    assert not uses_gluon(q, args["window_ring"], args["compressed_pool"], {"block_h": 16})
+    got = paged(q, sink, 0.1, **args, num_warps=4)
+    assert torch.equal(got, tri_paged(q, sink, 0.1, **args, num_warps=4, **cut))
+    ring = _shifted(args["window_ring"], 4)
+    assert not uses_gluon(q, ring, args["compressed_pool"])
+    got = paged(q, sink, 0.1, **dict(args, window_ring=ring))
+    assert torch.equal(got, tri_paged(q, sink, 0.1, **dict(args, window_ring=ring), **cut))
+    q65 = torch.zeros(2, 65, 512, dtype=torch.bfloat16, device="cuda")
+    assert not uses_gluon(q65, args["window_ring"], args["compressed_pool"])

@@ -1,10 +1,12 @@
 """Backend selection: chosen once per layer or stack (an argument, never a global flag).
 
 "reference" runs every op in plain torch (the spec in code); "triton" runs the ops that have
-a Triton kernel through it (sparse attention with sink over the packed caches, the fp8
-linears, the window K/V epilogue and query RoPE, the compressor's fp32 projections,
-recent-ring gathers and epilogue, the index query's RoPE and fp4 fake quant, the lightning
-indexer, inverse RoPE with the grouped wo_a) and the rest through the reference ops, on whatever device the tensors live.
+a Triton kernel through it (sparse attention with sink over the packed caches, on a Hopper
+GPU through its warp-specialized Gluon twin, ``ops/sparse_attn/paged.py``; the fp8 linears,
+the window K/V epilogue and query RoPE, the compressor's fp32 projections, recent-ring
+gathers and epilogue, the index query's RoPE and fp4 fake quant, the lightning indexer,
+inverse RoPE with the grouped wo_a) and the rest through the reference ops, on whatever
+device the tensors live.
 Each op's reference (``ops/<op>/reference.py``) has the same signature as its kernel.
 
 ``batch_invariant`` (triton only; docs/numerics.md §9): True runs every reduction in an order
@@ -84,7 +86,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
             from .linear.triton import fp8_linear, fp8_linear_pair
             from .output import triton as output
             from .output.triton import prepare_wo_a as wo_a_prepare
-            from .sparse_attn.triton import sparse_attn_paged
+            from .sparse_attn.paged import sparse_attn_paged  # Gluon on Hopper
             from .window_kv.triton import norm_rope_pack
         except ImportError as e:  # triton missing
             raise ValueError(f"backend 'triton' needs the triton package: {e}") from e

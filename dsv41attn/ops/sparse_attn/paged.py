@@ -1,0 +1,52 @@
+"""The paged sparse attention the triton backend runs: the warp-specialized Gluon kernel
+(``gluon.sparse_attn_paged_ws``) where it runs, else the Triton kernel
+(``triton.sparse_attn_paged``, which the CPU tests run under the interpreter).
+
+Both take the same arguments, cut the lists into the same splits (``plan_splits``) and merge
+them by the same kernel; inside a program they round at the same points, only the row sums of
+p may add in another order. So the choice must not follow the step: it follows the device and
+the layer's shapes only (a Hopper GPU, a Triton with Gluon, H <= 64 heads, D 128, 256 or 512,
+the caches 16-byte aligned, no Triton-only launch option), never the batch or the lists'
+lengths, and a sequence keeps its bits alone and in any batch.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .triton import sparse_attn_paged as _triton_paged
+
+try:
+    from .gluon import MAX_HEADS, sparse_attn_paged_ws
+except ImportError:  # a Triton without Gluon (or without its Hopper part)
+    sparse_attn_paged_ws = None
+
+_WS_OPTIONS = frozenset({"num_splits", "split_blocks", "out", "out_rot"})
+
+
+@lru_cache(maxsize=None)
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def uses_gluon(q: torch.Tensor, window_ring: torch.Tensor,
+               compressed_pool: torch.Tensor | None, options=()) -> bool:
+    """Whether ``sparse_attn_paged`` runs the Gluon kernel for these operands."""
+    return (sparse_attn_paged_ws is not None and _hopper(q.device) and q.dim() == 3
+            and 1 <= q.shape[1] <= MAX_HEADS and q.shape[2] in (128, 256, 512)
+            and set(options) <= _WS_OPTIONS and window_ring.data_ptr() % 16 == 0
+            and (compressed_pool is None or compressed_pool.data_ptr() % 16 == 0))
+
+
+def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
+                      window_ring: torch.Tensor, new_rows: torch.Tensor,
+                      window_ids: torch.Tensor, compressed_pool: torch.Tensor | None,
+                      block_table: torch.Tensor | None, token_row: torch.Tensor,
+                      compressed_idx: torch.Tensor, **options) -> torch.Tensor:
+    """``triton.sparse_attn_paged`` (its arguments, results and options), through the Gluon
+    kernel where ``uses_gluon``."""
+    kernel = sparse_attn_paged_ws if uses_gluon(q, window_ring, compressed_pool, options) \
+        else _triton_paged
+    return kernel(q, sink, scale, window_ring, new_rows, window_ids, compressed_pool,
+                  block_table, token_row, compressed_idx, **options)
