@@ -198,8 +198,9 @@ def test_the_backend_runs_the_triton_kernel_off_hopper():
 def test_the_backend_runs_the_gluon_kernel_on_hopper(invariant):
     """On a Hopper GPU the triton backend's attention is the Gluon kernel, in the backend's
     splits (sized to the step, or the fixed cut), bit for bit; a Triton-only launch option, a
-    cache not 16-byte aligned or more than 64 heads take the Triton kernel; the choice never
-    follows the step's batch or lists."""
+    cache not 16-byte aligned, more than 64 heads or no compressed pool (a window-only layer)
+    take the Triton kernel; the choice never follows the step's batch or lists (a pool with
+    no entry selected yet still runs the Gluon kernel)."""
     from dsv41attn.ops.backends import get_ops
     from dsv41attn.ops.sparse_attn.gluon import sparse_attn_paged_ws
     from dsv41attn.ops.sparse_attn.paged import uses_gluon
@@ -208,6 +209,10 @@ def test_the_backend_runs_the_gluon_kernel_on_hopper(invariant):
     cut = {} if invariant else {"split_blocks": 0}
     for t, ww, k in ((1, 128, 512), (9, 128, 512), (4, 128, 0), (2, 0, 65)):
         q, sink, args = make_step(t, 64, 512, ww, k, 8, seed=t + k)
+        if not k:  # a compressed layer's step with no entry selected: its pool all the same
+            _, _, with_pool = make_step(t, 64, 512, ww, 1, 8)
+            args.update(compressed_pool=with_pool["compressed_pool"],
+                        block_table=with_pool["block_table"])
         assert uses_gluon(q, args["window_ring"], args["compressed_pool"])
         got = paged(q, sink, 0.1, **args)
         assert torch.equal(got, sparse_attn_paged_ws(q, sink, 0.1, **args, **cut)), (t, ww, k)
@@ -220,3 +225,6 @@ def test_the_backend_runs_the_gluon_kernel_on_hopper(invariant):
     assert torch.equal(got, tri_paged(q, sink, 0.1, **dict(args, window_ring=ring), **cut))
     q65 = torch.zeros(2, 65, 512, dtype=torch.bfloat16, device="cuda")
     assert not uses_gluon(q65, args["window_ring"], args["compressed_pool"])
+    q, sink, args = make_step(5, 64, 512, 128, 0, 8, seed=1)  # a window-only layer: no pool
+    assert not uses_gluon(q, args["window_ring"], args["compressed_pool"])
+    assert torch.equal(paged(q, sink, 0.1, **args), tri_paged(q, sink, 0.1, **args, **cut))

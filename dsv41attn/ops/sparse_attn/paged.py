@@ -5,9 +5,12 @@
 Both take the same arguments, cut the lists into the same splits (``plan_splits``) and merge
 them by the same kernel; inside a program they round at the same points, only the row sums of
 p may add in another order. So the choice must not follow the step: it follows the device and
-the layer's shapes only (a Hopper GPU, a Triton with Gluon, H <= 64 heads, D 128, 256 or 512,
-the caches 16-byte aligned, no Triton-only launch option), never the batch or the lists'
-lengths, and a sequence keeps its bits alone and in any batch.
+the layer only (a Hopper GPU, a Triton with Gluon, H <= 64 heads, D 128, 256 or 512, the
+caches 16-byte aligned, no Triton-only launch option, and a compressed pool: a layer of
+compress ratio > 0 passes its pool at every step, even one whose lists hold no compressed
+entry yet), never the batch or the lists' lengths, and a sequence keeps its bits alone and in
+any batch. Window-only layers (ratio 0) keep the Triton kernel: on them the Gluon one was no
+faster (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -35,8 +38,8 @@ def uses_gluon(q: torch.Tensor, window_ring: torch.Tensor,
     """Whether ``sparse_attn_paged`` runs the Gluon kernel for these operands."""
     return (sparse_attn_paged_ws is not None and _hopper(q.device) and q.dim() == 3
             and 1 <= q.shape[1] <= MAX_HEADS and q.shape[2] in (128, 256, 512)
-            and set(options) <= _WS_OPTIONS and window_ring.data_ptr() % 16 == 0
-            and (compressed_pool is None or compressed_pool.data_ptr() % 16 == 0))
+            and set(options) <= _WS_OPTIONS and compressed_pool is not None
+            and window_ring.data_ptr() % 16 == 0 and compressed_pool.data_ptr() % 16 == 0)
 
 
 def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
