@@ -519,7 +519,8 @@ def decode_attn_case(batch: int, heads: int, head_dim: int, window: int, topk: i
 
 def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128,
                       topk: int = 512, context: int = 8192) -> list[dict]:
-    """The sparse-attention op alone at decode: V4.1-Flash heads, 128 window rows (fp8, 528 B)
+    """The triton backend's sparse-attention op alone at decode (on a Hopper GPU its Gluon
+    kernel, ``ops/sparse_attn/paged.py``): V4.1-Flash heads, 128 window rows (fp8, 528 B)
     + 512 compressed rows (fp4, 288 B) per query, read from the packed ring and paged pool
     (``decode_attn_case``)."""
     from .ops.backends import get_ops
