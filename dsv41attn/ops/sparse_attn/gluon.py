@@ -391,9 +391,9 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
     check_split_args(num_splits, split_blocks)
     check_paged_devices(q, sink, window_ring, new_rows, window_ids, compressed_pool,
                         block_table, token_row, compressed_idx)
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
-        raise ValueError(f"sparse_attn_paged_ws runs on a Hopper or newer CUDA GPU, got q on "
-                         f"{q.device}")
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        raise ValueError(f"sparse_attn_paged_ws runs on a Hopper GPU (sm_90: its wgmma), got q "
+                         f"on {q.device}")
     r2 = 0 if out_rot is None else check_rot(out_rot, t, d)
     out = out_buffer(out, q.shape, torch.bfloat16, q.device)
     if out.numel() == 0:
