@@ -22,7 +22,7 @@ from .triton import sparse_attn_paged as _triton_paged
 
 try:
     from .gluon import MAX_HEADS, sparse_attn_paged_ws
-except ImportError:  # a Triton without Gluon (or without its Hopper part)
+except (ImportError, AttributeError):  # a Triton without Gluon, or another Gluon API
     sparse_attn_paged_ws = None
 
 _WS_OPTIONS = frozenset({"num_splits", "split_blocks", "out", "out_rot"})
