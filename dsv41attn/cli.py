@@ -677,10 +677,20 @@ def environment() -> dict[str, object]:
                  else "not available to this torch"),
         "GPU": "; ".join(gpus) if gpus else "none",
         "Triton kernels": mode,
+        "sparse attention": _attention_kernel() if triton else "the reference op only",
         "TRITON_INTERPRET": "unset" if interpret is None else interpret,
         "CPU threads": str(torch.get_num_threads()),
         "reference CPU kernels": _reference_kernels(),
     }
+
+
+def _attention_kernel() -> str:
+    """Which sparse-attention kernel the triton backend runs here (Gluon on Hopper)."""
+    try:
+        from .ops.sparse_attn.paged import kernel_report
+    except Exception as e:  # noqa: BLE001 - a report line, never a failure of `env`
+        return f"unknown: importing the triton backend's attention failed ({e!r})"
+    return kernel_report()
 
 
 def _reference_kernels() -> str:

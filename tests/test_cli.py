@@ -168,7 +168,8 @@ def test_env_reports_what_a_bug_report_needs(capsys, monkeypatch):
     assert code == 0, err
     lines = dict(line.split(":", 1) for line in out.splitlines())
     for key in ("dsv41attn", "python", "torch", "triton", "numpy", "safetensors", "CUDA", "GPU",
-                "Triton kernels", "TRITON_INTERPRET", "reference CPU kernels"):
+                "Triton kernels", "sparse attention", "TRITON_INTERPRET",
+                "reference CPU kernels"):
         assert key in lines, (key, out)
     assert "golden fixtures'" in lines["reference CPU kernels"]  # the suite's process pins them
     assert dsv41attn.__version__ in lines["dsv41attn"]
@@ -177,6 +178,8 @@ def test_env_reports_what_a_bug_report_needs(capsys, monkeypatch):
     assert sys.version.split()[0] in lines["python"]
     if importlib.util.find_spec("triton") is not None:
         assert "interpreted" in lines["Triton kernels"]
+        if not torch.cuda.is_available():  # the Gluon kernel runs on a Hopper GPU only
+            assert lines["sparse attention"].strip().startswith("the Triton kernel"), lines
     code, out, _ = run_cli(capsys, ["env", "--json"])
     info = json.loads(out)
     assert code == 0 and info["TRITON_INTERPRET"] == "1"

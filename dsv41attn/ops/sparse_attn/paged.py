@@ -14,6 +14,7 @@ faster (docs/benchmarks.md).
 """
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import torch
@@ -26,6 +27,8 @@ except (ImportError, AttributeError):  # a Triton without Gluon, or another Gluo
     sparse_attn_paged_ws = None
 
 _WS_OPTIONS = frozenset({"num_splits", "split_blocks", "out", "out_rot"})
+# Triton fixes interpretation when a kernel is defined (at import); Gluon has no interpreter
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @lru_cache(maxsize=None)
@@ -36,10 +39,25 @@ def _hopper(device: torch.device) -> bool:
 def uses_gluon(q: torch.Tensor, window_ring: torch.Tensor,
                compressed_pool: torch.Tensor | None, options=()) -> bool:
     """Whether ``sparse_attn_paged`` runs the Gluon kernel for these operands."""
-    return (sparse_attn_paged_ws is not None and _hopper(q.device) and q.dim() == 3
+    return (sparse_attn_paged_ws is not None and not _INTERPRETED and _hopper(q.device)
+            and q.dim() == 3
             and 1 <= q.shape[1] <= MAX_HEADS and q.shape[2] in (128, 256, 512)
             and set(options) <= _WS_OPTIONS and compressed_pool is not None
             and window_ring.data_ptr() % 16 == 0 and compressed_pool.data_ptr() % 16 == 0)
+
+
+def kernel_report() -> str:
+    """Which kernel the triton backend's attention runs on this machine (``env``)."""
+    if sparse_attn_paged_ws is None:
+        return "the Triton kernel (this Triton has no usable Gluon)"
+    if _INTERPRETED:
+        return "the Triton kernel, interpreted (TRITON_INTERPRET=1; Gluon has no interpreter)"
+    hopper = [f"cuda:{i}" for i in range(torch.cuda.device_count())
+              if _hopper(torch.device("cuda", i))] if torch.cuda.is_available() else []
+    if not hopper:
+        return "the Triton kernel (no Hopper GPU: the Gluon kernel needs sm_90)"
+    return (f"on {', '.join(hopper)} the warp-specialized Gluon kernel in layers with compressed "
+            f"rows (H <= {MAX_HEADS}, D 128/256/512), the Triton kernel in window-only layers")
 
 
 def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
