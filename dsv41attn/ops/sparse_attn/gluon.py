@@ -25,6 +25,8 @@ denominator at the end. The row sums of p may add in another order than the Trit
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -55,6 +57,28 @@ def smem_bytes(d: int, stages: int) -> int:
     return (MAX_HEADS + stages * ROWS) * d * 2 + RAW_STAGES * SUB_ROWS * (d + d // 16) + 4352
 
 
+@lru_cache(maxsize=None)
+def is_hopper(device: torch.device) -> bool:
+    """An sm_90 GPU: the kernel's wgmma exists there only."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def unsupported(q: torch.Tensor, window_ring: torch.Tensor,
+                compressed_pool: torch.Tensor | None) -> str | None:
+    """Why sparse_attn_paged_ws cannot run on these operands (q [T, H, D]), or None: the
+    heads and head dim it is built for, caches it can copy from in place, a Hopper GPU."""
+    if not 1 <= q.shape[1] <= MAX_HEADS or q.shape[2] not in (128, 256, 512):
+        return (f"q {tuple(q.shape)}: H must be 1..{MAX_HEADS} and D 128, 256 or 512 (the async "
+                f"copies move 4 bytes or more)")
+    for name, x in (("window_ring", window_ring), ("compressed_pool", compressed_pool)):
+        if x is not None and x.data_ptr() % 16:  # read in place: never copied
+            return (f"{name} must start 16-byte aligned (the rows are copied in 16-byte "
+                    f"pieces), got address {x.data_ptr():#x}")
+    if not is_hopper(q.device):
+        return f"sparse_attn_paged_ws runs on a Hopper GPU (sm_90: its wgmma), got q on {q.device}"
+    return None
+
+
 # the names of Triton 3.9 / 3.6
 _thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 _REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
@@ -72,17 +96,10 @@ def _copy_layout(D):
 
 
 @gluon.constexpr_function
-def _chunk_layout(D, E):
-    """[RS, D/16, E]: a lane per 16-column chunk of a row, a warp per row (or rows, at D <
-    512), the chunk's E elements (or bytes) in one thread."""
-    lanes = min(32, D // 16)
-    return gl.BlockedLayout([1, 1, E], [32 // lanes, lanes, 1], [4, 1, 1], [2, 1, 0])
-
-
-@gluon.constexpr_function
 def _pair_layout(D):
-    """[RS, D/32, 2, 16]: _chunk_layout(D, 16) with each 32-column block's two chunks on a
-    pair axis, so that a block's scale byte broadcasts over both."""
+    """[RS, D/32, 2, 16]: a lane per 16-column chunk of a row (a warp per row, or rows at D <
+    512), each 32-column block's two chunks on a pair axis, so that the block's scale byte
+    broadcasts over both."""
     lanes = min(32, D // 16)
     return gl.BlockedLayout([1, 1, 1, 16], [32 // lanes, lanes // 2, 2, 1], [4, 1, 1, 1],
                             [3, 2, 1, 0])
@@ -377,23 +394,16 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
     rows in shared memory. Returns [T, H, D] bf16."""
     t, h, d, ww, k = check_paged_inputs(q, sink, window_ring, new_rows, window_ids,
                                         compressed_pool, block_table, token_row, compressed_idx)
-    if h > MAX_HEADS or d not in (128, 256, 512):
-        raise ValueError(f"q {tuple(q.shape)}: H must be 1..{MAX_HEADS} and D 128, 256 or 512 "
-                         f"(the async copies move 4 bytes or more)")
+    reason = unsupported(q, window_ring, compressed_pool)
+    if reason:
+        raise ValueError(reason)
     if stages < 1 or smem_bytes(d, stages) > SMEM_BYTES:
         raise ValueError(f"stages = {stages}: the ring, q and the raw stages must fit in "
                          f"{SMEM_BYTES} B of shared memory at D = {d}, got "
                          f"{smem_bytes(d, stages)} B")
-    for name, x in (("window_ring", window_ring), ("compressed_pool", compressed_pool)):
-        if x is not None and x.data_ptr() % 16:  # read in place: never copied
-            raise ValueError(f"{name} must start 16-byte aligned (the rows are copied in "
-                             f"16-byte pieces), got address {x.data_ptr():#x}")
     check_split_args(num_splits, split_blocks)
     check_paged_devices(q, sink, window_ring, new_rows, window_ids, compressed_pool,
                         block_table, token_row, compressed_idx)
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        raise ValueError(f"sparse_attn_paged_ws runs on a Hopper GPU (sm_90: its wgmma), got q "
-                         f"on {q.device}")
     r2 = 0 if out_rot is None else check_rot(out_rot, t, d)
     out = out_buffer(out, q.shape, torch.bfloat16, q.device)
     if out.numel() == 0:

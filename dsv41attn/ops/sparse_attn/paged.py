@@ -15,14 +15,13 @@ faster (docs/benchmarks.md).
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 
 import torch
 
 from .triton import sparse_attn_paged as _triton_paged
 
 try:
-    from .gluon import MAX_HEADS, sparse_attn_paged_ws
+    from .gluon import MAX_HEADS, is_hopper, sparse_attn_paged_ws, unsupported
 except (ImportError, AttributeError):  # a Triton without Gluon, or another Gluon API
     sparse_attn_paged_ws = None
 
@@ -31,19 +30,14 @@ _WS_OPTIONS = frozenset({"num_splits", "split_blocks", "out", "out_rot"})
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@lru_cache(maxsize=None)
-def _hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
 def uses_gluon(q: torch.Tensor, window_ring: torch.Tensor,
                compressed_pool: torch.Tensor | None, options=()) -> bool:
-    """Whether ``sparse_attn_paged`` runs the Gluon kernel for these operands."""
-    return (sparse_attn_paged_ws is not None and not _INTERPRETED and _hopper(q.device)
-            and q.dim() == 3
-            and 1 <= q.shape[1] <= MAX_HEADS and q.shape[2] in (128, 256, 512)
-            and set(options) <= _WS_OPTIONS and compressed_pool is not None
-            and window_ring.data_ptr() % 16 == 0 and compressed_pool.data_ptr() % 16 == 0)
+    """Whether ``sparse_attn_paged`` runs the Gluon kernel for these operands: it runs them
+    (``gluon.unsupported``), the layer reads compressed rows and no Triton-only option is
+    asked for."""
+    return (sparse_attn_paged_ws is not None and not _INTERPRETED and q.dim() == 3
+            and compressed_pool is not None and set(options) <= _WS_OPTIONS
+            and unsupported(q, window_ring, compressed_pool) is None)
 
 
 def kernel_report() -> str:
@@ -53,7 +47,7 @@ def kernel_report() -> str:
     if _INTERPRETED:
         return "the Triton kernel, interpreted (TRITON_INTERPRET=1; Gluon has no interpreter)"
     hopper = [f"cuda:{i}" for i in range(torch.cuda.device_count())
-              if _hopper(torch.device("cuda", i))] if torch.cuda.is_available() else []
+              if is_hopper(torch.device("cuda", i))] if torch.cuda.is_available() else []
     if not hopper:
         return "the Triton kernel (no Hopper GPU: the Gluon kernel needs sm_90)"
     return (f"on {', '.join(hopper)} the warp-specialized Gluon kernel in layers with compressed "

@@ -780,7 +780,6 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     t_all, h, d, ww, k = check_paged_inputs(q, sink, window_ring, new_rows, window_ids,
                                             compressed_pool, block_table, token_row,
                                             compressed_idx)
-    rb = d + d // 32  # packed window row bytes
     if block_h is None and split_blocks == 0 and t_all == 1:
         block_h = BLOCK_H  # one token, splits sized to the step: more, smaller programs
     block_h = block_h or min(BLOCK_H_MAX, max(BLOCK_H, triton.next_power_of_2(h)))
@@ -796,8 +795,7 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     if out.numel() == 0:
         return out
     if ww + k == 0:  # no entries at all: every row is empty, o = 0 (as the reference)
-        out.zero_()
-        return out if out_rot is None else rope_heads(out, out_rot, inverse=True, in_place=True)
+        return finish_paged(out.zero_(), None, sink, out_rot, r2)
     q, sink, ring, new_rows, widx, pool, table, token_row, cidx, n_ring, page_shift = \
         paged_operands(q, sink, window_ring, new_rows, window_ids, compressed_pool, block_table,
                        token_row, compressed_idx)
