@@ -146,8 +146,8 @@ def test_attention_launch_variants_part():
         assert r["differing"] == 0 if r["variant"] == "default" else r["differing"] >= 0, r
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="the Gluon kernel needs a Hopper GPU")
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernel needs a Hopper GPU (sm_90)")
 def test_attention_kernels_part():
     """bench --part attn_kernels at small cases: each kernel and cut times each case, the
     unsplit Gluon kernel gives the unsplit Triton kernel's bits (the same rounding points and
