@@ -198,9 +198,9 @@ def test_the_backend_runs_the_triton_kernel_off_hopper():
 def test_the_backend_runs_the_gluon_kernel_on_hopper(invariant):
     """On a Hopper GPU the triton backend's attention is the Gluon kernel, in the backend's
     splits (sized to the step, or the fixed cut), bit for bit; a Triton-only launch option, a
-    cache not 16-byte aligned, more than 64 heads or no compressed pool (a window-only layer)
-    take the Triton kernel; the choice never follows the step's batch or lists (a pool with
-    no entry selected yet still runs the Gluon kernel)."""
+    cache not 16-byte aligned or more than 64 heads take the Triton kernel; a window-only
+    layer (no compressed pool) runs the Gluon kernel too; the choice never follows the step's
+    batch or lists (a pool with no entry selected yet runs the Gluon kernel)."""
     from dsv41attn.ops.backends import get_ops
     from dsv41attn.ops.sparse_attn.gluon import sparse_attn_paged_ws
     from dsv41attn.ops.sparse_attn.paged import uses_gluon
@@ -226,5 +226,12 @@ def test_the_backend_runs_the_gluon_kernel_on_hopper(invariant):
     q65 = torch.zeros(2, 65, 512, dtype=torch.bfloat16, device="cuda")
     assert not uses_gluon(q65, args["window_ring"], args["compressed_pool"])
     q, sink, args = make_step(5, 64, 512, 128, 0, 8, seed=1)  # a window-only layer: no pool
-    assert not uses_gluon(q, args["window_ring"], args["compressed_pool"])
-    assert torch.equal(paged(q, sink, 0.1, **args), tri_paged(q, sink, 0.1, **args, **cut))
+    assert args["compressed_pool"] is None
+    assert uses_gluon(q, args["window_ring"], args["compressed_pool"])
+    got = paged(q, sink, 0.1, **args)
+    assert torch.equal(got, sparse_attn_paged_ws(q, sink, 0.1, **args, **cut))
+    ref = ref_paged(q.cpu(), sink.cpu(), 0.1, **{n: v if v is None else v.cpu()
+                                                 for n, v in args.items()})
+    tri = tri_paged(q, sink, 0.1, **args, **cut)
+    err_tri = (tri.float().cpu() - ref.float()).abs().max().item()
+    assert (got.float().cpu() - ref.float()).abs().max().item() <= max(2 * err_tri, 1e-2)

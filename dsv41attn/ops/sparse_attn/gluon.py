@@ -11,6 +11,12 @@ copies into raw stages of 16 rows, two stages ahead of the one it decodes, so th
 a program are in flight (register loads of 8 rows at a time left one index -> page -> row
 chain of global latencies in line per 8 rows).
 
+Code size: the producer walks a block's sub-blocks in a loop, not unrolled. Unrolled, its
+decode paths came to 100 KB of SASS, and its warps stalled on instruction fetch (Nsight
+Compute, thirty-first session); in a loop they are about 39 KB. The ring's row slice must be
+static, so each decoded piece is stored under one of NSUB static branches. The bf16 output
+goes through the ring's shared memory (free by then), so the stores are 16 bytes a thread.
+
 Scope: ``triton.sparse_attn_paged``'s lists (window entries from the ring or the step's new
 rows, then compressed entries through the block table), its splits and its merge (with
 ``out_rot``), 64 heads a program, D 128, 256 or 512. Its reference is
@@ -42,8 +48,11 @@ from .triton import (_FP4_WORD_ASM, check_paged_devices, check_paged_inputs, che
 
 ROWS, MAX_HEADS = 64, 64  # list entries per block (rows per ring stage); heads a program
 BLOCK_N, HEADS = gl.constexpr(ROWS), gl.constexpr(MAX_HEADS)  # the same, for the kernels
-ROWS_PER_STORE = 8  # rows the producer decodes per shared-memory store (the swizzle's period)
 SUB_ROWS = 16  # rows per raw stage: the producer's async-copy unit
+# rows the producer decodes per shared-memory store (a multiple of the swizzle's period, 8, and
+# a divisor of SUB_ROWS): a whole raw stage, fewest instructions a row; 8 where a program has
+# one 64-block, whose first rows the consumer then gets sooner
+ROWS_PER_STORE, ROWS_PER_STORE_ONE_BLOCK = 16, 8
 RAW_STAGES = 3  # raw stages: while one is decoded, the copies of the next two are in flight
 PRODUCER_WARPS = gl.constexpr(4)
 # the producer's registers a thread (setmaxnreg); the consumers get the rest
@@ -232,7 +241,7 @@ def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
         stage = i % STAGES
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
         buf = kv_bufs.index(stage)
-        for q in gl.static_range(NSUB):
+        for q in range(NSUB):  # a loop, not unrolled: the decode's code stays in the I-cache
             u = i * NSUB + q  # the sub-block decoded now
             w = u + RAW - 1  # the sub-block whose copies start now
             async_copy.wait_group(RAW - 2)  # sub-block u's copies (this thread's) have landed
@@ -266,10 +275,30 @@ def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
                     v = gl.where(is_w[:, None],
                                  gl.convert_layout(_window_decode(c_rs, x_rs, RS, D), L2),
                                  gl.convert_layout(_compressed_decode(w_rs, x_rs, RS, D), L2))
-                buf.slice(q * SUB + r0, RS, dim=0).store(v.to(gl.bfloat16))
+                for qq in gl.static_range(NSUB):  # the ring's row slice must be static
+                    if q == qq:
+                        buf.slice(qq * SUB + r0, RS, dim=0).store(v.to(gl.bfloat16))
         fence_async_shared()
         mbarrier.arrive(ready.index(stage), count=1)
     async_copy.wait_group(0)
+
+
+@gluon.jit
+def _restage(kv_bufs, x, layout: gl.constexpr):
+    """x [HEADS, D] (the accumulator's layout) in ``layout``, through the ring's shared memory
+    (free once the last block's wgmmas have read it; HEADS x D x 2 bytes, a stage): a
+    convert_layout would take its own scratch, which the kernel's shared memory has no room
+    for."""
+    VEC: gl.constexpr = 128 // x.dtype.primitive_bitwidth  # 16 bytes
+    sl: gl.constexpr = gl.SwizzledSharedLayout(VEC, 1, 8, [1, 0])
+    if _REINTERPRET:
+        buf = kv_bufs.reinterpret(x.dtype, x.shape, sl)
+    else:
+        buf = kv_bufs._reinterpret(x.dtype, x.shape, sl)
+    _thread_barrier()  # both warp groups' last wgmmas are done with the ring
+    buf.store(x)
+    _thread_barrier()
+    return buf.load(layout)
 
 
 @gluon.jit
@@ -312,24 +341,29 @@ def _consumer(q_smem, kv_bufs, ready, empty, widx_ptr, cidx_ptr, sink_ptr, o_ptr
         acc = warpgroup_mma(pb, kv, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         mbarrier.arrive(empty.index(stage), count=1)
-    heads = gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
-    h_mask = heads < H
-    dcols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    if SPLIT:
+    if SPLIT:  # fp32 partials: 8 bytes a thread, 4 threads on 32 bytes of a row, as they are
+        heads = gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
+        dcols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
         n_s = gl.num_programs(1)
         part = (t * n_s + gl.program_id(1)) * H  # row of head 0 in the [T, S, H] partials
         heads_s = gl.arange(0, HEADS, layout=gl.SliceLayout(1, s_layout))
         gl.store(ml_ptr + part + heads_s, m_i, mask=heads_s < H)
         gl.store(ml_ptr + gl.num_programs(0) * n_s * H + part + heads_s, l_i, mask=heads_s < H)
         gl.store(acc_ptr + (part + heads)[:, None] * D + dcols[None, :], acc,
-                 mask=h_mask[:, None])
+                 mask=(heads < H)[:, None])
     else:
+        heads = gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
         m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        l_o = l_o + gl.exp(gl.load(sink_ptr + heads, mask=h_mask, other=0.0) - m_o)
+        l_o = l_o + gl.exp(gl.load(sink_ptr + heads, mask=heads < H, other=0.0) - m_o)
         o = (acc / gl.where(l_o > 0, l_o, 1.0)[:, None]).to(gl.bfloat16)
-        gl.store(o_ptr + t * H * D + heads[:, None] * D + dcols[None, :], o,
-                 mask=h_mask[:, None])
+        # bf16 in the accumulator's layout would go 4 bytes a thread over 8 rows: through
+        # shared memory, 16 bytes a thread, a warp on whole rows
+        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+        heads = gl.arange(0, HEADS, layout=gl.SliceLayout(1, st_layout))
+        dcols = gl.arange(0, D, layout=gl.SliceLayout(0, st_layout))
+        gl.store(o_ptr + t * H * D + heads[:, None] * D + dcols[None, :],
+                 _restage(kv_bufs, o, st_layout), mask=(heads < H)[:, None])
 
 
 @gluon.jit
@@ -420,6 +454,7 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
         q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out,
         *(partials or (sink, sink)), float(scale), h, n_ring, t, ww, k, table.shape[1],
         pool.shape[1], per_split, widx.stride(0), cidx.stride(0), table.stride(0), D=d,
-        PAGE_SHIFT=page_shift, STAGES=stages, RS=ROWS_PER_STORE, SUB=SUB_ROWS, RAW=RAW_STAGES,
-        SPLIT=s > 1, PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
+        PAGE_SHIFT=page_shift, STAGES=stages,
+        RS=ROWS_PER_STORE if per_split > 1 else ROWS_PER_STORE_ONE_BLOCK, SUB=SUB_ROWS,
+        RAW=RAW_STAGES, SPLIT=s > 1, PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
     return finish_paged(out, partials, sink, out_rot, r2)

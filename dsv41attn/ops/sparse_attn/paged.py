@@ -6,11 +6,8 @@ Both take the same arguments, cut the lists into the same splits (``plan_splits`
 them by the same kernel; inside a program they round at the same points, only the row sums of
 p may add in another order. So the choice must not follow the step: it follows the device and
 the layer only (a Hopper GPU, a Triton with Gluon, H <= 64 heads, D 128, 256 or 512, the
-caches 16-byte aligned, no Triton-only launch option, and a compressed pool: a layer of
-compress ratio > 0 passes its pool at every step, even one whose lists hold no compressed
-entry yet), never the batch or the lists' lengths, and a sequence keeps its bits alone and in
-any batch. Window-only layers (ratio 0) keep the Triton kernel: on them the Gluon one was no
-faster (docs/benchmarks.md).
+caches 16-byte aligned, no Triton-only launch option), never the batch or the lists'
+lengths, and a sequence keeps its bits alone and in any batch.
 """
 from __future__ import annotations
 
@@ -33,10 +30,9 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def uses_gluon(q: torch.Tensor, window_ring: torch.Tensor,
                compressed_pool: torch.Tensor | None, options=()) -> bool:
     """Whether ``sparse_attn_paged`` runs the Gluon kernel for these operands: it runs them
-    (``gluon.unsupported``), the layer reads compressed rows and no Triton-only option is
-    asked for."""
+    (``gluon.unsupported``) and no Triton-only option is asked for."""
     return (sparse_attn_paged_ws is not None and not _INTERPRETED and q.dim() == 3
-            and compressed_pool is not None and set(options) <= _WS_OPTIONS
+            and set(options) <= _WS_OPTIONS
             and unsupported(q, window_ring, compressed_pool) is None)
 
 
@@ -50,8 +46,8 @@ def kernel_report() -> str:
               if is_hopper(torch.device("cuda", i))] if torch.cuda.is_available() else []
     if not hopper:
         return "the Triton kernel (no Hopper GPU: the Gluon kernel needs sm_90)"
-    return (f"on {', '.join(hopper)} the warp-specialized Gluon kernel in layers with compressed "
-            f"rows (H <= {MAX_HEADS}, D 128/256/512), the Triton kernel in window-only layers")
+    return (f"on {', '.join(hopper)} the warp-specialized Gluon kernel (H <= {MAX_HEADS}, D "
+            f"128/256/512; else the Triton kernel)")
 
 
 def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
