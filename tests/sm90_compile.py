@@ -221,11 +221,9 @@ def _main_loop(code: str) -> int:
     return min(loops)[1] if loops else -1
 
 
-def _resources(cubin: bytes, sass: bool) -> tuple[int, int, int, int] | None:
-    """(registers, stack bytes, local loads + stores, main-loop instructions) of a cubin's
-    kernel, by the cuobjdump in Triton's wheel: the LDL / STL instructions of its SASS (static
-    count) are where spilled registers move, the stack is where they live; ``_main_loop``
-    counts a step's instructions. sass False: not disassembled, -1 for both counts."""
+def _cuobjdump(cubin: bytes, option: str) -> str | None:
+    """The output of the cuobjdump in Triton's wheel on a cubin (None where the wheel has
+    none)."""
     import triton
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
@@ -233,10 +231,24 @@ def _resources(cubin: bytes, sass: bool) -> tuple[int, int, int, int] | None:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name],
-                               capture_output=True, text=True).stdout
-        code = subprocess.run([str(tool), "-sass", f.name], capture_output=True,
-                              text=True).stdout if sass else None
+        return subprocess.run([str(tool), option, f.name], capture_output=True,
+                              text=True).stdout
+
+
+def _sass(cubin: bytes) -> str:
+    """A cubin's SASS ('' where Triton's wheel has no cuobjdump)."""
+    return _cuobjdump(cubin, "-sass") or ""
+
+
+def _resources(cubin: bytes, sass: bool) -> tuple[int, int, int, int] | None:
+    """(registers, stack bytes, local loads + stores, main-loop instructions) of a cubin's
+    kernel, by the cuobjdump in Triton's wheel: the LDL / STL instructions of its SASS (static
+    count) are where spilled registers move, the stack is where they live; ``_main_loop``
+    counts a step's instructions. sass False: not disassembled, -1 for both counts."""
+    usage = _cuobjdump(cubin, "--dump-resource-usage")
+    if usage is None:
+        return None
+    code = _sass(cubin) if sass else None
     m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     local = -1 if code is None else len(re.findall(
         r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?(?:LDL|STL)\b", code, re.M))
