@@ -125,7 +125,8 @@ def run(asm: str, inputs: dict[int, np.ndarray], n_out: int) -> list[np.ndarray]
                 g = lambda x: x.astype(np.float16).view(np.uint16)  # noqa: E731
             else:
                 f, g = _bf16_bits_to_f32, _f32_to_bf16_bits
-            regs[d] = _pack(g(f(_lo(a)) * f(_lo(b))), g(f(_hi(a)) * f(_hi(b))))
+            with np.errstate(over="ignore", invalid="ignore"):  # inf, and 0 x inf = NaN
+                regs[d] = _pack(g(f(_lo(a)) * f(_lo(b))), g(f(_hi(a)) * f(_hi(b))))
         else:
             raise NotImplementedError(f"ptx_asm: {op}")
     return [np.asarray(regs[f"${k}"]).astype(np.uint32) for k in range(n_out)]

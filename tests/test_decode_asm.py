@@ -1,7 +1,8 @@
-"""The sparse-attention kernels' inline PTX decodes (GPU only: under the interpreter the kernels
-take plain-op branches instead) run on the CPU by tests/ptx_asm.py, bit for bit against the
-reference unpacking of packed rows (ops/common/packing.py): every code in every position of an
-asm call, with every scale the quantisers can write."""
+"""The kernels' inline PTX decodes (GPU only: under the interpreter the kernels
+take plain-op branches instead): the sparse attention's fp8 and fp4 row decodes and the
+indexer's key decode, run on the CPU by tests/ptx_asm.py, bit for bit against the reference
+unpacking of packed rows (ops/common/packing.py): every code in every position of an asm call,
+with every scale the quantisers can write."""
 import numpy as np
 import pytest
 import torch
@@ -103,3 +104,24 @@ def test_fp8_bytes_asm_equals_the_reference_unpacking():
         row[:, 0], row[:, 32] = (words >> np.uint32(8 * i)) & 0xFF, e[:, i]
         want = _bits(unpack_window_rows(torch.from_numpy(row.astype(np.uint8))))[:, 0]
         assert np.array_equal(got[:, i], want), i
+
+
+def test_indexer_nibbles_asm_equals_the_reference_unpacking():
+    """The indexer's _NIBBLES_BF16 (its keys: 8 e2m1 nibbles a call through the bf16
+    subnormals, times 2^126 and the block's 2^(E-127) in two bf16x2 multiplies; outputs in the
+    order of nibbles 0, 4, 1, 5, 2, 6, 3, 7) against unpack_index_keys, for every byte in every
+    position and every ue8m0 exponent (255: inf, and 0 x inf NaN in both)."""
+    from dsv41attn.ops.common.packing import unpack_index_keys
+    from dsv41attn.ops.indexer.triton import _NIBBLES_BF16
+    e = np.arange(256, dtype=np.uint32)
+    words = np.tile(_words(1, 7), len(e))
+    ex = np.repeat(e, len(words) // len(e))
+    got = np.stack(run(_NIBBLES_BF16.value, {8: words, 9: np.uint32(0x7E807E80),
+                                              10: (ex << np.uint32(7)) | (ex << np.uint32(23))},
+                       8), -1).astype(np.uint16)[:, [0, 2, 4, 6, 1, 3, 5, 7]]
+    row = np.concatenate([np.stack([(words >> np.uint32(8 * i)) & 0xFF for i in range(4)], -1),
+                          np.zeros((len(words), 12), np.uint32), ex[:, None]], -1)
+    want = _bits(unpack_index_keys(torch.from_numpy(row.astype(np.uint8))))[:, :8]
+    nan = lambda b: (b & 0x7FFF) > 0x7F80  # noqa: E731  (NaN payloads may differ)
+    assert np.array_equal(nan(got), nan(want))
+    assert np.array_equal(np.where(nan(got), 0, got), np.where(nan(want), 0, want))
