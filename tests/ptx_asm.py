@@ -8,7 +8,8 @@ Operands are registers (``$n`` or names declared with ``.reg``) or integer immed
 Supported: shl / shr / and / or .b32, prmt.b32 (default mode, with the sign-replicate selector
 bit), mov.b32 (a copy, or packing and unpacking two halves), cvt.rn.f16x2.e4m3x2, cvt.f32.f16,
 cvt.rn.bf16x2.f32, mul.f32, mul.rn.f16x2 and mul.rn.bf16x2 (round to nearest even: the 16-bit
-products are exact in fp32 before the one rounding). Anything else raises.
+products are exact in fp32 before the one rounding), max.NaN.bf16x2 (PTX's a > b ? a : b, so
+max(-0, +0) is +0). Anything else raises.
 """
 from __future__ import annotations
 
@@ -118,6 +119,15 @@ def run(asm: str, inputs: dict[int, np.ndarray], n_out: int) -> list[np.ndarray]
         elif op == "cvt.rn.bf16x2.f32":  # d = {cvt(a) upper, cvt(b) lower}
             a, b = (s.astype(np.uint32).view(np.float32) for s in src)
             regs[d] = _pack(_f32_to_bf16_bits(b), _f32_to_bf16_bits(a))
+        elif op == "max.NaN.bf16x2":  # per half: NaN (canonical) if either is, else a > b ? a : b
+            a, b = (np.asarray(x, dtype=np.uint32) for x in src)
+            halves = []
+            for h in (_lo, _hi):
+                x, y = h(a), h(b)
+                fx, fy = _bf16_bits_to_f32(x), _bf16_bits_to_f32(y)
+                m = np.where(fx > fy, x, y)
+                halves.append(np.where(np.isnan(fx) | np.isnan(fy), 0x7FFF, m).astype(np.uint16))
+            regs[d] = _pack(*halves)
         elif op in ("mul.rn.f16x2", "mul.rn.bf16x2"):
             a, b = (np.asarray(s, dtype=np.uint32) for s in src)
             if op == "mul.rn.f16x2":

@@ -1,8 +1,9 @@
 """The kernels' inline PTX decodes (GPU only: under the interpreter the kernels
 take plain-op branches instead): the sparse attention's fp8 and fp4 row decodes and the
-indexer's key decode, run on the CPU by tests/ptx_asm.py, bit for bit against the reference
-unpacking of packed rows (ops/common/packing.py): every code in every position of an asm call,
-with every scale the quantisers can write."""
+indexer's key decode and per-head terms, run on the CPU by tests/ptx_asm.py, bit for bit
+against the reference unpacking of packed rows (ops/common/packing.py) and the reference's
+rounding points: every code in every position of an asm call, with every scale the quantisers
+can write."""
 import numpy as np
 import pytest
 import torch
@@ -125,3 +126,31 @@ def test_indexer_nibbles_asm_equals_the_reference_unpacking():
     nan = lambda b: (b & 0x7FFF) > 0x7F80  # noqa: E731  (NaN payloads may differ)
     assert np.array_equal(nan(got), nan(want))
     assert np.array_equal(np.where(nan(got), 0, got), np.where(nan(want), 0, want))
+
+
+def test_indexer_head_terms_asm_equals_the_reference_rounding():
+    """The indexer's _HEAD_TERMS_ASM (two heads a call: the fp32 dot rounded to bf16, relu'd
+    with NaN kept, times the bf16 head weight rounded to bf16, back as fp32) against the
+    reference's rounding points in torch, on dots of every magnitude, signs, infinities and
+    NaN. A dot of -0 is left out: PTX's max turns it into +0 where the reference keeps -0, and
+    a tensor-core dot never is -0 (its accumulator starts at +0)."""
+    from dsv41attn.ops.indexer.triton import _HEAD_TERMS_ASM
+    g = torch.Generator().manual_seed(8)
+    n = 1 << 16
+    dots = torch.randn(n, 2, generator=g) * torch.exp2(torch.randint(-140, 128, (n, 2),
+                                                                      generator=g).float())
+    dots[:64] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0] * 32).view(64, 2)
+    w = (torch.randn(n, 2, generator=g) * 4).bfloat16()
+    s = dots.bfloat16()
+    keep = ~((s == 0) & torch.signbit(s)).any(1)
+    dots, w, s = dots[keep], w[keep], s[keep]
+    relu = torch.where(s < 0, torch.zeros_like(s), s)  # NaN kept
+    want = (relu.float() * w.float()).bfloat16().float()
+    wbits = w.view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+    got = run(_HEAD_TERMS_ASM.value, {2: dots[:, 0].numpy().view(np.uint32),
+                                      3: dots[:, 1].numpy().view(np.uint32),
+                                      4: wbits[:, 0] | (wbits[:, 1] << np.uint32(16))}, 2)
+    got = torch.from_numpy(np.stack(got, -1).view(np.float32))
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(got).view(torch.int32),
+                       torch.nan_to_num(want).view(torch.int32))
