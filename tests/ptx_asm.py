@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import torch
 
 
 def _f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -30,13 +31,10 @@ def _bf16_bits_to_f32(h: np.ndarray) -> np.ndarray:
 
 
 def _e4m3_to_f32(b: np.ndarray) -> np.ndarray:
-    """e4m3 (fn) bytes -> float32 values (exact; 0x7F / 0xFF are NaN)."""
-    b = b.astype(np.int64)
-    s = np.where(b & 0x80, -1.0, 1.0)
-    e, m = (b >> 3) & 15, b & 7
-    v = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1 + m / 8.0) * 2.0 ** (e - 7))
-    v = np.where((b & 0x7F) == 0x7F, np.nan, v)
-    return (s * v).astype(np.float32)
+    """e4m3 (fn) bytes -> float32 values, by torch's float8_e4m3fn (as packing.py reads them;
+    0x7F / 0xFF are NaN)."""
+    codes = torch.from_numpy(np.ascontiguousarray(b, dtype=np.uint8))
+    return codes.view(torch.float8_e4m3fn).float().numpy()
 
 
 def _lo(x):

@@ -1,9 +1,8 @@
 """Backend selection: chosen once per layer or stack (an argument, never a global flag).
 
 "reference" runs every op in plain torch (the spec in code); "triton" runs the ops that have
-a Triton kernel through it (sparse attention with sink over the packed caches, in layers
-with compressed rows on a Hopper GPU through its warp-specialized Gluon twin,
-``ops/sparse_attn/paged.py``; the fp8 linears, the window K/V epilogue and query RoPE, the
+a Triton kernel through it (sparse attention with sink over the packed caches, on a Hopper
+GPU through its warp-specialized Gluon twin, ``ops/sparse_attn/paged.py``; the fp8 linears, the window K/V epilogue and query RoPE, the
 compressor's fp32 projections, recent-ring gathers and epilogue, the index query's RoPE and
 fp4 fake quant, the lightning indexer, inverse RoPE with the grouped wo_a) and the rest
 through the reference ops, on whatever device the tensors live.

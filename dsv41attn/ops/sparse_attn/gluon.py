@@ -95,6 +95,16 @@ _async_copy = async_copy.async_load if hasattr(async_copy, "async_load") else \
     async_copy.async_copy_global_to_shared
 
 
+@gluon.jit
+def _reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """buf's shared memory viewed as ``dtype`` ``shape`` in ``layout`` (the method's name in
+    Triton 3.9 / 3.6)."""
+    if _REINTERPRET:
+        return buf.reinterpret(dtype, shape, layout)
+    else:
+        return buf._reinterpret(dtype, shape, layout)
+
+
 @gluon.constexpr_function
 def _copy_layout(D):
     """[rows, D] bytes (a raw stage's codes) over the producer's warps, 16 bytes a thread:
@@ -256,10 +266,7 @@ def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
             wr1, cr1 = _entry_ids(widx_ptr, cidx_ptr, t, e_lo + (w + 2) * SUB + sub, WW, K,
                                   sw_t, sc_t)
             codes = raw_codes.index(u % RAW)
-            if _REINTERPRET:
-                words = codes.reinterpret(gl.int32, [SUB, D // 4], WORD_LAYOUT)
-            else:
-                words = codes._reinterpret(gl.int32, [SUB, D // 4], WORD_LAYOUT)
+            words = _reinterpret(codes, gl.int32, [SUB, D // 4], WORD_LAYOUT)
             extra = raw_extra.index(u % RAW)
             e0 = e_lo + u * SUB
             for r0 in gl.static_range(0, SUB, RS):
@@ -290,11 +297,7 @@ def _restage(kv_bufs, x, layout: gl.constexpr):
     convert_layout would take its own scratch, which the kernel's shared memory has no room
     for."""
     VEC: gl.constexpr = 128 // x.dtype.primitive_bitwidth  # 16 bytes
-    sl: gl.constexpr = gl.SwizzledSharedLayout(VEC, 1, 8, [1, 0])
-    if _REINTERPRET:
-        buf = kv_bufs.reinterpret(x.dtype, x.shape, sl)
-    else:
-        buf = kv_bufs._reinterpret(x.dtype, x.shape, sl)
+    buf = _reinterpret(kv_bufs, x.dtype, x.shape, gl.SwizzledSharedLayout(VEC, 1, 8, [1, 0]))
     _thread_barrier()  # both warp groups' last wgmmas are done with the ring
     buf.store(x)
     _thread_barrier()
