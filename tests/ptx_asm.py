@@ -8,7 +8,8 @@ Operands are registers (``$n`` or names declared with ``.reg``) or integer immed
 Supported: shl / shr / and / or .b32, prmt.b32 (default mode, with the sign-replicate selector
 bit), mov.b32 (a copy, or packing and unpacking two halves), cvt.rn.f16x2.e4m3x2, cvt.f32.f16,
 cvt.rn.bf16x2.f32, mul.f32, mul.rn.f16x2 and mul.rn.bf16x2 (round to nearest even: the 16-bit
-products are exact in fp32 before the one rounding), max.NaN.bf16x2 (PTX's a > b ? a : b, so
+products are exact in fp32 before the one rounding), fma.rn.bf16x2 with a +-0 addend (the
+same, the sum of the product and a signed zero as IEEE adds them), max.NaN.bf16x2 (PTX's a > b ? a : b, so
 max(-0, +0) is +0). Anything else raises.
 """
 from __future__ import annotations
@@ -135,6 +136,14 @@ def run(asm: str, inputs: dict[int, np.ndarray], n_out: int) -> list[np.ndarray]
                 f, g = _bf16_bits_to_f32, _f32_to_bf16_bits
             with np.errstate(over="ignore", invalid="ignore"):  # inf, and 0 x inf = NaN
                 regs[d] = _pack(g(f(_lo(a)) * f(_lo(b))), g(f(_hi(a)) * f(_hi(b))))
+        elif op == "fma.rn.bf16x2":  # only with a +-0 addend: then a * b + c is exact in fp32
+            a, b, c = (np.asarray(x, dtype=np.uint32) for x in src)  # and rounds once
+            if np.any((np.asarray(c) & 0x7FFF7FFF) != 0):
+                raise NotImplementedError("ptx_asm: fma.rn.bf16x2 with an addend other than +-0")
+            f = _bf16_bits_to_f32
+            with np.errstate(over="ignore", invalid="ignore"):
+                regs[d] = _pack(*(_f32_to_bf16_bits(f(h(a)) * f(h(b)) + f(h(c)))
+                                  for h in (_lo, _hi)))
         else:
             raise NotImplementedError(f"ptx_asm: {op}")
     return [np.asarray(regs[f"${k}"]).astype(np.uint32) for k in range(n_out)]

@@ -44,12 +44,12 @@ def _compressed_ref(words: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def test_fp4_word_asm_equals_the_reference_unpacking():
-    """_FP4_WORD_ASM (8 nibbles a call, the Triton and Gluon kernels' compressed rows): its
-    operands as the kernels pass them (the word; the scale's e4m3 value x 64 in f16)."""
+    """_FP4_WORD_BF16_ASM (8 nibbles a call, the Triton and Gluon kernels' compressed rows): its
+    operands as the kernels pass them (the word; the scale's e4m3 value in bf16)."""
     words = np.tile(_words(1, 0), len(E4M3_SCALES))
     scale = np.repeat(E4M3_SCALES, len(words) // len(E4M3_SCALES))
-    scf = (_e4m3_to_f32(scale) * 64).astype(np.float16).view(np.uint16)
-    got = np.stack(run(tk._FP4_WORD_ASM.value, {8: words, 9: scf}, 8), -1).astype(np.uint16)
+    scb = _bits(torch.from_numpy(_e4m3_to_f32(scale)).to(torch.bfloat16))
+    got = np.stack(run(tk._FP4_WORD_BF16_ASM.value, {8: words, 9: scb}, 8), -1).astype(np.uint16)
     want = _compressed_ref(words, scale)
     assert np.array_equal(got, want), np.argwhere(got != want)[:5]
 

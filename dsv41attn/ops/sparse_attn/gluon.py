@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..common.buffers import out_buffer
 from ..common.triton import check_rot
-from .triton import (_FP4_WORD_ASM, check_paged_devices, check_paged_inputs, check_split_args,
+from .triton import (_FP4_WORD_BF16_ASM, check_paged_devices, check_paged_inputs, check_split_args,
                      finish_paged, paged_operands, plan_splits, split_partials)
 
 ROWS, MAX_HEADS = 64, 64  # list entries per block (rows per ring stage); heads a program
@@ -107,10 +107,21 @@ def _reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.const
 
 @gluon.constexpr_function
 def _copy_layout(D):
-    """[rows, D] bytes (a raw stage's codes) over the producer's warps, 16 bytes a thread:
-    a warp copies whole rows. The scales' [rows, D/16] take it too (lanes past the row's end
-    repeat its first ones), so that both copies' row pointers come in one distribution."""
+    """[rows, D] bytes or values over the producer's warps, 16 a thread, a warp on whole rows:
+    the layout in which a raw stage's codes are read and decoded rows are stored."""
     lanes = min(32, D // 16)
+    return gl.BlockedLayout([1, 16], [32 // lanes, lanes], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _gather_layout(D):
+    """[SUB_ROWS, D] bytes (a raw stage's codes) for the async copies, 16 a thread: 8 lanes on
+    128 bytes of a row, a warp on 4 rows, the 4 warps on 16, so that each thread's copies all
+    come from one list entry (its row pointer, entry id and page computed once, where a warp
+    on whole rows would give each thread 4 entries at D = 512). The scales' [rows, D/16] take
+    it too (lanes past the row's end repeat its first ones), so that both copies' row
+    pointers come in one distribution."""
+    lanes = min(8, D // 16)
     return gl.BlockedLayout([1, 16], [32 // lanes, lanes], [4, 1], [1, 0])
 
 
@@ -146,11 +157,11 @@ def _page_of(bt_base, cr, PAGES, PAGE_ROWS, PAGE_SHIFT: gl.constexpr):
 def _copy_rows(codes, extra, ring_ptr, new_ptr, pool_ptr, wr, cr, page, N_RING, N_NEW,
                PAGE_ROWS, PAGE_SHIFT: gl.constexpr, D: gl.constexpr, SUB: gl.constexpr):
     """Start async copies of SUB list entries' packed bytes into one raw stage (wr, cr and
-    page in SliceLayout(1, _copy_layout(D))): a window row
+    page in SliceLayout(1, _gather_layout(D))): a window row
     (wr >= 0: ring row or new row) as its D codes into ``codes`` and its D/32 exponents into
     ``extra``; a compressed row (cr >= 0) as its D/2 bytes of e2m1 pairs into ``codes`` and
     its D/16 scales into ``extra``. Bytes no entry fills are zero."""
-    LC: gl.constexpr = _copy_layout(D)
+    LC: gl.constexpr = _gather_layout(D)
     RB: gl.constexpr = D + D // 32
     CB: gl.constexpr = D // 2 + D // 16
     # rows start ALIGN-byte aligned (the tensors 16-byte aligned, the host checks): a hint
@@ -189,20 +200,19 @@ def _window_decode(codes, extra, RS: gl.constexpr, D: gl.constexpr):
 @gluon.jit
 def _compressed_decode(words, extra, RS: gl.constexpr, D: gl.constexpr):
     """RS compressed rows from a raw stage's slices (``words``: the e2m1 pairs as int32 words,
-    [RS, D/8]), bf16 [RS, D]: the Triton kernel's word decode (_FP4_WORD_ASM, 8 nibbles a
-    call: each nibble re-encoded as the e4m3 byte s|0 0 e1 e0|m 0 0, worth its e2m1 value x
-    2^-6, converted in pairs by the hardware, times its 16-element group's e4m3 scale x 64 in
-    f16, exact, then to bf16), a thread per 16-element group (two words)."""
+    [RS, D/8]), bf16 [RS, D]: the Triton kernel's word decode (_FP4_WORD_BF16_ASM, 8 nibbles a
+    call, by table straight to bf16, times its 16-element group's e4m3 scale in bf16, exact),
+    a thread per 16-element group (two words)."""
     lanes: gl.constexpr = min(32, D // 16)
     LW: gl.constexpr = gl.BlockedLayout([1, 2], [32 // lanes, lanes], [4, 1], [1, 0])
     L3W: gl.constexpr = gl.BlockedLayout([1, 1, 2], [32 // lanes, lanes, 1], [4, 1, 1],
                                          [2, 1, 0])
     w = gl.convert_layout(gl.reshape(words.load(LW), [RS, D // 16, 2]), L3W)
     sc = extra.load(gl.SliceLayout(2, L3W))
-    scf = (sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 64.0).to(gl.float16)
+    scb = sc.to(gl.float8e4nv, bitcast=True).to(gl.float32).to(gl.bfloat16)  # exact
     e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
-        _FP4_WORD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, scf[:, :, None]], dtype=(gl.bfloat16,) * 8,
-        is_pure=True, pack=1)
+        _FP4_WORD_BF16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, scb[:, :, None]],
+        dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
     # nibble t of word k of group c: element 16c + 8k + t
     v = gl.join(gl.join(gl.join(e0, e4), gl.join(e2, e6)),
                 gl.join(gl.join(e1, e5), gl.join(e3, e7)))
@@ -228,7 +238,7 @@ def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
     sub-block w reuses."""
     NSUB: gl.constexpr = BLOCK_N // SUB
     WORD_LAYOUT: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 1, [1, 0])  # raw codes as words
-    LI: gl.constexpr = gl.SliceLayout(1, _copy_layout(D))
+    LI: gl.constexpr = gl.SliceLayout(1, _gather_layout(D))  # the list entries' ids
     L2: gl.constexpr = _copy_layout(D)  # [RS, D] values, 16 columns a thread
     sub = gl.arange(0, SUB, layout=LI)
     rows = gl.arange(0, RS, layout=gl.SliceLayout(1, L2))

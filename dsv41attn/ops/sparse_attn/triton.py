@@ -209,22 +209,31 @@ _FP8_WORD_ASM = tl.constexpr(
               f" cvt.rn.bf16x2.f32 y, fb, fa; mov.b32 {{{d0}, {d1}}}, y;"
               for src, d0, d1 in (("c01", "$0", "$1"), ("c23", "$2", "$3"))) + " }")
 
-# A word of 8 e2m1 nibbles ($8, element t in bits 4t..4t+3) and their f16 scale * 64 ($9) ->
-# bf16 x8 ($0..$7), exact: each nibble s|e1 e0|m becomes the e4m3 byte s|0 0 e1 e0|m 0 0
-# (its e2m1 value * 2^-6), bytes in element order for the hardware e4m3 -> f16 conversion,
-# the f16 product with scale * 64 has <= 6 significant bits within f16's normal range.
-_FP4_WORD_ASM = tl.constexpr(
-    "{ .reg .b32 t, u, l, h, a, b, s, x, y; .reg .b16 e01, e23, e45, e67, xa, xb;"
-    " .reg .f32 fa, fb;"
-    " shl.b32 t, $8, 2; and.b32 t, t, 0x1C1C1C1C; shl.b32 u, $8, 4; and.b32 u, u, 0x80808080;"
-    " or.b32 l, t, u; shr.b32 t, $8, 2; and.b32 t, t, 0x1C1C1C1C; and.b32 u, $8, 0x80808080;"
-    " or.b32 h, t, u; prmt.b32 a, l, h, 0x5140; prmt.b32 b, l, h, 0x7362;"
-    " mov.b32 {e01, e23}, a; mov.b32 {e45, e67}, b; mov.b32 s, {$9, $9};"
-    + "".join(f" cvt.rn.f16x2.e4m3x2 x, {src}; mul.rn.f16x2 x, x, s; mov.b32 {{xa, xb}}, x;"
-              f" cvt.f32.f16 fa, xa; cvt.f32.f16 fb, xb; cvt.rn.bf16x2.f32 y, fb, fa;"
-              f" mov.b32 {{{d0}, {d1}}}, y;"
-              for src, d0, d1 in (("e01", "$0", "$1"), ("e23", "$2", "$3"),
-                                  ("e45", "$4", "$5"), ("e67", "$6", "$7"))) + " }")
+# A word of 8 e2m1 nibbles ($8, element t in bits 4t..4t+3) and their bf16 scale ($9) -> bf16
+# x8 ($0..$7), exact, by table: prmt picks each nibble's low and high bf16 bytes from the eight
+# e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (two 8-byte tables), two more prmt a pair put them
+# in element order, prmt's sign-replicate mode spreads each nibble's sign bit over its byte
+# (the even nibbles' signs are byte sign bits of the word shifted left by 4, the odd ones' of
+# the word), and one bf16x2 fma a pair applies the scale: e2m1 x e4m3 has <= 6 significant
+# bits within bf16's normal range, so the product is exact, and the addend -0 keeps every
+# product's sign of zero (sm_80's fma, not sm_90's bf16x2 mul).
+_FP4_WORD_LO = 0xC0804000_C0800000  # the bf16 low bytes of magnitudes 7..0
+_FP4_WORD_HI = 0x40404040_3F3F3F00  # and their high bytes
+_FP4_WORD_BF16_ASM = tl.constexpr(
+    "{ .reg .b32 m, n, w4, la, lb, ha, hb, z, s, l0, h0, l1, h1, p, g;"
+    f" mov.b32 la, {_FP4_WORD_LO & 0xFFFFFFFF:#x}; mov.b32 lb, {_FP4_WORD_LO >> 32:#x};"
+    f" mov.b32 ha, {_FP4_WORD_HI & 0xFFFFFFFF:#x}; mov.b32 hb, {_FP4_WORD_HI >> 32:#x};"
+    " mov.b32 z, 0x80008000; mov.b32 s, {$9, $9};"
+    " and.b32 m, $8, 0x77777777; shr.b32 n, m, 16; shl.b32 w4, $8, 4;"
+    " prmt.b32 l0, la, lb, m; prmt.b32 h0, ha, hb, m;"  # nibbles 0..3: byte k of nibble k
+    " prmt.b32 l1, la, lb, n; prmt.b32 h1, ha, hb, n;"  # nibbles 4..7
+    + "".join(f" prmt.b32 p, {lo}, {hi}, {pick:#x}; prmt.b32 g, w4, $8, {sign:#x};"
+              f" and.b32 g, g, z; or.b32 p, p, g; fma.rn.bf16x2 p, p, s, z;"
+              f" mov.b32 {{${2 * j}, ${2 * j + 1}}}, p;"
+              for j, lo, hi, pick in ((0, "l0", "h0", 0x5140), (1, "l0", "h0", 0x7362),
+                                      (2, "l1", "h1", 0x5140), (3, "l1", "h1", 0x7362))
+              # bytes 1 and 3 of pair j: the signs of nibbles 2j (w4's byte j) and 2j+1
+              for sign in [((8 | (4 + j)) << 12) | ((8 | j) << 4)]) + " }")
 
 
 @triton.jit
@@ -304,12 +313,12 @@ def _compressed_tile(pairs, sc, D: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: t
     """_compressed_raw's bytes -> [BLOCK_N, D] bf16 like _window_tile: e2m1 * scale, exact."""
     if WORDS:
         sc = ((sc >> (8 * tl.arange(0, 4)[None, None, :, None])) & 0xFF).to(tl.uint8)
-    scf = e4m3_to_fp32(sc) * 64.0
+    scf = e4m3_to_fp32(sc)  # the scales' values (exact in fp32 and in bf16)
     if not WORDS:
         if INTERPRET:  # the asm's re-encoding in plain ops (fp32 holding the bf16 values)
             e4 = tl.reshape(tl.join(e4m3_of_e2m1(pairs & 15), e4m3_of_e2m1(pairs >> 4)),
                             (BLOCK_N, D // 16, 16))  # element 2i: low nibble
-            v = e4m3_to_fp32(e4) * scf
+            v = e4m3_to_fp32(e4) * (scf * 64.0)
         else:  # 4 bytes per asm call; its outputs are bf16 values, joined in element order
             lo, hi = tl.inline_asm_elementwise(_FP4_ASM, "=r,=r,=r,=r,r,r", [pairs, sc],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=False,
@@ -317,11 +326,12 @@ def _compressed_tile(pairs, sc, D: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: t
             v = tl.join(lo, hi)
     else:
         if INTERPRET:
-            e0, e1, e2, e3, e4, e5, e6, e7 = (e4m3_to_fp32(e4m3_of_e2m1(
-                ((pairs >> (4 * t)) & 15).to(tl.uint8))) * scf for t in tl.static_range(8))
+            e0, e1, e2, e3, e4, e5, e6, e7 = (
+                e4m3_to_fp32(e4m3_of_e2m1(((pairs >> (4 * t)) & 15).to(tl.uint8))) * (scf * 64.0)
+                for t in tl.static_range(8))
         else:
             e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
-                _FP4_WORD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [pairs, scf.to(tl.float16)],
+                _FP4_WORD_BF16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [pairs, scf.to(tl.bfloat16)],
                 dtype=(tl.bfloat16,) * 8, is_pure=False, pack=1)
         # nibble t of a word: element 8w + t
         v = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)),
