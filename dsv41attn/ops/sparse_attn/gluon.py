@@ -50,9 +50,10 @@ ROWS, MAX_HEADS = 64, 64  # list entries per block (rows per ring stage); heads 
 BLOCK_N, HEADS = gl.constexpr(ROWS), gl.constexpr(MAX_HEADS)  # the same, for the kernels
 SUB_ROWS = 16  # rows per raw stage: the producer's async-copy unit
 # rows the producer decodes per shared-memory store (a multiple of the swizzle's period, 8, and
-# a divisor of SUB_ROWS): a whole raw stage, fewest instructions a row; 8 where a program has
-# one 64-block, whose first rows the consumer then gets sooner
-ROWS_PER_STORE, ROWS_PER_STORE_ONE_BLOCK = 16, 8
+# a divisor of SUB_ROWS): 8, two stores a raw stage. With the copies in their own layout a whole
+# raw stage a store (16) was 0.4-4.6% slower (H100, in every cut, the same bits), and at one
+# 64-block a program the consumer gets its first rows sooner
+ROWS_PER_STORE = 8
 RAW_STAGES = 3  # raw stages: while one is decoded, the copies of the next two are in flight
 PRODUCER_WARPS = gl.constexpr(4)
 # the producer's registers a thread (setmaxnreg); the consumers get the rest
@@ -468,6 +469,6 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
         *(partials or (sink, sink)), float(scale), h, n_ring, t, ww, k, table.shape[1],
         pool.shape[1], per_split, widx.stride(0), cidx.stride(0), table.stride(0), D=d,
         PAGE_SHIFT=page_shift, STAGES=stages,
-        RS=ROWS_PER_STORE if per_split > 1 else ROWS_PER_STORE_ONE_BLOCK, SUB=SUB_ROWS,
+        RS=ROWS_PER_STORE, SUB=SUB_ROWS,
         RAW=RAW_STAGES, SPLIT=s > 1, PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
     return finish_paged(out, partials, sink, out_rot, r2)
