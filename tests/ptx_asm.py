@@ -9,8 +9,8 @@ Supported: shl / shr / and / or .b32, prmt.b32 (default mode, with the sign-repl
 bit), mov.b32 (a copy, or packing and unpacking two halves), cvt.rn.f16x2.e4m3x2, cvt.f32.f16,
 cvt.rn.bf16x2.f32, mul.f32, mul.rn.f16x2 and mul.rn.bf16x2 (round to nearest even: the 16-bit
 products are exact in fp32 before the one rounding), fma.rn.bf16x2 with a +-0 addend (the
-same, the sum of the product and a signed zero as IEEE adds them), max.NaN.bf16x2 (PTX's a > b ? a : b, so
-max(-0, +0) is +0). Anything else raises.
+same, the sum of the product and a signed zero as IEEE adds them), max.NaN.bf16x2 (PTX's
+a > b ? a : b, so max(-0, +0) is +0). Anything else raises.
 """
 from __future__ import annotations
 
