@@ -107,23 +107,29 @@ def _reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.const
 
 
 @gluon.constexpr_function
-def _copy_layout(D):
-    """[rows, D] bytes or values over the producer's warps, 16 a thread, a warp on whole rows:
-    the layout in which a raw stage's codes are read and decoded rows are stored."""
-    lanes = min(32, D // 16)
+def _rows_layout(D, lanes_max):
+    """[rows, D] bytes or values over the producer's 4 warps, 16 a thread, at most lanes_max
+    lanes on a row (the rest of a warp on further rows)."""
+    lanes = min(lanes_max, D // 16)
     return gl.BlockedLayout([1, 16], [32 // lanes, lanes], [4, 1], [1, 0])
 
 
 @gluon.constexpr_function
+def _copy_layout(D):
+    """A warp on whole rows: the layout in which a raw stage's codes are read and decoded rows
+    are stored."""
+    return _rows_layout(D, 32)
+
+
+@gluon.constexpr_function
 def _gather_layout(D):
-    """[SUB_ROWS, D] bytes (a raw stage's codes) for the async copies, 16 a thread: 8 lanes on
-    128 bytes of a row, a warp on 4 rows, the 4 warps on 16, so that each thread's copies all
-    come from one list entry (its row pointer, entry id and page computed once, where a warp
-    on whole rows would give each thread 4 entries at D = 512). The scales' [rows, D/16] take
-    it too (lanes past the row's end repeat its first ones), so that both copies' row
-    pointers come in one distribution."""
-    lanes = min(8, D // 16)
-    return gl.BlockedLayout([1, 16], [32 // lanes, lanes], [4, 1], [1, 0])
+    """[SUB_ROWS, D] bytes (a raw stage's codes) for the async copies: 8 lanes on 128 bytes of
+    a row, a warp on 4 rows, the 4 warps on 16, so that each thread's copies all come from one
+    list entry (its row pointer, entry id and page computed once, where a warp on whole rows
+    would give each thread 4 entries at D = 512). The scales' [rows, D/16] take it too (lanes
+    past the row's end repeat its first ones), so that both copies' row pointers come in one
+    distribution."""
+    return _rows_layout(D, 8)
 
 
 @gluon.constexpr_function
@@ -468,7 +474,6 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
         q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out,
         *(partials or (sink, sink)), float(scale), h, n_ring, t, ww, k, table.shape[1],
         pool.shape[1], per_split, widx.stride(0), cidx.stride(0), table.stride(0), D=d,
-        PAGE_SHIFT=page_shift, STAGES=stages,
-        RS=ROWS_PER_STORE, SUB=SUB_ROWS,
-        RAW=RAW_STAGES, SPLIT=s > 1, PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
+        PAGE_SHIFT=page_shift, STAGES=stages, RS=ROWS_PER_STORE, SUB=SUB_ROWS, RAW=RAW_STAGES,
+        SPLIT=s > 1, PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
     return finish_paged(out, partials, sink, out_rot, r2)
