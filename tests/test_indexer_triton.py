@@ -112,6 +112,29 @@ def test_decode_queries_and_candidate_source(d, heads, selection):
     assert (got[0][0] == -1).all() and not got[1][0].any()
 
 
+@pytest.mark.parametrize("per_sm", [0, 1 << 20], ids=["long-runs", "one-tile-runs"])
+def test_decode_rows_over_runs_of_tiles(per_sm, small_tiles, monkeypatch):
+    """Decode rows scored by programs of up to 4 row tiles (a partial last run) or of one tile
+    each (too few programs to fill the SMs: the decode of few queries): the same selection."""
+    monkeypatch.setattr(tri, "SCORE_TILES_PER_PROGRAM", 4)
+    monkeypatch.setattr(tri, "SCORE_PROGRAMS_PER_SM", per_sm)
+    args = setup([1, 1], 83, 4, 32, seed=5)  # 6 row tiles of 16: runs of 4 and 2
+    args[5][0] = 70  # visible ends in the second run
+    want, got = both(args, 83, 9, candidate_topk=4, block_size=5)
+    assert_same(want, got)
+
+
+def test_score_programs_fill_the_sms():
+    """Row tiles a scoring program: 8 where the programs fill the SMs, fewer for few queries
+    (one query over 2048 rows: one tile a program, 16 programs), never below 1."""
+    assert tri._score_tiles_per_prog(1, 16, 132) == 1
+    assert tri._score_tiles_per_prog(64, 16, 132) == 2  # 512 programs
+    assert tri._score_tiles_per_prog(512, 16, 132) == 8  # 1024
+    assert tri._score_tiles_per_prog(66, 8, 132) == 2  # 264 programs: exactly 2 an SM
+    assert tri._score_tiles_per_prog(65, 8, 132) == 1  # 260 at 2 tiles: too few
+    assert tri._score_tiles_per_prog(1, 1, 132) == 1
+
+
 @pytest.mark.parametrize("tile", [4, 8])
 @pytest.mark.parametrize("filtered", [True, False], ids=["filtered", "radix"])
 def test_prefill_tiles_ties_and_query_chunks(filtered, tile, selection, monkeypatch):

@@ -92,12 +92,13 @@ import triton.language as tl
 
 from ..common.packing import index_key_bytes
 from ..common.triton import (check_device, e4m3_of_e2m1, e4m3_to_fp32, interpreting,
-                             require, round_bf16)
+                             require, round_bf16, sm_count)
 
 PREFILL_TILE = 4  # queries of one sequence per scoring program (they share the key loads)
 SCORE_ROWS = 128  # rows per scoring tile (decode)
 PREFILL_SCORE_ROWS = 64  # with PREFILL_TILE queries (H200, prefill 8K: 128-row tiles ran 2x slower)
 SCORE_TILES_PER_PROGRAM = 8  # row tiles per scoring program (the query is loaded once)
+SCORE_PROGRAMS_PER_SM = 2  # ... fewer while a call's scoring programs would not fill the SMs
 SCORE_WARPS = 4  # warps per scoring program (H200: 8 measured slower)
 PREFILL_WARPS = 4  # ... with PREFILL_TILE queries
 SELECT_CHUNK = 4096  # rows per selection program
@@ -1006,6 +1007,18 @@ def _query_tiles(token_groups, tile: int, device):
     return torch.cat(firsts), torch.cat(counts)
 
 
+def _score_tiles_per_prog(tiles: int, row_tiles: int, sms: int) -> int:
+    """Row tiles per scoring program over whole rows (not compact) for ``tiles`` query tiles
+    of ``row_tiles`` row tiles each: SCORE_TILES_PER_PROGRAM (each program loads its queries
+    once for all of them), halved while that leaves fewer than SCORE_PROGRAMS_PER_SM programs
+    an SM (a decode of one query over 2048 rows: 2 programs of 8 tiles, each a serial chain;
+    at 1 tile a program, 16). A row's score is the same at any count."""
+    t = SCORE_TILES_PER_PROGRAM
+    while t > 1 and tiles * triton.cdiv(row_tiles, t) < SCORE_PROGRAMS_PER_SM * sms:
+        t //= 2
+    return t
+
+
 def _compact_tiles_per_prog(owners: int) -> int:
     """Row tiles per scoring program over candidate lists: SCORE_TILES_PER_PROGRAM once a
     chunk has enough list owners to fill the GPU, fewer (the lists spread over more
@@ -1114,12 +1127,14 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
     i_pad = max(triton.next_power_of_2(heads), 16 // tile)
     interpret = interpreting()
     rows_per_tile = PREFILL_SCORE_ROWS if prefill else SCORE_ROWS
+    sms = sm_count(dev)
     tiles = (tile_tok, tile_cnt, tile)
     for t0 in range(0, n_tiles, chunk_tiles):
         c = min(chunk_tiles, n_tiles - t0)
         slots = c * tile
         tile_base, slot_base = (t0, 0) if prefill else (0, t0)
-        tiles_per_prog = _compact_tiles_per_prog(c) if compact else SCORE_TILES_PER_PROGRAM
+        tiles_per_prog = _compact_tiles_per_prog(c) if compact else _score_tiles_per_prog(
+            c, triton.cdiv(width, rows_per_tile), sms)
         lists = _compact_candidates(cand, nblk, -(-k // block_size), n_rows, block_size, c,
                                     tiles, tile_base, slot_base) if compact else None
         scores = torch.empty(slots, width, dtype=torch.int16, device=dev)
