@@ -815,14 +815,20 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
 def _wide_swap(m: int, n: int, kb: int, sms: int, order: KOrder) -> bool:
     """Whether 65 .. PRESCALE_MIN_M - 1 rows of a smaller [N, 32 KB] fp8 weight (below
     WIDE_MIN_BYTES) run the decode kernel's wide tiles (_FP8_WIDE_SMALL_TILES) rather than
-    _fp8_gemm_kernel's square ones: where those would leave SMs idle and could not run K's
-    ranges as programs (their partials past the traffic cap): wq_a from 384 rows, wkv at 511,
-    the index wq_b from 384 (V4.1-Flash, 132 SMs)."""
+    _fp8_gemm_kernel's square ones: where those would leave SMs idle, and either could not
+    run K's ranges as programs (their partials past the traffic cap) or the wide tiles alone
+    fill the SMs (no split either way): wq_a from 384 rows, wkv at 511, the index wq_b from
+    129 (V4.1-Flash, 132 SMs; H100, act_quant and GEMM at 192 / 256 rows: the square tiles'
+    7 ranges split 38.0 / 43.9 us, 192 / 256 wide tiles 21.0 / 21.4; at 128 rows, 128 wide
+    tiles split: 29.0 against 24.1, and wq_a's and wkv's wide tiles lost at every M below
+    their switch, 1.1-2.9x)."""
     bm, bn = _FP8_TILES[0][1:3]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = _use_workspace(order, tiles, m, n, n * kb * FP8_BLOCK, sms,
                            budget=SPLIT_PARTIAL_BYTES)
-    return order.ranges > 1 and not split and tiles < sms
+    wbm, wbn = _FP8_WIDE_SMALL_TILES[0][1:3]
+    wide_tiles = triton.cdiv(m, wbm) * triton.cdiv(n, wbn)
+    return order.ranges > 1 and tiles < sms and (not split or wide_tiles >= sms)
 
 
 def _tma_weight(weight: torch.Tensor) -> bool:
