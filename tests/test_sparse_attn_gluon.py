@@ -151,6 +151,22 @@ def test_splits_and_out_rot(t, ww, k, r2, split_blocks):
         assert torch.equal(got, rope_heads(split_plain, rot, inverse=True))
 
 
+@pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
+def test_empty_step_gives_the_triton_kernels_bits():
+    """No token with a list entry: the Gluon op's output is the Triton op's to the bit, the
+    reference's rotated zeros (-0 where they are) with out_rot, +0 without."""
+    from dsv41attn.ops.sparse_attn.gluon import sparse_attn_paged_ws
+    from dsv41attn.ops.sparse_attn.triton import sparse_attn_paged as tri_paged
+    q, sink, args = make_step(4, 64, 512, 0, 0, 4, seed=3)
+    angles = torch.arange(4 * 32, dtype=torch.float32).view(4, 32) * 0.7  # every quadrant
+    rot = torch.polar(torch.ones(4, 32), angles).cuda()
+    for r in (rot, None):
+        glu = sparse_attn_paged_ws(q, sink, 0.3, **args, out_rot=r)
+        tri = tri_paged(q, sink, 0.3, **args, out_rot=r)
+        assert torch.equal(glu.view(torch.int16), tri.view(torch.int16))
+    assert (glu.view(torch.int16) == 0).all()
+
+
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU")
 def test_rejects_bad_inputs():
     from dsv41attn.ops.sparse_attn.gluon import sparse_attn_paged_ws

@@ -269,6 +269,24 @@ def test_paged_out_rot_turns_the_output_back(t, h, d, ww, k, page_rows, r2, spli
         tri_paged(q, sink, 1.0, **args, out_rot=rot[:-1])
 
 
+def test_paged_empty_step_gives_the_reference_signed_zeros():
+    """A step in which no token has a list entry launches nothing: o = 0 turned back by
+    out_rot, to the bit the reference's (its rotated zeros are -0 where cos and sin are both
+    negative: an angle in every quadrant here), with and without a given out buffer."""
+    q, sink, args = make_step(4, 8, 32, 0, 0, 4, seed=3)
+    angles = torch.arange(4 * 8, dtype=torch.float32).view(4, 8) * 0.7  # every quadrant
+    rot = torch.polar(torch.ones(4, 8), angles).to(DEV)
+    ref = ref_paged(q.cpu(), sink.cpu(), 0.3, **{n: v if v is None else v.cpu()
+                                                for n, v in args.items()}, out_rot=rot.cpu())
+    assert (ref.view(torch.int16) == torch.tensor(-32768, dtype=torch.int16)).any()  # -0 there
+    out = torch.full_like(q, float("nan"))
+    for got in (tri_paged(q, sink, 0.3, **args, out_rot=rot),
+                tri_paged(q, sink, 0.3, **args, out=out, out_rot=rot)):
+        assert torch.equal(got.cpu().view(torch.int16), ref.view(torch.int16))
+    assert not torch.equal(tri_paged(q, sink, 0.3, **args).cpu().view(torch.int16),
+                           ref.view(torch.int16))  # unturned: +0 everywhere
+
+
 def test_paged_decodes_every_code_exactly():
     """One entry per token, q = 0 and sink = -inf: o is the decoded row itself (p = 1), from
     the ring, from new_rows and from the pool through each token's block-table row."""

@@ -41,10 +41,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
-from ..common.buffers import out_buffer
-from ..common.triton import check_rot
 from .triton import (_FP4_WORD_BF16_ASM, check_paged_devices, check_paged_inputs, check_split_args,
-                     finish_paged, paged_operands, plan_splits, split_partials)
+                     finish_paged, paged_operands, paged_output, plan_splits, split_partials)
 
 ROWS, MAX_HEADS = 64, 64  # list entries per block (rows per ring stage); heads a program
 BLOCK_N, HEADS = gl.constexpr(ROWS), gl.constexpr(MAX_HEADS)  # the same, for the kernels
@@ -458,12 +456,9 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
     check_split_args(num_splits, split_blocks)
     check_paged_devices(q, sink, window_ring, new_rows, window_ids, compressed_pool,
                         block_table, token_row, compressed_idx)
-    r2 = 0 if out_rot is None else check_rot(out_rot, t, d)
-    out = out_buffer(out, q.shape, torch.bfloat16, q.device)
-    if out.numel() == 0:
+    out, r2, done = paged_output(q, sink, out, out_rot, ww + k)
+    if done:
         return out
-    if ww + k == 0:  # no entries at all: every row is empty, o = 0 (as the reference)
-        return out.zero_()  # (its rotation back is the identity)
     q, sink, ring, new_rows, widx, pool, table, token_row, cidx, n_ring, page_shift = \
         paged_operands(q, sink, window_ring, new_rows, window_ids, compressed_pool, block_table,
                        token_row, compressed_idx, align=16)

@@ -633,6 +633,22 @@ def plan_splits(programs: int, n_blocks: int, device: torch.device,
     return num_splits, triton.cdiv(n_blocks, num_splits)
 
 
+def paged_output(q: torch.Tensor, sink: torch.Tensor, out: torch.Tensor | None,
+                 out_rot: torch.Tensor | None, entries: int) -> tuple[torch.Tensor, int, bool]:
+    """The paged ops' output, once their inputs are checked: (out, out_rot's R/2 (checked; 0
+    without it), done). done: nothing to launch, out holds the result: it has no elements, or
+    no token has a list entry (``entries`` = Ww + K = 0), so every row is o = 0 turned back
+    by out_rot as finish_paged turns any unsplit output (the reference's rotated zeros, their
+    signs included), whichever kernel would have run."""
+    r2 = 0 if out_rot is None else check_rot(out_rot, q.shape[0], q.shape[2])
+    out = out_buffer(out, q.shape, torch.bfloat16, q.device)
+    if out.numel() == 0:
+        return out, r2, True
+    if entries == 0:
+        return finish_paged(out.zero_(), None, sink, out_rot, r2), r2, True
+    return out, r2, False
+
+
 def finish_paged(out: torch.Tensor, partials: tuple | None, sink: torch.Tensor,
                  out_rot: torch.Tensor | None, r2: int) -> torch.Tensor:
     """A paged kernel's output [T, H, D] bf16: with ``partials`` (split_partials' m then l [2,
@@ -798,14 +814,11 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     if d_chunks not in (None, 1, 2) or (d_chunks == 2 and d < 64):
         raise ValueError(f"d_chunks must be 1 or 2 (2 at D >= 64), got {d_chunks} at D = {d}")
     check_split_args(num_splits, split_blocks)
-    r2 = 0 if out_rot is None else check_rot(out_rot, t_all, d)
     check_paged_devices(q, sink, window_ring, new_rows, window_ids, compressed_pool,
                         block_table, token_row, compressed_idx)
-    out = out_buffer(out, q.shape, torch.bfloat16, q.device)
-    if out.numel() == 0:
+    out, r2, done = paged_output(q, sink, out, out_rot, ww + k)
+    if done:
         return out
-    if ww + k == 0:  # no entries at all: every row is empty, o = 0 (as the reference)
-        return finish_paged(out.zero_(), None, sink, out_rot, r2)
     q, sink, ring, new_rows, widx, pool, table, token_row, cidx, n_ring, page_shift = \
         paged_operands(q, sink, window_ring, new_rows, window_ids, compressed_pool, block_table,
                        token_row, compressed_idx)
