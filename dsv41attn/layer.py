@@ -165,16 +165,17 @@ class AttentionLayer:
 
         decode = not plan.compact  # a decode plan: one token per sequence
         # an index source with rows to score this step: its indexer inputs (index query, head
-        # weights) are made inside the fork, the head weights on whichever path is shorter:
-        # the branch, unless it also holds this layer's compressor
+        # weights) are made inside the fork, the head weights on the window K/V branch (the
+        # shortest path)
         facts = plan.ratios[spec.ratio] if spec.ratio > 0 else None  # this layer's ratio group
         scoring = facts is not None and spec.is_index_source and facts.scan > 0
         compresses = facts is not None and spec.is_kv_source
         head_weights = None
-        with Fork(x.device, ops.capturable) as fork:
+        with Fork(x.device, ops.capturable, branches=2 if compresses else 1) as fork:
             # Window K/V (step 2) and the compressed rows (step 3) read only x and the state:
-            # on a CUDA device they run on a branch stream beside the query path (streams.py).
-            with fork.branch():
+            # on a CUDA device each runs on a branch stream of its own beside the query path
+            # (streams.py).
+            with fork.branch(0):
                 # Window K/V: norm, RoPE, fp8, packed rows of this step. A step plan writes
                 # them into the ring after attention (a long chunk's rows would overwrite
                 # slots its early queries read); a decode plan's one token per sequence
@@ -183,10 +184,11 @@ class AttentionLayer:
                 kv = ops.fp8_linear(x, w.wkv.weight, w.wkv.scale)
                 ring = state.decode_window_write(spec.layer, plan, undo) if decode else {}
                 new_rows = ops.norm_rope_pack(kv, w.kv_norm, cfg.norm_eps, rot, **ring)
-                if compresses:
-                    self._compress(x, state, facts, undo, semantics, decode)
-                elif scoring:
+                if scoring:
                     head_weights = self._head_weights(x)
+            if compresses:
+                with fork.branch(1):
+                    self._compress(x, state, facts, undo, semantics, decode)
 
             # Query path (docs/numerics.md §5, step 1): wq_a, then q_norm inside wq_b's
             # act-quant and the query's RoPE as wq_b writes q. An index source with rows to
@@ -201,8 +203,6 @@ class AttentionLayer:
                                                  norm=q_norm, rope=q_rope)
                 q_index = ops.rope_fp4_heads(q_index.view(t, self.index_heads,
                                                           cfg.index_head_dim), rot)
-                if compresses:
-                    head_weights = self._head_weights(x)
             else:
                 q = ops.fp8_linear(q_low, w.wq_b.weight, w.wq_b.scale, norm=q_norm, rope=q_rope)
             q = q.view(t, self.heads, cfg.head_dim)  # [T, H, D], RoPE'd

@@ -25,11 +25,18 @@ ODD = preset("tiny").replace(window_size=5, compress_ratios=(0, 2, 2, 2, 1, 1, 1
 
 
 def test_fork_on_the_cpu_is_one_stream():
-    with Fork(torch.device("cpu")) as fork:
-        assert fork.stream is None and fork.main is None
+    with Fork(torch.device("cpu"), branches=2) as fork:
+        assert fork.streams == [] and fork.main is None
         with fork.branch():
             x = torch.ones(3) * 2
-    assert x.sum() == 6
+        with fork.branch(1):
+            x = x + 1
+    assert x.sum() == 9
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="branches"):
+            Fork(torch.device("cpu"), branches=bad)
+    with pytest.raises(ValueError, match="branch 1 of a fork of 1"):
+        Fork(torch.device("cpu")).branch(1)
     with pytest.raises(RuntimeError, match="inside"):
         with Fork(torch.device("cpu")) as fork:
             with fork.branch():
@@ -40,7 +47,8 @@ def _both_ways(monkeypatch, run):
     """{"branch": run(), "one stream": run() with every layer's Fork disabled}."""
     got = {"branch": run()}
     with monkeypatch.context() as m:
-        m.setattr(layer_module, "Fork", lambda device, enabled=True: Fork(device, False))
+        m.setattr(layer_module, "Fork",
+                  lambda device, enabled=True, branches=1: Fork(device, False, branches))
         got["one stream"] = run()
     return got
 
