@@ -386,6 +386,32 @@ class RoleBench:
                     layer.pop(name, None)
         return _longest_first(layer), _longest_first(facts)
 
+    def timeline_decode(self, batch: int, ctx: int) -> list[dict]:
+        """The GPU's activity in one replay of a captured decode step of the role's layers (the
+        step's shared facts first, then the sources, then the role's layer), as
+        ``timeline_rows`` gives it: which kernel ran when, how long, on which stream (the
+        branch streams beside the query path show as their own lanes). The replay is the
+        fourth of the graph, so its uploads and first-touch costs are behind it, and it reuses
+        the static inputs (no input copy ahead of the graph's first kernel)."""
+        import json
+        import tempfile
+
+        from torch.profiler import ProfilerActivity, profile
+        state, xs = self._decode_state(batch, ctx, 8)
+        plan = self.stack.plan_decode(state, steps=6, layers=self.layers)
+        graph = plan.capture(xs[0])
+        for i in range(3):
+            graph.replay(xs[1 + i % 2])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()  # the static inputs as the last replay left them: no input copy
+            torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as d:
+            path = f"{d}/trace.json"
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                return timeline_rows(json.load(f)["traceEvents"])
+
     def profile_prefill(self, tokens: int) -> list[tuple[str, float, int]]:
         """Per-kernel GPU time of the role's layer in one eager prefill of ``tokens`` tokens
         from position 0 (the call ``prefill_us`` times, after one untimed call compiled it):
@@ -405,6 +431,36 @@ def _kernel_times(fn) -> dict[str, tuple[float, int]]:
     rows = [(e.key, e.device_time_total if hasattr(e, "device_time_total")
              else e.cuda_time_total, e.count) for e in prof.key_averages()]
     return {name: (us, n) for name, us, n in rows if us > 0}
+
+
+def timeline_rows(events: list[dict]) -> list[dict]:
+    """The GPU's work in a chrome trace's events (the torch profiler's ``export_chrome_trace``):
+    every kernel, copy and memset in order of start, as {"start_us": from the first one's
+    start, "us": its length, "lane": its stream, numbered 0, 1, .. in order of first use,
+    "name"}."""
+    acts = sorted((e for e in events
+                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+                  key=lambda e: e["ts"])
+    lanes: dict = {}
+    t0 = acts[0]["ts"] if acts else 0.0
+    return [{"start_us": float(e["ts"] - t0), "us": float(e["dur"]),
+             "lane": lanes.setdefault(e.get("tid"), len(lanes)), "name": e["name"]}
+            for e in acts]
+
+
+def _print_timeline(rows: list[dict]) -> None:
+    """One case of ``bench --timeline``: the replay's span, the kernels' summed time, then
+    every launch (start, length, lane, name)."""
+    if not rows:
+        print("  no GPU activity recorded")
+        return
+    span = max(r["start_us"] + r["us"] for r in rows)
+    lanes = len({r["lane"] for r in rows})
+    print(f"  {len(rows)} launches on {lanes} stream(s), {span:.1f} us from the first start to "
+          f"the last end, {sum(r['us'] for r in rows):.1f} us of GPU time in all")
+    print(f"  {'start':>8} {'us':>7} {'lane':>4}  kernel")
+    for r in rows:
+        print(f"  {r['start_us']:>8.1f} {r['us']:>7.1f} {r['lane']:>4}  {r['name'][:80]}")
 
 
 def _longest_first(table: dict[str, tuple[float, int]]) -> list[tuple[str, float, int]]:
@@ -1099,6 +1155,21 @@ def main(args) -> int:
                     failed.append(f"{role} profile {case}: {type(e).__name__}: {e}"[:300])
                     continue
                 _print_profile(top, facts)
+    if args.timeline:
+        cfg = preset("v41-flash")
+        weights = _weights(cfg, sorted({L for r in roles for L in role_layers(cfg, r)}), tp)
+        group = None if tp is None else tp.group
+        batches = sorted({b for b, n in decode if n == 4096}) or (1, 64)
+        for role in roles:
+            bench = RoleBench(cfg, role, "triton", weights, group)
+            for b in batches:
+                print(f"timeline, {role}, decode b={b} 4K (one replay of the step's graph: the "
+                      f"step's facts, then the sources, then the layer; lane = stream):")
+                try:
+                    _print_timeline(bench.timeline_decode(b, 4096))
+                except Exception as e:  # noqa: BLE001 - reported, the table above stands
+                    print(f"  failed: {type(e).__name__}: {e}"[:300])
+                    failed.append(f"{role} timeline b={b}: {type(e).__name__}: {e}"[:300])
     if failed:
         print(f"{len(failed)} case(s) failed:", *failed, sep="\n  ")
         return 1

@@ -936,6 +936,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "batch of the 4K decode cases (none at 4K: b=1 and b=64), and of "
                          "each prefill case's layer call: its launches, their GPU time, the "
                          "longest kernels")
+    bn.add_argument("--timeline", action="store_true",
+                    help="which kernel ran when, and on which stream, in one CUDA-graph replay "
+                         "of each role's decode step at 4K, at each batch of the 4K decode "
+                         "cases (none at 4K: b=1 and b=64): where a step's critical path runs")
     bn.add_argument("--batch-invariant", action="store_true",
                     help="also time every layer case in the batch-invariant mode (columns "
                          "invariant and cost: its time and its extra time over the default)")

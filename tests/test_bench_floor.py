@@ -1,8 +1,9 @@
-"""The floors bench divides by are PERF.md's table (V4.1-Flash, one layer, 4.3 TB/s, 790 TFLOP/s)."""
+"""The floors bench divides by are PERF.md's table (V4.1-Flash, one layer, 4.3 TB/s, 790 TFLOP/s);
+and bench --timeline's reading of a profiler trace."""
 import pytest
 
 from dsv41attn import preset
-from dsv41attn.bench import ROLES, layer_floor
+from dsv41attn.bench import ROLES, layer_floor, timeline_rows
 
 CFG = preset("v41-flash")
 ORDER = ["SWA", "Full r=2", "Full r=1 cand", "Reindex", "Reuse"]
@@ -104,3 +105,24 @@ def test_per_rank_floor_at_v41_flash(world):
     assert allreduce_bytes(CFG, ROLES["Reindex"], 1, 65536, 1) == 5120 * 4 + 2048 * 8 * 2
     with pytest.raises(ValueError, match="all-reduce bandwidth"):
         layer_floor(CFG, 0, 1, 4096, 1, bw, world)
+
+
+def test_timeline_reads_the_gpu_work_of_a_trace():
+    """timeline_rows: kernels, copies and memsets only (not host events, nor GPU events without
+    a length), in order of start from 0, streams numbered in order of first use."""
+    events = [
+        {"cat": "kernel", "name": "b", "ts": 110.5, "dur": 2.0, "tid": 146},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 90.0, "dur": 5.0, "tid": 1},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 100.0, "dur": 1.5, "tid": 7},
+        {"cat": "kernel", "name": "c", "ts": 111.0, "dur": 4.0, "tid": 7},
+        {"cat": "gpu_memset", "name": "Memset", "ts": 120.0, "dur": 0.5, "tid": 149},
+        {"cat": "kernel", "name": "flow", "ts": 95.0, "tid": 7},
+        {"ph": "M", "name": "process_name"},
+    ]
+    assert timeline_rows(events) == [
+        {"start_us": 0.0, "us": 1.5, "lane": 0, "name": "Memcpy DtoD"},
+        {"start_us": 10.5, "us": 2.0, "lane": 1, "name": "b"},
+        {"start_us": 11.0, "us": 4.0, "lane": 0, "name": "c"},
+        {"start_us": 20.0, "us": 0.5, "lane": 2, "name": "Memset"},
+    ]
+    assert timeline_rows([]) == []

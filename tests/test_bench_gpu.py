@@ -73,6 +73,21 @@ def test_profiles_list_the_layers_kernels(weights, role):
     assert not any("sparse_attn" in name for name, _, _ in facts)
 
 
+def test_timeline_of_a_decode_step(weights):
+    """bench --timeline: one replay of Full r=2's decode-step graph, every launch with its
+    start (in order, from 0), length and stream lane; the attention among them, and the branch
+    streams as lanes beside the query path's."""
+    from dsv41attn.bench import RoleBench
+    cfg, w = weights
+    rows = RoleBench(cfg, "Full r=2", "triton", w).timeline_decode(2, 640)
+    starts = [r["start_us"] for r in rows]
+    assert rows and starts[0] == 0 and starts == sorted(starts)
+    assert all(r["us"] >= 0 for r in rows)
+    assert any("sparse_attn" in r["name"] for r in rows), [r["name"] for r in rows]
+    lanes = {r["lane"] for r in rows}
+    assert lanes == set(range(len(lanes))) and len(lanes) >= 2, lanes
+
+
 def test_sparse_attn_prefill_part():
     """bench --part sparse_attn's prefill table: the kernel agrees with the reference on the
     prefill case, and the times are finite and at or above the floor."""
