@@ -28,10 +28,11 @@ demo: $(PACKAGE_STAMP)
 env: $(PACKAGE_STAMP)
 	$(PY) -m dsv41attn env
 
-# test: the suite (kernels under Triton's interpreter where no GPU is present, each distinct
-# launch recorded), then every recorded kernel specialisation compiled for sm_90a (no GPU) by
-# the test extra's Triton and by the GPU image's (TRITON_GPU, installed beside the venv's and
-# put first on PYTHONPATH for that step only).
+# test: the suite over TEST_JOBS pytest processes, one per core of a CI machine (kernels under
+# Triton's interpreter where no GPU is present, each distinct launch recorded), then every
+# recorded kernel specialisation compiled for sm_90a (no GPU) by the test extra's Triton and by
+# the GPU image's (TRITON_GPU, installed beside the venv's and put first on PYTHONPATH for that
+# step only).
 LAUNCHES := .pytest_cache/sm90-launches.jsonl
 TRITON_GPU := 3.6.0
 TRITON_GPU_DIR := $(VENV)/triton-$(TRITON_GPU)
@@ -39,9 +40,11 @@ $(TRITON_GPU_DIR)/.stamp: $(TEST_STAMP)
 	$(PY) -m pip install -q --no-deps --target $(TRITON_GPU_DIR) triton==$(TRITON_GPU)
 	touch $@
 
+TEST_JOBS ?= 2
 test: $(TEST_STAMP) $(TRITON_GPU_DIR)/.stamp
 	rm -f $(LAUNCHES) && mkdir -p .pytest_cache
-	DSV41ATTN_LAUNCH_RECORD=$(CURDIR)/$(LAUNCHES) $(PY) -m pytest -q
+	DSV41ATTN_LAUNCH_RECORD=$(CURDIR)/$(LAUNCHES) $(PY) tests/sharded.py -j $(TEST_JOBS) \
+		--durations 15 --log-tail 200
 	$(PY) tests/sm90_compile.py $(LAUNCHES)
 	PYTHONPATH=$(CURDIR)/$(TRITON_GPU_DIR) $(PY) tests/sm90_compile.py $(LAUNCHES)
 

@@ -1,7 +1,8 @@
 """Run the test suite split over several pytest processes, each test's outcome kept as it ends.
 
     make test-sharded [ARGS="..."]              # every test, one process per core or so
-    python tests/sharded.py [-j N] [--limit S] [--out DIR] [selection ...]
+    python tests/sharded.py [-j N] [--limit S] [--out DIR] [--durations N] [--log-tail N]
+                            [selection ...]
 
 ``selection`` is what pytest selects tests with (paths, node ids, ``-k``, ``-m``); by default
 the whole suite. Where torch and triton are already installed (a GPU image without internet,
@@ -9,14 +10,18 @@ say) run the script with that Python instead of the Makefile's virtual environme
 
 Why: on a GPU machine the Triton kernel tests spend most of their time compiling, one kernel
 at a time per process (one process did not get through the kernel test files inside ten
-minutes); N processes compile N kernels at once. Each process gets ``OMP_NUM_THREADS`` =
+minutes); N processes compile N kernels at once. On the CPU (``make test``, 2 processes) the
+interpreted kernels keep both cores busy where one pytest process used one: 830 s -> 590 s
+for the suite on a 2-core machine. Each process gets ``OMP_NUM_THREADS`` =
 cores // N (unless set), so the CPU reference ops beside the kernels do not oversubscribe
 the cores. The tests are dealt round-robin over the processes in collection order. Each
 process loads this file as a pytest plugin, which appends each test's outcome to the file
 ``DSV41ATTN_RESULTS`` names the moment the test ends, so a process stopped at ``--limit``
 still reports what it finished, and what it did not finish is listed by node id. Exit status
 0 only when every collected test passed or was skipped; each process's output is in
-``--out`` (a new temporary folder unless given).
+``--out`` (a new temporary folder unless given). ``--durations N`` lists the N slowest tests;
+``--log-tail N`` prints, for each process where a test failed, the last N lines of its
+output (pytest's tracebacks), so a CI log shows why.
 """
 from __future__ import annotations
 
@@ -46,7 +51,8 @@ def pytest_runtest_logreport(report) -> None:
         text = crash.message if crash is not None else report.longreprtext.strip()
         message = " ".join(text.split())[:300]
     with open(path, "a") as f:
-        f.write(f"{report.when}\t{report.outcome}\t{report.nodeid}\t{message}\n")
+        f.write(f"{report.when}\t{report.outcome}\t{report.nodeid}\t{message}\t"
+                f"{report.duration:.3f}\n")
 
 
 def collect(selection: list[str], root: Path, env: dict) -> list[str]:
@@ -61,19 +67,30 @@ def collect(selection: list[str], root: Path, env: dict) -> list[str]:
     return ids
 
 
+def _records(path: Path):
+    """One process's results file, line by line: (phase, outcome, node id, message, seconds)."""
+    if not path.exists():
+        return
+    for line in path.read_text().splitlines():
+        when, outcome, node, message, secs = (line.split("\t") + ["", "", "", "", ""])[:5]
+        yield when, outcome, node, message, float(secs or 0)
+
+
 def outcomes(path: Path) -> dict[str, tuple[str, str]]:
     """node id -> (outcome, message) from one process's results file: a failure or error in
     any phase wins over a pass, a skip at setup stands for the test."""
     seen: dict[str, tuple[str, str]] = {}
-    if not path.exists():
-        return seen
-    for line in path.read_text().splitlines():
-        when, outcome, node, message = (line.split("\t") + ["", "", "", ""])[:4]
+    for when, outcome, node, message, _ in _records(path):
         if outcome == "failed" and when != "call":
             outcome = "error"
         if seen.get(node, ("",))[0] not in BAD:
             seen[node] = (outcome, message)
     return seen
+
+
+def call_seconds(path: Path) -> dict[str, float]:
+    """node id -> the seconds its call phase took, from one process's results file."""
+    return {node: secs for when, _, node, _, secs in _records(path) if when == "call"}
 
 
 def main(argv=None) -> int:
@@ -88,6 +105,11 @@ def main(argv=None) -> int:
                     help="folder pytest runs in (default: this repository's root)")
     ap.add_argument("--out", type=Path, default=None,
                     help="folder for each process's output and results (default: a new temporary one)")
+    ap.add_argument("--durations", type=int, default=0, metavar="N",
+                    help="also list the N slowest tests (their call phase)")
+    ap.add_argument("--log-tail", type=int, default=0, metavar="N",
+                    help="where a test failed, also print the last N lines of its process's "
+                         "output (pytest's tracebacks and summary)")
     args, selection = ap.parse_known_args(argv)
     if args.jobs < 1:
         ap.error(f"--jobs must be at least 1, got {args.jobs}")
@@ -120,16 +142,30 @@ def main(argv=None) -> int:
             p.kill()
             p.wait()
     seen: dict[str, tuple[str, str]] = {}
+    secs: dict[str, float] = {}
     for i in range(len(shards)):
         seen.update(outcomes(out / f"results{i}.tsv"))
+        secs.update(call_seconds(out / f"results{i}.tsv"))
     per_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for node in ids:
         per_file[node.split("::")[0]][seen.get(node, ("unfinished", ""))[0]] += 1
     width = max(len(f) for f in per_file)
     for f, counts in per_file.items():
         print(f"{f:{width}}  " + "  ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    if args.durations > 0 and secs:
+        print(f"the {min(args.durations, len(secs))} slowest tests (seconds, call phase):")
+        for node, t in sorted(secs.items(), key=lambda kv: -kv[1])[:args.durations]:
+            print(f"  {t:8.2f}  {node}")
     bad = [(node, *seen.get(node, ("unfinished", ""))) for node in ids
            if seen.get(node, ("unfinished",))[0] in BAD]
+    if args.log_tail > 0:
+        bad_nodes = {node for node, *_ in bad}
+        for i, shard in enumerate(shards):
+            if bad_nodes.intersection(shard):
+                lines = (out / f"pytest{i}.log").read_text(errors="replace").splitlines()
+                print(f"--- process {i}: the last {min(args.log_tail, len(lines))} lines of "
+                      f"its output ({out / f'pytest{i}.log'})")
+                print(*lines[-args.log_tail:], sep="\n")
     for node, outcome, message in bad:
         print(f"{outcome.upper()} {node}" + (f": {message}" if message else ""))
     total = collections.Counter(seen.get(n, ("unfinished",))[0] for n in ids)

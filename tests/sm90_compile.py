@@ -121,8 +121,13 @@ def record_launches(path: str, execute: bool = True, tag: dict | None = None) ->
                           rec["kwargs"]], sort_keys=True)
         if key not in seen:
             seen.add(key)
-            with open(path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            rec["key"] = key  # main() merges the records of several processes by it
+            line = (json.dumps(rec) + "\n").encode()
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:  # one write per record: appends of processes side by side never interleave
+                os.write(fd, line)
+            finally:
+                os.close(fd)
         if execute:
             return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
@@ -311,6 +316,18 @@ def _only(recs: list[dict], only: str | None) -> list[dict]:
     return [r for r in recs if not only or only in r["name"]]
 
 
+def read_launches(path: Path) -> list[dict]:
+    """The distinct launches recorded in ``path``, first seen first: the processes of a
+    sharded run each append theirs, so one launch may be there once per process (merged by
+    the key record_launches gives it; a record without one by its whole text)."""
+    recs: dict = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            recs.setdefault(rec.get("key") or json.dumps(rec, sort_keys=True), rec)
+    return list(recs.values())
+
+
 def _compile_all(recs: list[dict], jobs: int, sass: bool) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max(1, jobs), mp_context=ctx,
@@ -374,8 +391,7 @@ def main(argv=None) -> int:
         print(f"sm_90 compile check: no interpreted launches in {path} (where the suite runs on "
               "a GPU its kernels compile there for real)")
         return 0
-    recs = _only([json.loads(line) for line in path.read_text().splitlines() if line.strip()],
-                 a.only)
+    recs = _only(read_launches(path), a.only)
     try:  # a Triton the stand-in does not fit is told apart up front, changing nothing here
         _stand_in_parts()
     except (ImportError, AttributeError) as e:

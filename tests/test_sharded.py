@@ -75,3 +75,21 @@ def test_bad_arguments_are_refused(tmp_path):
     assert done.returncode == 2 and "--jobs must be at least 1, got 0" in done.stderr
     done = run(tmp_path, "no_such_file.py")
     assert done.returncode != 0 and "collection failed" in done.stderr
+
+
+def test_durations_and_the_failing_process_output(tmp_path):
+    """--durations lists the slowest tests' call phase, slowest first; --log-tail prints the
+    output of each process where a test failed (pytest's traceback there), none of the
+    others; the summary stays the last line."""
+    (tmp_path / "test_cases.py").write_text(CASES)
+    (tmp_path / "test_nap.py").write_text("import time\n\ndef test_nap():\n    time.sleep(1.2)\n")
+    done = run(tmp_path, "-j", "2", "--durations", "2", "--log-tail", "400", "test_nap.py",
+               "test_cases.py::test_fails", "test_cases.py::test_passes")
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    at = lines.index("the 2 slowest tests (seconds, call phase):")
+    first = lines[at + 1].split()
+    assert first[1] == "test_nap.py::test_nap" and float(first[0]) >= 1.2, lines
+    assert len([ln for ln in lines if ln.startswith("--- process ")]) == 1, lines
+    assert any("AssertionError: arithmetic moved" in ln for ln in lines), lines
+    assert lines[-1].startswith("1 failed, 2 passed in "), lines

@@ -77,6 +77,19 @@ def test_the_check_passes_a_kernel_the_gpu_compiles_and_fails_one_it_rejects(tmp
     assert 0 < int(row[4]) <= sm90_compile.SM90_SHARED_MAX
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="records interpreted launches (on a GPU the kernels compile for real)")
+def test_launches_of_several_recording_processes_merge(tmp_path):
+    """Two processes append their launches to one record (a sharded suite): each launch is
+    there once per process, and read_launches keeps one of each, first seen first."""
+    import sm90_compile
+    path = _record(tmp_path, (2, 5))
+    assert _record(tmp_path, (5,)) == path  # a second process, the same file
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["kwargs"]["num_stages"] for r in lines] == [2, 5, 5]
+    assert [r["kwargs"]["num_stages"] for r in sm90_compile.read_launches(path)] == [2, 5]
+
+
 def test_a_layer_step_is_recorded_without_running_and_compiled(capsys):
     """--layer: a stack of one layer of each kind, a prefill and two decode steps recorded at
     the preset's shapes with no kernel run, each launch compiled: a row per launch."""
