@@ -14,10 +14,13 @@ minutes); N processes compile N kernels at once. On the CPU (``make test``, 2 pr
 interpreted kernels keep both cores busy where one pytest process used one: 830 s -> 590 s
 for the suite on a 2-core machine. Each process gets ``OMP_NUM_THREADS`` =
 cores // N (unless set), so the CPU reference ops beside the kernels do not oversubscribe
-the cores. The tests are dealt round-robin over the processes in collection order. Each
-process loads this file as a pytest plugin, which appends each test's outcome to the file
-``DSV41ATTN_RESULTS`` names the moment the test ends, so a process stopped at ``--limit``
-still reports what it finished, and what it did not finish is listed by node id. Exit status
+the cores. Each process loads this file as a pytest plugin: the processes share the tests
+out as they go, in collection order, each claiming the next free one when it is done (a
+process that drew the long tests does not hold up the rest; dealt round-robin instead, one of
+two processes finished 100 s after the other), and each appends each test's outcome to the
+file ``DSV41ATTN_RESULTS`` names the moment the test ends, so a process stopped at
+``--limit`` still reports what it finished, and what no process finished is listed by node
+id. Exit status
 0 only when every collected test passed or was skipped; each process's output is in
 ``--out`` (a new temporary folder unless given). ``--durations N`` lists the N slowest tests;
 ``--log-tail N`` prints, for each process where a test failed, the last N lines of its
@@ -28,14 +31,52 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BAD = ("failed", "error", "unfinished")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """The plugin side: where $DSV41ATTN_CLAIMS names a folder, this process runs only the
+    tests it claims there, in collection order: test i is claimed by creating the file i
+    (O_EXCL: one process wins it). Every process collects the same tests, so the processes
+    share them out as they go, each taking the next free one when it is done (a process
+    claims its next test before it runs the current one, as pytest's teardown needs to know
+    the next test). Elsewhere pytest's own loop runs."""
+    claims = os.environ.get("DSV41ATTN_CLAIMS")
+    if not claims or session.config.option.collectonly or session.testsfailed:
+        return None  # pytest's own loop (which reports collection errors)
+    items = session.items
+
+    def claim(start: int):
+        for i in range(start, len(items)):
+            try:
+                os.close(os.open(os.path.join(claims, str(i)),
+                                 os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                return i
+            except FileExistsError:
+                continue
+        return None
+
+    nxt = claim(0)
+    while nxt is not None:
+        cur, nxt = nxt, claim(nxt + 1)
+        items[cur].config.hook.pytest_runtest_protocol(
+            item=items[cur], nextitem=None if nxt is None else items[nxt])
+        if session.shouldfail:
+            raise session.Failed(session.shouldfail)
+        if session.shouldstop:
+            raise session.Interrupted(session.shouldstop)
+    return True
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -120,20 +161,23 @@ def main(argv=None) -> int:
                PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
     env.setdefault("OMP_NUM_THREADS", str(max(1, cores // args.jobs)))
     ids = collect(selection, args.root, env)
-    shards = [ids[i::args.jobs] for i in range(min(args.jobs, len(ids)))]
-    print(f"{len(ids)} tests over {len(shards)} processes, OMP_NUM_THREADS="
+    jobs = min(args.jobs, len(ids))
+    print(f"{len(ids)} tests over {jobs} processes, OMP_NUM_THREADS="
           f"{env['OMP_NUM_THREADS']}; output in {out}", flush=True)
+    claims = out / "claims"  # the processes share the tests out as they go (pytest_runtestloop)
+    shutil.rmtree(claims, ignore_errors=True)
+    claims.mkdir()
     start = time.monotonic()
     procs = []
-    for i, shard in enumerate(shards):
+    for i in range(jobs):
         results = out / f"results{i}.tsv"
         results.unlink(missing_ok=True)
         with open(out / f"pytest{i}.log", "w") as log:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "sharded",
-                 *shard], cwd=args.root,
-                env=dict(env, DSV41ATTN_RESULTS=str(results)), stdout=log,
-                stderr=subprocess.STDOUT))
+                 *ids], cwd=args.root,
+                env=dict(env, DSV41ATTN_RESULTS=str(results), DSV41ATTN_CLAIMS=str(claims)),
+                stdout=log, stderr=subprocess.STDOUT))
     for p in procs:
         left = None if args.limit is None else max(0.0, args.limit - (time.monotonic() - start))
         try:
@@ -143,9 +187,13 @@ def main(argv=None) -> int:
             p.wait()
     seen: dict[str, tuple[str, str]] = {}
     secs: dict[str, float] = {}
-    for i in range(len(shards)):
-        seen.update(outcomes(out / f"results{i}.tsv"))
+    failing = []  # the processes where a test failed or errored
+    for i in range(jobs):
+        mine = outcomes(out / f"results{i}.tsv")
+        seen.update(mine)
         secs.update(call_seconds(out / f"results{i}.tsv"))
+        if any(outcome in BAD for outcome, _ in mine.values()):
+            failing.append(i)
     per_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for node in ids:
         per_file[node.split("::")[0]][seen.get(node, ("unfinished", ""))[0]] += 1
@@ -159,13 +207,11 @@ def main(argv=None) -> int:
     bad = [(node, *seen.get(node, ("unfinished", ""))) for node in ids
            if seen.get(node, ("unfinished",))[0] in BAD]
     if args.log_tail > 0:
-        bad_nodes = {node for node, *_ in bad}
-        for i, shard in enumerate(shards):
-            if bad_nodes.intersection(shard):
-                lines = (out / f"pytest{i}.log").read_text(errors="replace").splitlines()
-                print(f"--- process {i}: the last {min(args.log_tail, len(lines))} lines of "
-                      f"its output ({out / f'pytest{i}.log'})")
-                print(*lines[-args.log_tail:], sep="\n")
+        for i in failing:
+            lines = (out / f"pytest{i}.log").read_text(errors="replace").splitlines()
+            print(f"--- process {i}: the last {min(args.log_tail, len(lines))} lines of "
+                  f"its output ({out / f'pytest{i}.log'})")
+            print(*lines[-args.log_tail:], sep="\n")
     for node, outcome, message in bad:
         print(f"{outcome.upper()} {node}" + (f": {message}" if message else ""))
     total = collections.Counter(seen.get(n, ("unfinished",))[0] for n in ids)

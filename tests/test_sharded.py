@@ -93,3 +93,21 @@ def test_durations_and_the_failing_process_output(tmp_path):
     assert len([ln for ln in lines if ln.startswith("--- process ")]) == 1, lines
     assert any("AssertionError: arithmetic moved" in ln for ln in lines), lines
     assert lines[-1].startswith("1 failed, 2 passed in "), lines
+
+
+def test_processes_share_the_tests_out_as_they_go(tmp_path):
+    """Two processes claim the tests as they go: the one that takes a long first test runs it
+    and at most the one test it claimed next, the other runs every other test meanwhile (dealt
+    round-robin, each would have run half)."""
+    (tmp_path / "test_share.py").write_text(
+        "import time\n\ndef test_a_long():\n    time.sleep(5)\n\n"
+        + "".join(f"def test_b{i}():\n    pass\n\n" for i in range(7)))
+    done = run(tmp_path, "-j", "2", "test_share.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1].startswith("8 passed in "), done.stdout
+    ran = [[line.split("\t")[2] for line in (tmp_path / "out" / f"results{i}.tsv")
+            .read_text().splitlines() if line.startswith("call")] for i in range(2)]
+    assert sorted(n for r in ran for n in r) == sorted(
+        ["test_share.py::test_a_long"] + [f"test_share.py::test_b{i}" for i in range(7)])
+    long_one = next(r for r in ran if "test_share.py::test_a_long" in r)
+    assert len(long_one) <= 2, ran
