@@ -1135,13 +1135,16 @@ def main(args) -> int:
     # an out-of-memory case is a nan in the table; any other failure fails the command
     failed = [f"{r['role']} {r['kind']} b={r['batch']} n={r['context']} {m}"
               for r in rows for m in r.get("failed", ())]
-    if args.profile:
+    benches = {}
+    if args.profile or args.timeline:  # one set of weights and a bench per role for both
         cfg = preset("v41-flash")
         weights = _weights(cfg, sorted({L for r in roles for L in role_layers(cfg, r)}), tp)
         group = None if tp is None else tp.group
-        batches = sorted({b for b, n in decode if n == 4096}) or ((1, 64) if decode else ())
-        for role in roles:
-            bench = RoleBench(cfg, role, "triton", weights, group)
+        benches = {role: RoleBench(cfg, role, "triton", weights, group) for role in roles}
+    at_4k = sorted({b for b, n in decode if n == 4096})
+    if args.profile:
+        batches = at_4k or ((1, 64) if decode else ())
+        for role, bench in benches.items():
             cases = [(f"decode b={b} 4K (one eager step)", f"b={b}",
                       lambda b=b: bench.profile_decode(b, 4096)) for b in batches]
             cases += [(f"prefill {t} tokens (one eager call)", f"prefill {t}",
@@ -1156,13 +1159,8 @@ def main(args) -> int:
                     continue
                 _print_profile(top, facts)
     if args.timeline:
-        cfg = preset("v41-flash")
-        weights = _weights(cfg, sorted({L for r in roles for L in role_layers(cfg, r)}), tp)
-        group = None if tp is None else tp.group
-        batches = sorted({b for b, n in decode if n == 4096}) or (1, 64)
-        for role in roles:
-            bench = RoleBench(cfg, role, "triton", weights, group)
-            for b in batches:
+        for role, bench in benches.items():
+            for b in at_4k or (1, 64):
                 print(f"timeline, {role}, decode b={b} 4K (one replay of the step's graph: the "
                       f"step's facts, then the sources, then the layer; lane = stream):")
                 try:
