@@ -311,24 +311,36 @@ DECODE_CASES = {  # id: (M, N, K, num_splits); N off BLOCK_N, M at the tile-row 
     "m17-n200-kb8-s2": (17, 200, 256, 2),  # the first 64-row tile; N over one 128-row tile
     "m64-n70-kb12-auto": (64, 70, 384, None),  # the largest decode M
     "m5-n129-kb3-s1": (5, 129, 96, 1),  # one range: the reference's K order
+    # DIAG (TMA, <= DIAG_MAX_M rows): 4 blocks a dot over 4 token columns each, 2 over 8
+    "m3-n100-kb16-s2": (3, 100, 512, 2),
+    "m8-n64-kb24-s3": (8, 64, 768, 3),
 }
 
 
+@pytest.mark.parametrize("diag_rows", [0, 8], ids=["diag-off", "diag-8"])
 @pytest.mark.parametrize("case", list(DECODE_CASES), ids=list(DECODE_CASES))
-def test_decode_kernel_equals_tile_kernel(case):
+def test_decode_kernel_equals_tile_kernel(case, diag_rows, monkeypatch):
     """_fp8_decode_kernel (swapped operands) against _fp8_gemm_kernel on the same K order,
     split-K programs or one program summing the ranges, the weight through TMA descriptors or
-    plain loads: the same bits, every element written (NaN-poisoned outputs). On an H200 both
-    run wgmma; under the interpreter both are exact."""
+    plain loads, DIAG's block dots in one dot at up to ``diag_rows`` rows or not: the same
+    bits, every element written (NaN-poisoned outputs), signed zeros too. On an H200 both run
+    wgmma; under the interpreter both are exact."""
+    monkeypatch.setattr(T, "DIAG_MAX_M", diag_rows)
     m, n, k, splits = DECODE_CASES[case]
     q, s, w, ws = _split_case(m, n, k, seed=m * 7 + n)
+    if m > 1:  # a zero row: every block dot a sum of signed zeros (the outputs' signs compared)
+        q[1].view(torch.uint8).zero_()
     w, ws = w.to(DEV), ws.to(DEV)
     sms = DEFAULT_SM_COUNT if DEV == "cpu" else sm_count(torch.device(DEV))
     outs = []
     for workspace, tma in ((None, False), (True, False), (False, False), (None, True),
                            (True, True), (False, True)):
         plan = T._gemm_plan(m, n, k // 32, sms, splits, workspace=workspace, tma=tma)
-        assert plan.swap and plan.block_m == (16 if m <= 16 else 64)
+        # DIAG at <= DIAG_MAX_M rows through TMA: M's next power of two rows, the block dots
+        # in one dot
+        assert bool(plan.diag) == (tma and m <= T.DIAG_MAX_M)
+        assert plan.swap and plan.block_m == (1 << (m - 1).bit_length() if plan.diag else
+                                              16 if m <= 16 else 64)
         assert plan.tma == (tma and m <= 16)  # TMA weight loads: the 16-row tiles only
         assert T._tma_weight(w)  # so the kernel takes the descriptor path
         tile = dataclasses.replace(plan, swap=False, block_m=64, block_n=64, num_warps=4,

@@ -400,6 +400,28 @@ def _last_range_sum(part_ptr, acc, mn, mask, split, plane, cnt, SPLITS: tl.const
 
 
 @triton.jit
+def _diag_tokens(a_ptr, row0, M, K, k0, MP: tl.constexpr, G: tl.constexpr):
+    """The token operand of G consecutive 32-blocks from column k0, laid block-diagonally for one
+    tl.dot: [32 G, 16] (a_ptr's dtype), column g * MP + m holding token row row0 + m's block g in
+    rows 32 g .. 32 g + 31, zeros elsewhere (and in columns past G MP, or rows past M)."""
+    kk = tl.arange(0, 32 * G)
+    c = tl.arange(0, 16)
+    row = row0 + c % MP
+    mask = ((kk // 32)[:, None] == (c // MP)[None, :]) & (row < M)[None, :]
+    return tl.load(a_ptr + row.to(tl.int64)[None, :] * K + (k0 + kk)[:, None], mask=mask,
+                   other=0.0)
+
+
+@triton.jit
+def _diag_block(part, g, MP: tl.constexpr):
+    """Block g's dots [BLOCK_N, MP] out of a block-diagonal dot [BLOCK_N, 16] (_diag_tokens):
+    its columns g * MP .. g * MP + MP - 1, exactly (the other columns enter the sum as -0)."""
+    p3 = tl.reshape(part, (part.shape[0], 16 // MP, MP))
+    gi = tl.arange(0, 16 // MP)
+    return tl.sum(tl.where((gi == g)[None, :, None], p3, -0.0), axis=1)
+
+
+@triton.jit
 def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_desc, cs_ptr, M,
                        N, K, KB, CHUNKS, RANGES, GRANULE: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, KSUB: tl.constexpr, DOT_F16: tl.constexpr,
@@ -407,7 +429,7 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
                        SPLITS: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr,
                        OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
                        VALUES: tl.constexpr = False, ROPE_D: tl.constexpr = 0,
-                       ROPE_R2: tl.constexpr = 0):
+                       ROPE_R2: tl.constexpr = 0, DIAG: tl.constexpr = 0):
     """_fp8_gemm_kernel for decode-sized M with the operands swapped: each 32-block's tl.dot is
     w [BLOCK_N, 32] . x^T [32, BLOCK_M] (weight rows on the MMA's 64-row side, the few token
     rows its narrow side), so a BLOCK_N x BLOCK_M tile of y^T per program; every output element
@@ -441,6 +463,8 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
     tl.static_assert(ROPE_D == 0 or (OUT_BF16 and BLOCK_N % 2 == 0 and ROPE_D % 2 == 0))
     tl.static_assert(KSUB == 1 or KSUB == 2 or KSUB == 4)
     tl.static_assert(PREFETCH or not TMA)
+    tl.static_assert(DIAG == 0 or (TMA and not VALUES and BLOCK_M * DIAG <= 16
+                                   and KSUB % DIAG == 0))
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -465,7 +489,29 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
     sa_ptrs = sa_ptr + offs_m64 * KB
     sb_ptrs = sb_ptr + (offs_n // 32) * KB
     acc = tl.full([BLOCK_N, BLOCK_M], -0.0, tl.float32)
-    if PREFETCH:
+    if DIAG > 0:  # DIAG block dots at a time in one tl.dot, then added in K order
+        for kb0 in range(kb_lo, kb_hi, KSUB):
+            nxt = kb0 + KSUB
+            for d in tl.static_range(0, KSUB, DIAG):
+                w = w_desc.load([pid_n * BLOCK_N, (kb0 + d) * 32])  # [BLOCK_N, 32 DIAG]
+                xt = _diag_tokens(a_ptr, pid_m * BLOCK_M, M, K, (kb0 + d) * 32, BLOCK_M, DIAG)
+                if INTERPRET:  # each column's one nonzero block summed exactly, as _dot32's
+                    part = tl.dot(w.to(tl.float32).to(tl.float64),
+                                  xt.to(tl.float32).to(tl.float64),
+                                  out_dtype=tl.float64).to(tl.float32)
+                else:
+                    part = tl.dot(w.to(tl.float16), xt.to(tl.float16), out_dtype=tl.float32)
+                for g in tl.static_range(DIAG):
+                    sa, sb = _block_scales(sa_ptrs, sb_ptrs, kb0 + d + g, m_mask, n_mask,
+                                           VALUES)
+                    acc = acc + _scaled(_diag_block(part, g, BLOCK_M), sa, sb, VALUES)
+            if ALL_RANGES:
+                if nxt == r_end:  # range r is complete: add it, start range r + 1 from -0
+                    total += acc
+                    acc = tl.full([BLOCK_N, BLOCK_M], -0.0, tl.float32)
+                    r += 1
+                    r_end = (r + 1) * CHUNKS // RANGES * GRANULE
+    elif PREFETCH:
         sa0, sb0 = _block_scales(sa_ptrs, sb_ptrs, kb_lo, m_mask, n_mask, VALUES)
         sa1 = sa0
         sb1 = sb0
@@ -653,6 +699,8 @@ class _GemmPlan:
     workspace: bool  # the ranges run as separate programs into fp32 partials (split-K)
     swap: bool = False  # _fp8_decode_kernel (weight rows on the MMA's 64-row side)
     prescaled: bool = False  # _fp8_gemm_kernel's PRESCALED: bf16 values of x and the weight
+    diag: int = 0  # _fp8_decode_kernel's DIAG: block_m (a power of two) token rows, this
+    # many block dots at a time in one tl.dot against a block-diagonal token operand
     tma: bool = False  # TMA loads: _fp8_decode_kernel's 16-row and wide tiles read the weight
     # by descriptor, _fp8_gemm_kernel's PRESCALED tiles both bf16 operands (only for a weight
     # _tma_weight accepts: the plan's maker checks it)
@@ -716,6 +764,16 @@ _FP8_DECODE_TILES = ((16, 16, 64, 4, 3, 4), (SPLIT_MAX_M, 64, 128, 4, 2, 4))
 # 2-3 us slower). At 32 and 64 rows TMA was 1.1-2.1x slower on four of the five weights
 # (wo_b 0.94-1.02x), so the 64-row tiles keep plain loads.
 _FP8_DECODE_TMA_TILES = ((16, 16, 128, 4, 3, 4),) + _FP8_DECODE_TILES[1:]
+# DIAG (_fp8_decode_kernel): at M <= DIAG_MAX_M rows the TMA tiles take M's next power of two
+# token rows, and one tl.dot makes as many block dots as its 16 columns hold (16 // block_m,
+# at most the iteration's KSUB): the token operand is laid block-diagonally (_diag_tokens),
+# so each column sums one block's 32 products and zeros, and the block dots are taken out and
+# added in K order as before; one wgmma wait per dot instead of one per 32-block. Its bits
+# equal the other tiles' wherever the wgmma adds zero products exactly (the interpreter's
+# exact dots do). Off (0) until it is timed and its bits compared on a GPU; the tests run it
+# on and off. (weight rows, warps, stages, most 32-blocks per K iteration):
+_FP8_DIAG_TILES = (128, 4, 3, 4)
+DIAG_MAX_M = 0
 # Past the 16-row tiles, fp8_linear feeds the decode kernel bf16 token values (VALUES: each
 # code times its row scale, exact; each block dot then comes out times the row scale, so no
 # row scales are held in registers) and the wide tiles add one block dot at a time. H200,
@@ -799,7 +857,12 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
         tma = bool(tma and prescaled and SQUARE_TMA)
         table = _FP8_VALUE_TILES if prescaled else _FP8_TILES
     bm, bn, warps, stages, ksub_max = _tile_row(table, m)
+    diag_rows = swap and tma and narrow and precise_dot and not prescaled and m <= DIAG_MAX_M
+    if diag_rows:
+        bm = triton.next_power_of_2(max(m, 1))
+        bn, warps, stages, ksub_max = _FP8_DIAG_TILES
     ksub = next(d for d in (8, 4, 2, 1) if d <= ksub_max and order.granule % d == 0)
+    diag = min(ksub, 16 // bm) if diag_rows else 0  # blocks a dot: as many as 16 columns hold
     if workspace is None:
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         # the decode kernel: split whenever the tiles leave SMs idle (one program per tile
@@ -809,7 +872,7 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
                            budget=SPLIT_PARTIAL_BYTES)
     workspace = bool(workspace) and order.ranges > 1
     return _GemmPlan(bm, bn, warps, stages, ksub, bool(precise_dot), order, workspace, swap,
-                     prescaled=prescaled, tma=bool(tma))
+                     prescaled=prescaled, diag=diag, tma=bool(tma))
 
 
 def _wide_swap(m: int, n: int, kb: int, sms: int, order: KOrder) -> bool:
@@ -1071,7 +1134,8 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
         assert weight.dtype == torch.float8_e4m3fn
         tma = plan.tma  # the planner's caller checked the weight (_tma_weight)
         # the weight's descriptor (TMA), else its pointer again (the argument is not read)
-        w_desc = TensorDescriptor.from_tensor(args[2], [plan.block_n, 32]) if tma else args[2]
+        box = [plan.block_n, 32 * max(plan.diag, 1)]
+        w_desc = TensorDescriptor.from_tensor(args[2], box) if tma else args[2]
         _fp8_decode_kernel[grid](*args, partials, out, counters, w_desc,
                                  cs if rope_d else args[1], m, n, k, kb,
                                  order.chunks, order.ranges, GRANULE=order.granule,
@@ -1081,7 +1145,8 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
                                  OUT_BF16=out.dtype == torch.bfloat16,
                                  INTERPRET=interpreting(), VALUES=plan.prescaled,
                                  ROPE_D=rope_d, ROPE_R2=cs.shape[1] if rope_d else 0,
-                                 num_warps=plan.num_warps, num_stages=plan.num_stages)
+                                 DIAG=plan.diag, num_warps=plan.num_warps,
+                                 num_stages=plan.num_stages)
         if s > 1 and not fused:
             _split_sum_kernel[(triton.cdiv(m * n, SPLIT_SUM_BLOCK),)](
                 partials, out, m * n, SPLITS=s, BLOCK=SPLIT_SUM_BLOCK,
