@@ -772,9 +772,9 @@ _FP8_DECODE_TMA_TILES = ((16, 16, 128, 4, 3, 4),) + _FP8_DECODE_TILES[1:]
 # equal the other tiles' wherever the wgmma adds zero products exactly: on an H100, 0 of the
 # fp32 outputs differed on the five V4.1 fp8 weights at M = 1, 2, 4, 8 (wide-range rows, a
 # zero block), nor in the decode/tile test with a zero row (signed zeros). H100, act_quant and
-# GEMM, CUDA graphs, us at M = 1 / 8, 16-row tiles -> DIAG: wq_a 8.8 / 10.3 -> 8.1 / 9.4, wq_b
-# 22.1 / 23.3 -> 21.6 / 22.9, wkv 7.2 / 9.0 -> 5.7 / 7.7, index wq_b 8.2 / 8.9 -> 7.5 / 8.4,
-# wo_b 26.2 / 27.7 -> 24.8 / 26.9; the layer's decode step SWA 107.9 -> 98.1 at b = 1, 110.2
+# GEMM, CUDA graphs, us at M = 1 / 8, 16-row tiles -> DIAG: wq_a 9.9 / 11.6 -> 9.1 / 10.6,
+# wq_b 22.1 / 23.3 -> 21.6 / 22.9, wkv 8.1 / 10.1 -> 6.4 / 8.7, index wq_b 9.2 / 10.1 -> 8.5 /
+# 9.4, wo_b 26.2 / 27.7 -> 24.8 / 26.9; the layer's decode step SWA 107.9 -> 98.1 at b = 1, 110.2
 # -> 104.1 at b = 8, Full r=2 145.3 -> 139.0 and 161.4 -> 157.0. (weight rows, warps, stages,
 # most 32-blocks per K iteration):
 _FP8_DIAG_TILES = (128, 4, 3, 4)
