@@ -313,19 +313,23 @@ DECODE_CASES = {  # id: (M, N, K, num_splits); N off BLOCK_N, M at the tile-row 
     "m5-n129-kb3-s1": (5, 129, 96, 1),  # one range: the reference's K order
     # DIAG (TMA, <= DIAG_MAX_M rows): 4 blocks a dot over 4 token columns each, 2 over 8
     "m3-n100-kb16-s2": (3, 100, 512, 2),
+    "m1-n70-kb16-s2": (1, 70, 512, 2),  # 8 blocks a dot where an iteration has 8
     "m8-n64-kb24-s3": (8, 64, 768, 3),
 }
 
 
-@pytest.mark.parametrize("diag_rows", [0, 8], ids=["diag-off", "diag-8"])
+@pytest.mark.parametrize("diag_rows, diag_tiles", [(0, None), (8, None), (8, (64, 4, 3, 8))],
+                         ids=["diag-off", "diag-8", "diag-8-ksub8"])
 @pytest.mark.parametrize("case", list(DECODE_CASES), ids=list(DECODE_CASES))
-def test_decode_kernel_equals_tile_kernel(case, diag_rows, monkeypatch):
+def test_decode_kernel_equals_tile_kernel(case, diag_rows, diag_tiles, monkeypatch):
     """_fp8_decode_kernel (swapped operands) against _fp8_gemm_kernel on the same K order,
     split-K programs or one program summing the ranges, the weight through TMA descriptors or
     plain loads, DIAG's block dots in one dot at up to ``diag_rows`` rows or not: the same
     bits, every element written (NaN-poisoned outputs), signed zeros too. On an H200 both run
     wgmma; under the interpreter both are exact."""
     monkeypatch.setattr(T, "DIAG_MAX_M", diag_rows)
+    if diag_tiles:  # 8 blocks an iteration: several dots an iteration past 2 rows
+        monkeypatch.setattr(T, "_FP8_DIAG_TILES", diag_tiles)
     m, n, k, splits = DECODE_CASES[case]
     q, s, w, ws = _split_case(m, n, k, seed=m * 7 + n)
     if m > 1:  # a zero row: every block dot a sum of signed zeros (the outputs' signs compared)

@@ -461,7 +461,7 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
     is stored with the query's RoPE applied (_store_rope_out; cs_ptr [M, ROPE_R2, 2] fp32,
     else unused), the bits of rope_heads on the stored output."""
     tl.static_assert(ROPE_D == 0 or (OUT_BF16 and BLOCK_N % 2 == 0 and ROPE_D % 2 == 0))
-    tl.static_assert(KSUB == 1 or KSUB == 2 or KSUB == 4)
+    tl.static_assert(KSUB == 1 or KSUB == 2 or KSUB == 4 or DIAG > 0)  # DIAG: up to 8
     tl.static_assert(PREFETCH or not TMA)
     tl.static_assert(DIAG == 0 or (TMA and not VALUES and BLOCK_M * DIAG <= 16
                                    and KSUB % DIAG == 0))
