@@ -459,7 +459,11 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
     an H200 too (the same wgmma instruction, f16, bf16 or e4m3 operands; only its 64-row side
     now holds the weight). ROPE_D > 0 (OUT_BF16, the kernel writing out itself): the output
     is stored with the query's RoPE applied (_store_rope_out; cs_ptr [M, ROPE_R2, 2] fp32,
-    else unused), the bits of rope_heads on the stored output."""
+    else unused), the bits of rope_heads on the stored output. DIAG > 0 (TMA, not VALUES;
+    BLOCK_M a power of two, BLOCK_M * DIAG <= 16; w_desc's boxes [BLOCK_N, 32 DIAG]): each
+    iteration's KSUB blocks (up to 8) as KSUB / DIAG dots of DIAG blocks, each dot against the
+    token rows laid block-diagonally (_diag_tokens), its blocks then taken out (_diag_block)
+    and scaled and added in K order as above: one wgmma wait per DIAG blocks."""
     tl.static_assert(ROPE_D == 0 or (OUT_BF16 and BLOCK_N % 2 == 0 and ROPE_D % 2 == 0))
     tl.static_assert(KSUB == 1 or KSUB == 2 or KSUB == 4 or DIAG > 0)  # DIAG: up to 8
     tl.static_assert(PREFETCH or not TMA)
