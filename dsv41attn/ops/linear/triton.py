@@ -158,6 +158,19 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, nw_ptr, K, KB, inv_max, eps, QB: tl.c
 
 
 @triton.jit
+def _next_range(nxt, r_end, r, total, acc, CHUNKS, RANGES, GRANULE: tl.constexpr):
+    """ALL_RANGES' bookkeeping after a K iteration ending before step nxt: where range r ends
+    there, its sum acc is added into total and range r + 1 starts from -0. Returns (total, acc,
+    r, r_end)."""
+    if nxt == r_end:
+        total += acc
+        acc = tl.full(acc.shape, -0.0, tl.float32)
+        r += 1
+        r_end = (r + 1) * CHUNKS // RANGES * GRANULE
+    return total, acc, r, r_end
+
+
+@triton.jit
 def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, a_desc, b_desc, cs_ptr, M, N, K, KB,
                      CHUNKS, RANGES, GRANULE: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, KSUB: tl.constexpr, DOT_F16: tl.constexpr,
@@ -248,11 +261,8 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, a_desc, b_desc, cs_ptr
         a_ptrs += 32 * KSUB
         b_ptrs += 32 * KSUB
         if ALL_RANGES:
-            if kb0 + KSUB == r_end:  # range r is complete: add it, start range r + 1 from -0
-                total += acc
-                acc = tl.full([BLOCK_M, BLOCK_N], -0.0, tl.float32)
-                r += 1
-                r_end = (r + 1) * CHUNKS // RANGES * GRANULE
+            total, acc, r, r_end = _next_range(kb0 + KSUB, r_end, r, total, acc, CHUNKS, RANGES,
+                                               GRANULE)
     if ALL_RANGES:
         acc = total
     if _has_tail(pid_n * BLOCK_N, BLOCK_N, ROPE_D, ROPE_R2):  # the store of _fp8_decode_kernel
@@ -510,11 +520,8 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
                                            VALUES)
                     acc = acc + _scaled(_diag_block(part, g, BLOCK_M), sa, sb, VALUES)
             if ALL_RANGES:
-                if nxt == r_end:  # range r is complete: add it, start range r + 1 from -0
-                    total += acc
-                    acc = tl.full([BLOCK_N, BLOCK_M], -0.0, tl.float32)
-                    r += 1
-                    r_end = (r + 1) * CHUNKS // RANGES * GRANULE
+                total, acc, r, r_end = _next_range(nxt, r_end, r, total, acc, CHUNKS, RANGES,
+                                                   GRANULE)
     elif PREFETCH:
         sa0, sb0 = _block_scales(sa_ptrs, sb_ptrs, kb_lo, m_mask, n_mask, VALUES)
         sa1 = sa0
@@ -591,11 +598,8 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
             a_ptrs += 32 * KSUB
             b_ptrs += 32 * KSUB
             if ALL_RANGES:
-                if nxt == r_end:  # range r is complete: add it, start range r + 1 from -0
-                    total += acc
-                    acc = tl.full([BLOCK_N, BLOCK_M], -0.0, tl.float32)
-                    r += 1
-                    r_end = (r + 1) * CHUNKS // RANGES * GRANULE
+                total, acc, r, r_end = _next_range(nxt, r_end, r, total, acc, CHUNKS, RANGES,
+                                                   GRANULE)
     else:  # the scales of each block in its step, as _fp8_gemm_kernel
         for kb0 in range(kb_lo, kb_hi, KSUB):
             nxt = kb0 + KSUB
@@ -608,11 +612,8 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
             a_ptrs += 32 * KSUB
             b_ptrs += 32 * KSUB
             if ALL_RANGES:
-                if nxt == r_end:  # range r is complete: add it, start range r + 1 from -0
-                    total += acc
-                    acc = tl.full([BLOCK_N, BLOCK_M], -0.0, tl.float32)
-                    r += 1
-                    r_end = (r + 1) * CHUNKS // RANGES * GRANULE
+                total, acc, r, r_end = _next_range(nxt, r_end, r, total, acc, CHUNKS, RANGES,
+                                                   GRANULE)
     if ALL_RANGES:
         acc = total
     mn = offs_m64[None, :] * N + offs_n64[:, None]  # [BLOCK_N, BLOCK_M], N contiguous
