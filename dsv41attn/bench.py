@@ -437,30 +437,47 @@ def timeline_rows(events: list[dict]) -> list[dict]:
     """The GPU's work in a chrome trace's events (the torch profiler's ``export_chrome_trace``):
     every kernel, copy and memset in order of start, as {"start_us": from the first one's
     start, "us": its length, "lane": its stream, numbered 0, 1, .. in order of first use,
-    "name"}."""
+    "idle_us": how long its lane sat idle before it, since the lane's previous launch ended
+    (None for a lane's first): a launch that waited there, for another lane's work or for
+    SMs that other lanes held, "name"}."""
     acts = sorted((e for e in events
                    if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
                   key=lambda e: e["ts"])
     lanes: dict = {}
+    ends: dict = {}  # lane -> where its last launch so far ended
     t0 = acts[0]["ts"] if acts else 0.0
-    return [{"start_us": float(e["ts"] - t0), "us": float(e["dur"]),
-             "lane": lanes.setdefault(e.get("tid"), len(lanes)), "name": e["name"]}
-            for e in acts]
+    rows = []
+    for e in acts:
+        lane = lanes.setdefault(e.get("tid"), len(lanes))
+        start, us = float(e["ts"] - t0), float(e["dur"])
+        rows.append({"start_us": start, "us": us, "lane": lane,
+                     "idle_us": None if lane not in ends else max(0.0, start - ends[lane]),
+                     "name": e["name"]})
+        ends[lane] = max(ends.get(lane, start + us), start + us)
+    return rows
 
 
 def _print_timeline(rows: list[dict]) -> None:
-    """One case of ``bench --timeline``: the replay's span, the kernels' summed time, then
-    every launch (start, length, lane, name)."""
+    """One case of ``bench --timeline``: the replay's span, the kernels' summed time, each
+    lane's launches, busy time and extent, then every launch (start, length, lane, its lane's
+    idle time before it, name)."""
     if not rows:
         print("  no GPU activity recorded")
         return
     span = max(r["start_us"] + r["us"] for r in rows)
-    lanes = len({r["lane"] for r in rows})
-    print(f"  {len(rows)} launches on {lanes} stream(s), {span:.1f} us from the first start to "
-          f"the last end, {sum(r['us'] for r in rows):.1f} us of GPU time in all")
-    print(f"  {'start':>8} {'us':>7} {'lane':>4}  kernel")
+    lanes = sorted({r["lane"] for r in rows})
+    print(f"  {len(rows)} launches on {len(lanes)} stream(s), {span:.1f} us from the first start "
+          f"to the last end, {sum(r['us'] for r in rows):.1f} us of GPU time in all")
+    for lane in lanes:
+        mine = [r for r in rows if r["lane"] == lane]
+        print(f"  lane {lane}: {len(mine)} launches, {sum(r['us'] for r in mine):.1f} us busy, "
+              f"from {mine[0]['start_us']:.1f} to "
+              f"{max(r['start_us'] + r['us'] for r in mine):.1f}")
+    print(f"  {'start':>8} {'us':>7} {'lane':>4} {'idle':>6}  kernel")
     for r in rows:
-        print(f"  {r['start_us']:>8.1f} {r['us']:>7.1f} {r['lane']:>4}  {r['name'][:80]}")
+        idle = "-" if r["idle_us"] is None else f"{r['idle_us']:.1f}"
+        print(f"  {r['start_us']:>8.1f} {r['us']:>7.1f} {r['lane']:>4} {idle:>6}  "
+              f"{r['name'][:80]}")
 
 
 def _longest_first(table: dict[str, tuple[float, int]]) -> list[tuple[str, float, int]]:

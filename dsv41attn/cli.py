@@ -939,7 +939,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--timeline", action="store_true",
                     help="which kernel ran when, and on which stream, in one CUDA-graph replay "
                          "of each role's decode step at 4K, at each batch of the 4K decode "
-                         "cases (none at 4K: b=1 and b=64): where a step's critical path runs")
+                         "cases (none at 4K: b=1 and b=64), with each stream's idle time "
+                         "before each launch and each stream's span: where a step's critical "
+                         "path runs and where it waits")
     bn.add_argument("--batch-invariant", action="store_true",
                     help="also time every layer case in the batch-invariant mode (columns "
                          "invariant and cost: its time and its extra time over the default)")

@@ -107,9 +107,10 @@ def test_per_rank_floor_at_v41_flash(world):
         layer_floor(CFG, 0, 1, 4096, 1, bw, world)
 
 
-def test_timeline_reads_the_gpu_work_of_a_trace():
+def test_timeline_reads_the_gpu_work_of_a_trace(capsys):
     """timeline_rows: kernels, copies and memsets only (not host events, nor GPU events without
-    a length), in order of start from 0, streams numbered in order of first use."""
+    a length), in order of start from 0, streams numbered in order of first use, each with its
+    lane's idle time before it (none for a lane's first); printed with a line per lane."""
     events = [
         {"cat": "kernel", "name": "b", "ts": 110.5, "dur": 2.0, "tid": 146},
         {"cat": "cpu_op", "name": "aten::mm", "ts": 90.0, "dur": 5.0, "tid": 1},
@@ -119,10 +120,20 @@ def test_timeline_reads_the_gpu_work_of_a_trace():
         {"cat": "kernel", "name": "flow", "ts": 95.0, "tid": 7},
         {"ph": "M", "name": "process_name"},
     ]
-    assert timeline_rows(events) == [
-        {"start_us": 0.0, "us": 1.5, "lane": 0, "name": "Memcpy DtoD"},
-        {"start_us": 10.5, "us": 2.0, "lane": 1, "name": "b"},
-        {"start_us": 11.0, "us": 4.0, "lane": 0, "name": "c"},
-        {"start_us": 20.0, "us": 0.5, "lane": 2, "name": "Memset"},
+    events.append({"cat": "kernel", "name": "d", "ts": 114.0, "dur": 1.0, "tid": 7})  # inside c
+    rows = timeline_rows(events)
+    assert rows == [
+        {"start_us": 0.0, "us": 1.5, "lane": 0, "idle_us": None, "name": "Memcpy DtoD"},
+        {"start_us": 10.5, "us": 2.0, "lane": 1, "idle_us": None, "name": "b"},
+        {"start_us": 11.0, "us": 4.0, "lane": 0, "idle_us": 9.5, "name": "c"},
+        {"start_us": 14.0, "us": 1.0, "lane": 0, "idle_us": 0.0, "name": "d"},
+        {"start_us": 20.0, "us": 0.5, "lane": 2, "idle_us": None, "name": "Memset"},
     ]
     assert timeline_rows([]) == []
+    from dsv41attn.bench import _print_timeline
+    _print_timeline(rows)
+    out = capsys.readouterr().out
+    assert "5 launches on 3 stream(s), 20.5 us from the first start" in out
+    assert "lane 0: 3 launches, 6.5 us busy, from 0.0 to 15.0" in out
+    assert "lane 2: 1 launches, 0.5 us busy, from 20.0 to 20.5" in out
+    assert " 0    9.5  c\n" in out and " 1      -  b\n" in out  # lane, its idle time, name
