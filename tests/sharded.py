@@ -108,20 +108,22 @@ def collect(selection: list[str], root: Path, env: dict) -> list[str]:
     return ids
 
 
-def _records(path: Path):
+def _records(path: Path) -> list[tuple[str, str, str, str, float]]:
     """One process's results file, line by line: (phase, outcome, node id, message, seconds)."""
     if not path.exists():
-        return
+        return []
+    recs = []
     for line in path.read_text().splitlines():
         when, outcome, node, message, secs = (line.split("\t") + ["", "", "", "", ""])[:5]
-        yield when, outcome, node, message, float(secs or 0)
+        recs.append((when, outcome, node, message, float(secs or 0)))
+    return recs
 
 
-def outcomes(path: Path) -> dict[str, tuple[str, str]]:
-    """node id -> (outcome, message) from one process's results file: a failure or error in
-    any phase wins over a pass, a skip at setup stands for the test."""
+def outcomes(recs) -> dict[str, tuple[str, str]]:
+    """node id -> (outcome, message) from one process's results (_records): a failure or error
+    in any phase wins over a pass, a skip at setup stands for the test."""
     seen: dict[str, tuple[str, str]] = {}
-    for when, outcome, node, message, _ in _records(path):
+    for when, outcome, node, message, _ in recs:
         if outcome == "failed" and when != "call":
             outcome = "error"
         if seen.get(node, ("",))[0] not in BAD:
@@ -129,9 +131,9 @@ def outcomes(path: Path) -> dict[str, tuple[str, str]]:
     return seen
 
 
-def call_seconds(path: Path) -> dict[str, float]:
-    """node id -> the seconds its call phase took, from one process's results file."""
-    return {node: secs for when, _, node, _, secs in _records(path) if when == "call"}
+def call_seconds(recs) -> dict[str, float]:
+    """node id -> the seconds its call phase took, from one process's results (_records)."""
+    return {node: secs for when, _, node, _, secs in recs if when == "call"}
 
 
 def main(argv=None) -> int:
@@ -189,9 +191,10 @@ def main(argv=None) -> int:
     secs: dict[str, float] = {}
     failing = []  # the processes where a test failed or errored
     for i in range(jobs):
-        mine = outcomes(out / f"results{i}.tsv")
+        recs = _records(out / f"results{i}.tsv")  # read once for both
+        mine = outcomes(recs)
         seen.update(mine)
-        secs.update(call_seconds(out / f"results{i}.tsv"))
+        secs.update(call_seconds(recs))
         if any(outcome in BAD for outcome, _ in mine.values()):
             failing.append(i)
     per_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
