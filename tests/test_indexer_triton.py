@@ -411,6 +411,33 @@ def test_selection_above_and_at_the_threshold(path, selection):
         assert (above >= k).any() and (above < k).any() and (t == 0x7F).any()
 
 
+@pytest.mark.parametrize("n, k", [(5, 7), (7, 7), (64, 7), (64, 1), (64, 64)])
+def test_one_program_selection_bitwise_search(n, k):
+    """The one-program top-k (_select_one_kernel: u by a binary search over its 16 bits)
+    against the reference on keys built to walk every bit: scores that differ only in their
+    lowest bits (adjacent bf16 values), a run of equal scores across the k-th place, all equal,
+    -inf below finite ones, fewer entries than k (every entry taken), k = 1 and k = n. Nothing
+    is written past a query's min(n, k) entries."""
+    g = torch.Generator().manual_seed(n * 100 + k)
+    base = torch.tensor(1.0).bfloat16().view(torch.int16)
+    rows = [(base + torch.randperm(n, generator=g).to(torch.int16)).view(torch.bfloat16),  # adjacent
+            torch.full((n,), 0.25).bfloat16(),  # all equal
+            torch.randint(0, 3, (n,), generator=g).bfloat16() - 1,  # runs of ties, -0 among them
+            torch.where(torch.arange(n) % 3 == 0, float("-inf"),
+                        torch.randn(n, generator=g)).bfloat16(),
+            (-torch.rand(n, generator=g) * 1e30).bfloat16()]
+    scores = torch.stack(rows)
+    visible = torch.full((len(rows),), n)
+    want = ref.select_topk(scores[:, None], visible[:, None], k)[:, 0]
+    out = torch.full((len(rows), k + 2), -7, dtype=torch.int32, device=DEV)
+    assert tri._one_program(n, False)
+    tri._select(scores.view(torch.int16).to(DEV), k, out[:, :k], visible.to(DEV),
+                (None, None, 1), 0, 0, len(rows), n, True, False)
+    taken = min(n, k)
+    assert torch.equal(out[:, :taken].cpu(), want)
+    assert (out[:, taken:] == -7).all()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or tri.interpreting(),
                     reason="compiled kernels at V4.1-Flash shapes need a GPU")
 @pytest.mark.parametrize("case", ["distinct", "ties"])

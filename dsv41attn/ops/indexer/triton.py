@@ -50,8 +50,10 @@ Flow of one call (every launch on the device, no host sync, so a decode step can
    chunk; ``_select_kernel`` writes the selection in ascending row order: every row above u and
    the lowest-numbered rows equal to u, i.e. higher score first, ties to the lower row (SPEC
    §0.2). A source of at most SELECT_ONE_PROGRAM entries a slot (the short contexts' rows
-   and candidate blocks) runs the same passes in one program a slot instead
-   (``_select_one_kernel``: one launch, histograms in registers). For top-k rows past a
+   and candidate blocks) is selected in one program a slot instead (``_select_one_kernel``:
+   one launch; u and the count of ties it takes by a binary search over u's 16 bits, each
+   step one count of the keys at or above a candidate, which took 13-29% off the two
+   register histograms it replaced at 2048-8192 entries on an H100). For top-k rows past a
    query's ``visible`` become -1 (a consumer's list positions
    mapped back to rows first); for candidate blocks the kept mask is written (a block whose
    maximum is -inf is never kept).
@@ -103,10 +105,9 @@ SCORE_WARPS = 4  # warps per scoring program (H200: 8 measured slower)
 PREFILL_WARPS = 4  # ... with PREFILL_TILE queries
 SELECT_CHUNK = 4096  # rows per selection program
 # A selection source of at most this many entries a slot (not a consumer's compact lists) is
-# selected by one program a slot, the radix select's four passes in one launch
-# (_select_one_kernel): a decode at short contexts (V4.1-Flash up to 8K: the ratio-1 rows,
-# up to 16K the ratio-2 rows, up to 64K the candidate blocks) pays one launch instead of four
-# per selection
+# selected by one program a slot, in one launch (_select_one_kernel): a decode at short
+# contexts (V4.1-Flash up to 8K: the ratio-1 rows, up to 16K the ratio-2 rows, up to 64K the
+# candidate blocks) pays one launch instead of four per selection
 SELECT_ONE_PROGRAM = 8192
 BLOCK_KEYS = 128  # candidate blocks per block-key program
 LIST_CHUNK = 4096  # candidate blocks per list-compaction program
@@ -628,6 +629,20 @@ def _hist_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, nvalid_ptr, vis_ptr, tile_to
 
 
 @triton.jit
+def _kth_key(key, m, k):
+    """(u, need) of the 16-bit keys where m holds: u the k-th largest of them, need how many
+    keys equal to u the top-k takes (k minus the keys above u), by a binary search over u's
+    bits, high to low: u is the largest t with at least k keys >= t. The same u and need as
+    the two radix levels of _threshold_of (with fewer than k keys, every key is taken either
+    way)."""
+    u = 0
+    for bit in tl.static_range(15, -1, -1):
+        t = u | (1 << bit)
+        u = tl.where(tl.sum((m & (key >= t)).to(tl.int32), 0) >= k, t, u)
+    return u, k - tl.sum((m & (key > u)).to(tl.int32), 0)
+
+
+@triton.jit
 def _cut(hist_hi_ptr, hist_lo_ptr, N, k):
     """The k-th largest key u and how many keys equal to u the selection takes."""
     b, above, in_bin = _threshold(hist_hi_ptr, N, k)
@@ -732,10 +747,10 @@ def _select_one_kernel(src_ptr, out_ptr, vis_ptr, tile_tok_ptr, tile_cnt_ptr, ti
                        TILE: tl.constexpr, HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr,
                        MASK_OUT: tl.constexpr, CLIP: tl.constexpr, UNIT: tl.constexpr,
                        BLOCKS: tl.constexpr):
-    """_select's passes for a source of N <= CH entries a slot, in one program a slot: the
-    high bytes' histogram, the low bytes' inside its threshold bin (both in registers), then
-    the selection written as _select_kernel writes it (the whole source is its one chunk, so
-    nothing comes before it). BLOCKS (the candidate source's kept blocks, MASK_OUT): the
+    """_select for a source of N <= CH entries a slot, in one program a slot: the k-th
+    largest key u and the ties it takes (_kth_key: the same u and count as the radix passes'
+    two histograms), then the selection written as _select_kernel writes it (the whole source
+    is its one chunk, so nothing comes before it). BLOCKS (the candidate source's kept blocks, MASK_OUT): the
     entries are the blocks of UNIT rows of bf16 scores src [slots, n_rows], each block's key
     made here as _block_key_kernel makes it (PIN), so no block-key launch. Grid (slots,)."""
     slot = tl.program_id(0)
@@ -750,10 +765,8 @@ def _select_one_kernel(src_ptr, out_ptr, vis_ptr, tile_tok_ptr, tile_cnt_ptr, ti
                                   tl.load(vis_ptr + tok), UNIT, UNIT, True, CLIP, True)
         else:
             offs, m, key = _chunk_keys(src_ptr, slot, 0, n, N, CH, FROM_SCORES)
-        b, above, in_bin = _threshold_of(_byte_hist(key >> 8, m), n, k)
-        lo, above_lo, _ = _threshold_of(_byte_hist(key & 0xFF, m & ((key >> 8) == b)),
-                                        in_bin, k - above)
-        take, pos, _, _ = _take(key, m, b * 256 + lo, k - above - above_lo, 0, 0)
+        u, need = _kth_key(key, m, k)
+        take, pos, _, _ = _take(key, m, u, need, 0, 0)
         if MASK_OUT:  # past n: not taken, so 0
             tl.store(out_ptr + tok * out_stride + offs, (take & (key > KEY_NINF)).to(tl.uint8),
                      mask=offs < N)
@@ -923,10 +936,11 @@ def _one_program_ch(n: int) -> int:
 
 
 def _one_program_warps(n: int) -> int:
-    """Warps of _select_one_kernel for n entries a slot: 4 (as the passes' programs) up to
-    2048, one per 512 entries above (sm_90a, Triton 3.6: no spill in any form up to 8192
-    entries; the rows' form at 8192 held 217 registers at 8 warps, 101 at 16)."""
-    return max(4, min(16, _one_program_ch(n) // 512))
+    """Warps of _select_one_kernel for n entries a slot: 4 below 2048, 8 from there. H100,
+    one call of 1-256 slots, us at 4 / 8 / 16 warps: 2048 rows 6.0 / 5.8 / 6.6 (one slot),
+    4096 rows 8.3 / 7.9 / 8.9, 8192 rows 22.5 / 11.9 / 13.2, 8192 candidate blocks 49.7 /
+    42.3 / 41.5 (sm_90a, Triton 3.6: no spill; 128 registers at 8192 entries and 8 warps)."""
+    return 4 if _one_program_ch(n) < 2048 else 8
 
 
 def _filters(slots: int, n: int, k: int) -> bool:
