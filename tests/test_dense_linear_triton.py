@@ -127,20 +127,43 @@ FP8_CASES = [(1, 37, 200, 1, None, None, None), (5, 16, 128, 2, 2, None, False),
              (3, 64, 208, 2, None, (16, 128, 4, 2), True), (33, 24, 256, 2, 4, None, True)]
 
 
+@pytest.mark.parametrize("rescaled", [False, True], ids=["scaled", "rescaled"])
 @pytest.mark.parametrize("m,n,k,groups,splits,tiles,tma", FP8_CASES)
-def test_fp8_codes_give_dense_linear_bits(m, n, k, groups, splits, tiles, tma):
+def test_fp8_codes_give_dense_linear_bits(m, n, k, groups, splits, tiles, tma, rescaled):
     """dense_fp8_linear on an fp8 weight's codes and block scales = dense_linear on its bf16
-    values, bit for bit, every output written (a NaN-poisoned out)."""
+    values, bit for bit, every output written (a NaN-poisoned out); also with ``rescaled``
+    (the split TMA tiles on the unscaled codes, the accumulator stepped from block scale to
+    block scale: its own branch of the kernel, on the GPU and under the interpreter)."""
     x, w = _fp8_operands(m, n, k, groups, seed=m + n + k)
     x, w8, s8 = x.to(DEV), w.weight.to(DEV), w.scale.to(DEV)
+    assert T.rescalable_scales(s8)
     want = dense_linear(x, w.dequantize().to(DEV), groups, num_splits=splits)
     out = torch.full((m, groups * n), float("nan"), dtype=torch.bfloat16, device=DEV)
     got = T.dense_fp8_linear(x, w8, s8, groups, num_splits=splits, tiles=tiles, tma=tma,
-                             out=out)
+                             rescaled=rescaled, out=out)
     assert got.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
     assert _same(got, want)
     assert _same(T.dense_fp8_linear(x[-1:], w8, s8, groups, num_splits=splits, tiles=tiles,
-                                    tma=tma), want[-1:])  # a row alone: the same bits
+                                    tma=tma, rescaled=rescaled),
+                 want[-1:])  # a row alone: the same bits
+
+
+def test_rescalable_scales():
+    """rescaled needs every scale byte in 1..254 and K neighbours at most 126 apart (the
+    accumulator's steps and its last factor are then normal fp32 powers of two)."""
+    e = torch.full((3, 5), 120, dtype=torch.uint8)
+    assert T.rescalable_scales(e.view(torch.float8_e8m0fnu))
+    for row, col, value, ok in ((1, 2, 246, True), (1, 2, 247, False), (0, 0, 0, False),
+                                (2, 4, 255, False), (2, 0, 1, True)):
+        bad = e.clone()
+        bad[row, col] = value
+        assert T.rescalable_scales(bad.view(torch.float8_e8m0fnu)) == ok, (row, col, value)
+    apart = e.clone()
+    apart[0, 1:] = torch.tensor([247, 121, 247, 121], dtype=torch.uint8)
+    assert not T.rescalable_scales(apart.view(torch.float8_e8m0fnu))
+    apart[0, 1:] = 120
+    apart[1] = 240  # rows apart (not K neighbours): fine
+    assert T.rescalable_scales(apart.view(torch.float8_e8m0fnu))
 
 
 def test_fp8_codes_one_program_sums_the_ranges(monkeypatch):

@@ -420,7 +420,8 @@ def test_one_program_selection_bitwise_search(n, k):
     is written past a query's min(n, k) entries."""
     g = torch.Generator().manual_seed(n * 100 + k)
     base = torch.tensor(1.0).bfloat16().view(torch.int16)
-    rows = [(base + torch.randperm(n, generator=g).to(torch.int16)).view(torch.bfloat16),  # adjacent
+    adjacent = (base + torch.randperm(n, generator=g).to(torch.int16)).view(torch.bfloat16)
+    rows = [adjacent,
             torch.full((n,), 0.25).bfloat16(),  # all equal
             torch.randint(0, 3, (n,), generator=g).bfloat16() - 1,  # runs of ties, -0 among them
             torch.where(torch.arange(n) % 3 == 0, float("-inf"),

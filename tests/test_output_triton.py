@@ -154,6 +154,38 @@ def test_prepare_wo_a_keeps_the_exact_codes():
     assert T.prepare_wo_a(w8) == {} and R.prepare_wo_a(w16) == {}
 
 
+def test_prepared_codes_say_whether_they_run_rescaled(monkeypatch):
+    """prepare_wo_a notes whether the codes' scales allow dense_fp8_linear's rescaled tiles
+    (rescalable_scales), and the op passes that on. Weights prepared again in place keep their
+    WoACodes only while that holds the same: a block at 2^-100 beside one at 2^27 (scale bytes
+    19 and 146, 127 apart along K) gives new codes, which a graph that captured the old ones
+    refuses (it replays only the copies it read)."""
+    g = torch.Generator().manual_seed(31)
+    w16 = quantize_fp8(torch.randn(64, 96, generator=g)).dequantize().to(DEV)
+    kw = T.prepare_wo_a(w16)
+    first = kw["codes"]
+    assert first.rescaled
+    seen = []
+    real = T.dense_fp8_linear
+    monkeypatch.setattr(T, "dense_fp8_linear",
+                        lambda *a, **k: seen.append(k.get("rescaled")) or real(*a, **k))
+    o = torch.randn(2, 2, 96, generator=g).bfloat16().to(DEV)
+    T.inverse_rope_wo_a(o, None, w16, 2, codes=first)
+    assert seen == [True]
+    wide = w16.clone()
+    wide[:32, :32] = 2.0 ** -100
+    wide[:32, 32:64] = 2.0 ** 27
+    w16.copy_(wide)  # in place
+    again = T.prepare_wo_a(w16, previous=first)["codes"]
+    assert again is not first and not again.rescaled and again.serves(w16)
+    assert torch.equal(again.fp8.dequantize().view(torch.int16), w16.view(torch.int16))
+    T.inverse_rope_wo_a(o, None, w16, 2, codes=again)
+    assert seen == [True, False]
+    w16.copy_(quantize_fp8(torch.randn(64, 96, generator=g)).dequantize().to(DEV))
+    third = T.prepare_wo_a(w16, previous=again)["codes"]
+    assert third is not again and third.rescaled
+
+
 @pytest.mark.parametrize("fixed_order", [True, False], ids=["fixed", "step-sized"])
 def test_codes_path_gives_the_bf16_paths_bits(fixed_order, monkeypatch):
     """Up to the mode's WO_A_(STEP_)CODES_MAX_ROWS rows with the prepared codes the op runs

@@ -747,12 +747,13 @@ def _select_one_kernel(src_ptr, out_ptr, vis_ptr, tile_tok_ptr, tile_cnt_ptr, ti
                        TILE: tl.constexpr, HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr,
                        MASK_OUT: tl.constexpr, CLIP: tl.constexpr, UNIT: tl.constexpr,
                        BLOCKS: tl.constexpr):
-    """_select for a source of N <= CH entries a slot, in one program a slot: the k-th
-    largest key u and the ties it takes (_kth_key: the same u and count as the radix passes'
-    two histograms), then the selection written as _select_kernel writes it (the whole source
-    is its one chunk, so nothing comes before it). BLOCKS (the candidate source's kept blocks, MASK_OUT): the
-    entries are the blocks of UNIT rows of bf16 scores src [slots, n_rows], each block's key
-    made here as _block_key_kernel makes it (PIN), so no block-key launch. Grid (slots,)."""
+    """_select for a source of N <= CH entries a slot, in one program a slot: the k-th largest
+    key u and the ties it takes (_kth_key: the same u and count as the radix passes' two
+    histograms), then the selection written as _select_kernel writes it (the whole source is
+    its one chunk, so nothing comes before it). BLOCKS (the candidate source's kept blocks,
+    MASK_OUT): the entries are the blocks of UNIT rows of bf16 scores src [slots, n_rows], each
+    block's key made here as _block_key_kernel makes it (PIN), so no block-key launch. Grid
+    (slots,)."""
     slot = tl.program_id(0)
     tok, ok = _query_token(slot, tile_tok_ptr, tile_cnt_ptr, tile_base, slot_base, TILE,
                            HAS_TILES)

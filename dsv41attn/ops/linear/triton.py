@@ -1411,10 +1411,59 @@ def _dense_sum_kernel(part_ptr, out_ptr, NUMEL, S, FP64: tl.constexpr, BLOCK: tl
 
 
 @triton.jit
+def _pow2(d):
+    """2^d as fp32 for int32 d in -126..127 (an exponent field 1..254: exact, normal)."""
+    return ((d + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rescaled_steps(acc, w_desc, x_row, s_row, row0, lo, hi, KG, n_mask, m_mask, offs_n,
+                    INTERPRET: tl.constexpr):
+    """K steps lo .. hi - 1 of _dense_fp8_kernel (RESCALED: one range; acc: [BLOCK_N,
+    BLOCK_M] fp32 zeros) from the weight's unscaled e4m3 values: each 32-block's dot runs on
+    the codes as they are, and the accumulator holds the sum so far times 2^-s (s: the scale
+    exponent of the row's current block), brought to the next block's scale by one power of two
+    before its dot and to 1 after the last. Scaling every addend and the sum by one power of
+    two changes no bit of the hardware's fp32 sum while all stay in fp32's normal range, and
+    the factors are exact (the caller checked the scale bytes: rescalable_scales); so the same
+    bits as the scaled operands' chain. Why: the operand then reaches the wgmma straight from
+    its shared-memory load, with no per-element scale select and no layout change through shared
+    memory (H100, V4.1-Flash wo_a at 1-16 rows: 20.5 -> 18.2 us). w_desc: [BLOCK_N, 32] boxes.
+    Under the interpreter: each step's exact sum in fp64 of the scaled values, as the other
+    branch makes it."""
+    half = tl.arange(0, 32)
+    e_prev = tl.load(s_row + 2 * lo, mask=n_mask, other=127).to(tl.int32)
+    for step in range(lo, hi):
+        if INTERPRET:
+            step_sum = tl.zeros(acc.shape, tl.float64)
+        for h in tl.static_range(2):
+            kb = 2 * step + h
+            e = tl.load(s_row + kb, mask=n_mask & (offs_n * 0 + kb * 32 < KG),
+                        other=127).to(tl.int32)
+            codes = w_desc.load([row0, kb * 32])
+            kk = kb * 32 + half
+            x = tl.load(x_row + kk[None, :], mask=m_mask[:, None] & (kk < KG)[None, :],
+                        other=0.0)
+            if INTERPRET:
+                w = e4m3_to_fp32(codes) * e8m0_to_fp32(e)[:, None]
+                step_sum += tl.dot(w.to(tl.float64), tl.trans(x.to(tl.float32).to(tl.float64)),
+                                   out_dtype=tl.float64)
+            else:
+                acc = acc * _pow2(e_prev - e)[:, None]
+                acc = tl.dot(e4m3_to_fp32(codes).to(tl.bfloat16), tl.trans(x), acc)
+            e_prev = e
+        if INTERPRET:
+            acc += step_sum.to(tl.float32)
+    if not INTERPRET:
+        acc = acc * _pow2(e_prev - 127)[:, None]
+    return acc
+
+
+@triton.jit
 def _dense_fp8_kernel(x_ptr, w_ptr, s_ptr, w_desc, out_ptr, part_ptr, cnt_ptr, M, NG, KG, XK,
                       CN, SK, CHUNKS, RANGES, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLITS: tl.constexpr, ALL_RANGES: tl.constexpr, TMA: tl.constexpr,
-                      INTERPRET: tl.constexpr):
+                      RESCALED: tl.constexpr, INTERPRET: tl.constexpr):
     """_dense_gemm_kernel's bf16 GEMM (the same K steps of 64, the same fp32 chain, the same
     ranges) for a weight held as e4m3 codes with e8m0 32x32 block scales, read as its bytes:
     each step's [BLOCK_N, 64] codes times their two block scales are the weight's bf16 values
@@ -1426,7 +1475,8 @@ def _dense_fp8_kernel(x_ptr, w_ptr, s_ptr, w_desc, out_ptr, part_ptr, cnt_ptr, M
     [M, CN] bf16. Grid (G * cdiv(NG, BLOCK_N), S, cdiv(M, BLOCK_M)): program (n, z, m) makes
     range z (S = SPLITS = RANGES: its fp32 partial into part [S, M, CN], and the tile's last
     program to finish, by the counter in cnt, adds them in range order, writes out and resets
-    the counter) or every range in turn (ALL_RANGES, S = 1)."""
+    the counter) or every range in turn (ALL_RANGES, S = 1). RESCALED (TMA with [BLOCK_N, 32]
+    boxes, not ALL_RANGES): the steps as _rescaled_steps runs them."""
     BLOCK_K: tl.constexpr = 64
     n_tiles = tl.cdiv(NG, BLOCK_N)
     pid_n = tl.program_id(0)
@@ -1455,31 +1505,36 @@ def _dense_fp8_kernel(x_ptr, w_ptr, s_ptr, w_desc, out_ptr, part_ptr, cnt_ptr, M
     w_row = w_ptr + wrows[:, None] * KG
     s_row = s_ptr + (wrows // 32) * SK
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for step in range(lo, hi):
-        k = step * BLOCK_K + offs_k
-        k_mask = k < KG
-        if TMA:
-            codes = w_desc.load([g * NG + n0, step * BLOCK_K])
-        else:
-            codes = tl.load(w_row + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
-        s0 = e8m0_to_fp32(tl.load(s_row + 2 * step, mask=n_mask, other=127).to(tl.int32))
-        s1 = e8m0_to_fp32(tl.load(s_row + 2 * step + 1,
-                                  mask=n_mask & (offs_n * 0 + (2 * step + 1) * 32 < KG),
-                                  other=127)
-                          .to(tl.int32))
-        w = e4m3_to_fp32(codes) * tl.where(second, s1[:, None], s0[:, None])  # exact
-        x = tl.load(x_row + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if INTERPRET:  # as _dense_gemm_kernel's: each step's exact sum in fp64, rounded to fp32
-            a64 = x.to(tl.float32).to(tl.float64)
-            acc += tl.dot(w.to(tl.float64), tl.trans(a64), out_dtype=tl.float64).to(tl.float32)
-        else:
-            acc = tl.dot(w.to(tl.bfloat16), tl.trans(x), acc)
-        if ALL_RANGES:
-            if step + 1 == r_end:  # range r is complete: add it, start range r + 1 from 0
-                total += acc
-                acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-                r += 1
-                r_end = (r + 1) * CHUNKS // RANGES
+    if RESCALED:
+        acc = _rescaled_steps(acc, w_desc, x_row, s_row, g * NG + n0, lo, hi, KG, n_mask,
+                              m_mask, offs_n, INTERPRET)
+    else:
+        for step in range(lo, hi):
+            k = step * BLOCK_K + offs_k
+            k_mask = k < KG
+            if TMA:
+                codes = w_desc.load([g * NG + n0, step * BLOCK_K])
+            else:
+                codes = tl.load(w_row + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                                other=0)
+            s0 = e8m0_to_fp32(tl.load(s_row + 2 * step, mask=n_mask, other=127).to(tl.int32))
+            s1 = e8m0_to_fp32(tl.load(s_row + 2 * step + 1,
+                                      mask=n_mask & (offs_n * 0 + (2 * step + 1) * 32 < KG),
+                                      other=127)
+                              .to(tl.int32))
+            w = e4m3_to_fp32(codes) * tl.where(second, s1[:, None], s0[:, None])  # exact
+            x = tl.load(x_row + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if INTERPRET:  # as _dense_gemm_kernel's: each step's exact sum in fp64, to fp32
+                a64 = x.to(tl.float32).to(tl.float64)
+                acc += tl.dot(w.to(tl.float64), tl.trans(a64), out_dtype=tl.float64).to(tl.float32)
+            else:
+                acc = tl.dot(w.to(tl.bfloat16), tl.trans(x), acc)
+            if ALL_RANGES:
+                if step + 1 == r_end:  # range r is complete: add it, start range r + 1 from 0
+                    total += acc
+                    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                    r += 1
+                    r_end = (r + 1) * CHUNKS // RANGES
     if ALL_RANGES:
         acc = total
     mn = rows[None, :] * CN + wrows[:, None]  # [BLOCK_N, BLOCK_M]
@@ -1626,9 +1681,20 @@ def _run_dense(plan: _DensePlan, x: torch.Tensor, weight: torch.Tensor, groups: 
 DENSE_FP8_TILES = ((16, 16, 64, 4, 3, True), (None, 64, 64, 4, 3, False))
 
 
+def rescalable_scales(scale: torch.Tensor) -> bool:
+    """Whether dense_fp8_linear(..., rescaled=True) may run on these e8m0 block scales [.., KB]
+    (its accumulator steps from one block's scale to the next by exact powers of two): every
+    byte in 1..254 (no 2^-127, no NaN) and neighbours along K at most 126 apart. A host sync:
+    check once per weight (prepare_wo_a does)."""
+    e = scale.view(torch.uint8).to(torch.int16)
+    return bool(((e >= 1) & (e <= 254)).all()) and \
+        bool(((e[:, 1:] - e[:, :-1]).abs() <= 126).all())
+
+
 def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                      groups: int = 1, *, num_splits: int | None = None,
                      tiles: tuple | None = None, tma: bool | None = None,
+                     rescaled: bool = False,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """``dense_linear(x, Fp8Weight(weight, scale).dequantize(), groups)``, the same bits,
     reading the weight's e4m3 bytes and e8m0 block scales instead of its bf16 copy: half the
@@ -1639,7 +1705,11 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     float8_e8m0fnu [cdiv(groups * Ng, 32), cdiv(Kg, 32)]. num_splits: dense_linear's. tiles:
     (BLOCK_M, BLOCK_N, warps, stages), None = DENSE_FP8_TILES by M (for tuning; the same bits
     at any); tma: read the codes through a TMA descriptor (None: as DENSE_FP8_TILES says,
-    where _tma_weight allows); out: a contiguous bf16 [rows of x, groups * Ng] to write into.
+    where _tma_weight allows); rescaled: the caller checked the scales (rescalable_scales),
+    so TMA tiles whose ranges run as separate programs take the weight's unscaled codes and
+    keep their accumulator in the current block's scale (_rescaled_steps: the same bits while
+    every product and partial sum stays in fp32's normal range, about 11% faster at 1-16 rows
+    on wo_a); out: a contiguous bf16 [rows of x, groups * Ng] to write into.
     The ranges run as separate programs while the tiles leave SMs idle, the last to finish
     adding them. Returns [..., groups * Ng] bf16.
     """
@@ -1677,13 +1747,14 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             f"of 16 and a Hopper or newer GPU)")
     tma = tma_ok and tma_tile if tma is None else tma
     w8 = w.view(torch.uint8)
-    w_desc = TensorDescriptor.from_tensor(w8, [bn, 64]) if tma else w8
+    resc = bool(rescaled) and bool(tma) and (split or order.ranges == 1)
+    w_desc = TensorDescriptor.from_tensor(w8, [bn, 32 if resc else 64]) if tma else w8
     part = torch.empty(s, m, rows, dtype=torch.float32, device=x.device) if split else out
     counters = _tile_counters(out.device, grid_n * grid_m) if split else out
     _dense_fp8_kernel[(grid_n, s, grid_m)](
         x2, w8, scale.contiguous().view(torch.uint8), w_desc, out, part, counters, m, ng, kg,
         x2.shape[1], rows, want[1], order.chunks, order.ranges, BLOCK_M=bm, BLOCK_N=bn,
-        SPLITS=s, ALL_RANGES=order.ranges > 1 and not split, TMA=bool(tma),
+        SPLITS=s, ALL_RANGES=order.ranges > 1 and not split, TMA=bool(tma), RESCALED=resc,
         INTERPRET=interpreting(), num_warps=warps, num_stages=stages)
     return out.reshape(*lead, rows)
 

@@ -41,7 +41,7 @@ from ...checkpoint import Fp8Weight, exact_fp8
 from ..common.buffers import out_buffer
 from ..common.triton import (FP8_BLOCK, check_device, cos_sin, e4m3_to_fp32, e8m0_to_fp32,
                              interpreting, rope_heads, sm_count, to_bf16)
-from ..linear.triton import dense_fp8_linear, dense_linear
+from ..linear.triton import dense_fp8_linear, dense_linear, rescalable_scales
 from .reference import check_inputs
 
 # Calls of up to this many rows read wo_a's e4m3 codes (dense_fp8_linear) where the op has
@@ -192,12 +192,15 @@ class WoACodes:
     the bytes. Built once per layer by ``prepare_wo_a``; it serves only the tensor it was made
     from, unchanged since (``serves``: a wo_a written in place, or another tensor, runs the
     bf16 path) or since ``prepare_wo_a`` refreshed it in place. ``reads``: the calls that read
-    it (a captured decode graph notes which copies its launches read)."""
+    it (a captured decode graph notes which copies its launches read). ``rescaled``: its
+    scales passed ``rescalable_scales``, so decode calls run dense_fp8_linear's rescaled
+    tiles."""
 
     fp8: Fp8Weight
     source: torch.Tensor
     version: int
     reads: int = 0
+    rescaled: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -214,19 +217,23 @@ def prepare_wo_a(wo_a: torch.Tensor | Fp8Weight, previous: WoACodes | None = Non
     wo_a's ``WoACodes``; {} when wo_a has no exact e4m3 form or is an Fp8Weight already (the
     op reads that one as it is). ``previous``: the layer's codes so far; when they were made
     from this very tensor (since written in place), they are rewritten in place and returned,
-    so that a decode graph that captured them reads the new codes."""
+    so that a decode graph that captured them reads the new codes; unless the new scales
+    change ``rescaled`` (a captured kernel of the one form must not read scales made for the
+    other): then new codes, and such a graph refuses to replay."""
     if isinstance(previous, WoACodes) and previous.serves(wo_a):
         return {"codes": previous}  # unchanged: nothing to rebuild
     if isinstance(wo_a, torch.Tensor) and wo_a.dtype == torch.bfloat16 and wo_a.dim() == 2:
         fp8 = exact_fp8(wo_a)
         if fp8 is not None:
+            rescaled = rescalable_scales(fp8.scale)
             if isinstance(previous, WoACodes) and previous.source is wo_a \
-                    and previous.fp8.weight.shape == fp8.weight.shape:  # not resized
+                    and previous.fp8.weight.shape == fp8.weight.shape \
+                    and previous.rescaled == rescaled:  # not resized, the same kernel form
                 previous.fp8.weight.copy_(fp8.weight)
                 previous.fp8.scale.copy_(fp8.scale)
                 previous.version = wo_a._version
                 return {"codes": previous}
-            return {"codes": WoACodes(fp8, wo_a, wo_a._version)}
+            return {"codes": WoACodes(fp8, wo_a, wo_a._version, rescaled=rescaled)}
     return {}
 
 
@@ -286,7 +293,8 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Ten
         if fp8_form is not None and n <= limit:  # dense_linear's bits on the fp8 bytes
             if not fp8:
                 codes.reads += 1
-            return dense_fp8_linear(rotated, fp8_form.weight, fp8_form.scale, groups, out=out)
+            return dense_fp8_linear(rotated, fp8_form.weight, fp8_form.scale, groups, out=out,
+                                    rescaled=not fp8 and codes.rescaled)
         w16 = wo_a.dequantize() if fp8 else weight
         if not fixed_order:  # torch's batched GEMM writes straight into out's [G, N, Rk] view
             torch.bmm(rotated.view(n, groups, kg).transpose(0, 1),
