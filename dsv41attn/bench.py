@@ -871,15 +871,17 @@ WO_A_ROWS = (1, 16, 64, 256)  # decode batches; the codes serve up to 16 / 64 ro
 def bench_wo_a(copy_bw: float, rows=WO_A_ROWS, layer: int = 2,
                min_bytes: int = 512 << 20) -> list[dict]:
     """V4.1-Flash ``layer``'s grouped wo_a alone (the projection inverse_rope_wo_a runs once o
-    is turned back) three ways, at each of ``rows``: "codes" (dense_fp8_linear on the fp8
-    codes and block scales), "bf16 torch" (torch's batched GEMM on the bf16 copy: the default
-    mode past WO_A_STEP_CODES_MAX_ROWS), "bf16 fixed" (dense_linear on the bf16 copy: the
+    is turned back) four ways, at each of ``rows``: "codes" (dense_fp8_linear on the fp8
+    codes and block scales, rescaled where the scales allow it, as prepare_wo_a's codes run),
+    "codes, scaled" (the same with rescaled=False: each element times its block scale before
+    the MMA), "bf16 torch" (torch's batched GEMM on the bf16 copy: the default mode past
+    WO_A_STEP_CODES_MAX_ROWS), "bf16 fixed" (dense_linear on the bf16 copy: the
     batch-invariant mode past WO_A_CODES_MAX_ROWS); each in a CUDA graph over enough weight
     copies to pass ``min_bytes``. floor = max(FLOPs / 790 TFLOP/s, (fp8 weight + scales + x +
     y bytes) / copy_bw), as the layer's floor counts wo_a; same_bits: the codes' output
     against dense_linear's (they promise the same bits)."""
     from .checkpoint import quantize_fp8
-    from .ops.linear.triton import dense_fp8_linear, dense_linear
+    from .ops.linear.triton import dense_fp8_linear, dense_linear, rescalable_scales
 
     cfg = preset("v41-flash")
     n, k = expected_tensors(cfg, layer)["wo_a.weight"][1]
@@ -888,10 +890,11 @@ def bench_wo_a(copy_bw: float, rows=WO_A_ROWS, layer: int = 2,
     w = quantize_fp8(torch.randn(n, k, device="cuda") / k ** 0.5)
     w16 = w.dequantize()
     wbytes = w.weight.numel() + w.scale.numel()
+    rescaled = {"codes": rescalable_scales(w.scale), "codes, scaled": False}
     out = []
-    for form in ("codes", "bf16 torch", "bf16 fixed"):
-        make, one = ((lambda: (w.weight.clone(), w.scale.clone())), wbytes) if form == "codes" \
-            else (w16.clone, w16.numel() * 2)
+    for form in ("codes", "codes, scaled", "bf16 torch", "bf16 fixed"):
+        make, one = ((lambda: (w.weight.clone(), w.scale.clone())), wbytes) \
+            if form in rescaled else (w16.clone, w16.numel() * 2)
         copies = _weight_copies(make, one, min_bytes)
         for m in rows:
             x = torch.randn(m, groups * kg, device="cuda").to(torch.bfloat16)
@@ -899,8 +902,8 @@ def bench_wo_a(copy_bw: float, rows=WO_A_ROWS, layer: int = 2,
 
             def call():
                 for c in copies:
-                    if form == "codes":
-                        dense_fp8_linear(x, c[0], c[1], groups, out=y)
+                    if form in rescaled:
+                        dense_fp8_linear(x, c[0], c[1], groups, rescaled=rescaled[form], out=y)
                     elif form == "bf16 torch":
                         torch.bmm(x.view(m, groups, kg).transpose(0, 1),
                                   c.view(groups, ng, kg).transpose(1, 2),
@@ -912,8 +915,9 @@ def bench_wo_a(copy_bw: float, rows=WO_A_ROWS, layer: int = 2,
             flops = 2.0 * m * n * kg
             floor = max(flops / BF16_FLOPS, (wbytes + 2 * m * (groups * kg + n)) / copy_bw)
             same = None
-            if form == "codes":
-                same = torch.equal(dense_fp8_linear(x, w.weight, w.scale, groups).view(torch.int16),
+            if form in rescaled:
+                got = dense_fp8_linear(x, w.weight, w.scale, groups, rescaled=rescaled[form])
+                same = torch.equal(got.view(torch.int16),
                                    dense_linear(x, w16, groups).view(torch.int16))
             out.append({"form": form, "N": n, "K": groups * kg, "rows": m, "us": us,
                         "floor_us": floor * 1e6, "ratio": us * 1e-6 / floor, "same_bits": same})
@@ -1056,12 +1060,14 @@ def main(args) -> int:
             print(f"{r['weight']:<14}{r['N']:>7}x{r['K']:<5}{r['rows']:>6}{r['us']:>9.1f}"
                   f"{r['floor_us']:>8.1f}{r['ratio']:>7.2f}{r['GB/s']:>7.0f}{r['copy%']:>6.0f}%"
                   f"{r['TFLOP/s']:>9.0f}")
-        print("wo_a alone (the grouped GEMM, 8 groups): its fp8 codes, its bf16 copy on torch "
-              "and on dense_linear; floor counts the fp8 bytes; same bits: codes = dense_linear")
-        print(f"{'form':<12}{'rows':>6}{'us':>9}{'floor':>8}{'ratio':>7}  same bits")
+        print("wo_a alone (the grouped GEMM, 8 groups): its fp8 codes (rescaled where the "
+              "scales allow, as the layer runs them, and with scaled operands), its bf16 copy "
+              "on torch and on dense_linear; floor counts the fp8 bytes; same bits: codes = "
+              "dense_linear")
+        print(f"{'form':<15}{'rows':>6}{'us':>9}{'floor':>8}{'ratio':>7}  same bits")
         for r in bench_wo_a(copy_bw):
             same = "" if r["same_bits"] is None else str(r["same_bits"])
-            print(f"{r['form']:<12}{r['rows']:>6}{r['us']:>9.1f}{r['floor_us']:>8.1f}"
+            print(f"{r['form']:<15}{r['rows']:>6}{r['us']:>9.1f}{r['floor_us']:>8.1f}"
                   f"{r['ratio']:>7.2f}  {same}")
         if args.part == "gemm":
             return 0
