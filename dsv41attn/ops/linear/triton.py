@@ -412,23 +412,94 @@ def _last_range_sum(part_ptr, acc, mn, mask, split, plane, cnt, SPLITS: tl.const
 @triton.jit
 def _diag_tokens(a_ptr, row0, M, K, k0, MP: tl.constexpr, G: tl.constexpr):
     """The token operand of G consecutive 32-blocks from column k0, laid block-diagonally for one
-    tl.dot: [32 G, 16] (a_ptr's dtype), column g * MP + m holding token row row0 + m's block g in
-    rows 32 g .. 32 g + 31, zeros elsewhere (and in columns past G MP, or rows past M)."""
+    tl.dot: [32 G, 16] (a_ptr's dtype), each column holding one token row's block (rows 32 g ..
+    32 g + 31 of block g) and zeros elsewhere (and in unused columns, or rows past M). Column
+    c = 8 j + 2 q + i (the wgmma accumulator's: q is the thread's lane in its quad, j and i its
+    registers) holds slot s = 2 j + i of token row row0 + q + 4 (s // G), block s % G: so every
+    block dot of a token row lands in the same thread (_diag_slots), for MP <= 8 rows and G <= 4
+    // cdiv(MP, 4) blocks."""
     kk = tl.arange(0, 32 * G)
     c = tl.arange(0, 16)
-    row = row0 + c % MP
-    mask = ((kk // 32)[:, None] == (c // MP)[None, :]) & (row < M)[None, :]
+    slot = (c // 8) * 2 + c % 2
+    m = (c // 2) % 4 + 4 * (slot // G)
+    row = row0 + m
+    mask = ((kk // 32)[:, None] == (slot % G)[None, :]) & ((m < MP) & (row < M))[None, :]
     return tl.load(a_ptr + row.to(tl.int64)[None, :] * K + (k0 + kk)[:, None], mask=mask,
                    other=0.0)
 
 
 @triton.jit
-def _diag_block(part, g, MP: tl.constexpr):
-    """Block g's dots [BLOCK_N, MP] out of a block-diagonal dot [BLOCK_N, 16] (_diag_tokens):
-    its columns g * MP .. g * MP + MP - 1, exactly (the other columns enter the sum as -0)."""
-    p3 = tl.reshape(part, (part.shape[0], 16 // MP, MP))
-    gi = tl.arange(0, 16 // MP)
-    return tl.sum(tl.where((gi == g)[None, :, None], p3, -0.0), axis=1)
+def _diag_slots(part):
+    """The four slots of a block-diagonal dot [BLOCK_N, 16] (_diag_tokens' columns), each
+    [BLOCK_N, 4] with the token rows' lane q as its column: part[:, 8 j + 2 q + i] is slot
+    2 j + i. A split of the accumulator's own registers: no data leaves its thread."""
+    bn: tl.constexpr = part.shape[0]
+    p_i0, p_i1 = tl.split(tl.reshape(part, (bn, 2, 4, 2)))  # [BLOCK_N, j, q] each
+    s0, s2 = tl.split(tl.permute(p_i0, (0, 2, 1)))
+    s1, s3 = tl.split(tl.permute(p_i1, (0, 2, 1)))
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _diag_scales(sb_ptr, sa0_ptrs, sa1_ptrs, kbs, kb_hi, KB, N, n0, mk0, mk1,
+                 BLOCK_N: tl.constexpr, NH: tl.constexpr):
+    """The block scales of 32-blocks kbs [C] (those past kb_hi masked) for DIAG's tiles: the
+    weight's [BLOCK_N, C] (e8m0 -> fp32) of rows n0.., loaded as the tile's [BLOCK_N / 32, C]
+    (few enough for Triton to load them in the layout that uses them: no shared-memory round
+    trip), and the token rows' [4, C] of each lane's first and (NH = 2) second row."""
+    k_mask = kbs < kb_hi
+    grp = n0 // 32 + tl.arange(0, BLOCK_N // 32)
+    sbg = tl.load(sb_ptr + grp[:, None] * KB + kbs[None, :],
+                  mask=(grp * 32 < N)[:, None] & k_mask[None, :], other=127)
+    sbg = e8m0_to_fp32(sbg.to(tl.int32))
+    sb = tl.reshape(tl.broadcast_to(sbg[:, None, :], (BLOCK_N // 32, 32, kbs.shape[0])),
+                    (BLOCK_N, kbs.shape[0]))
+    sa0 = tl.load(sa0_ptrs[:, None] + kbs[None, :], mask=mk0[:, None] & k_mask[None, :],
+                  other=1.0)
+    sa1 = sa0
+    if NH > 1:
+        sa1 = tl.load(sa1_ptrs[:, None] + kbs[None, :], mask=mk1[:, None] & k_mask[None, :],
+                      other=1.0)
+    return sb, sa0, sa1
+
+
+@triton.jit
+def _col(t, IDX: tl.constexpr):
+    """Column IDX of t [R, C] (C = 1, 2 or 4), by splits (a register pick where C is in each
+    thread)."""
+    R: tl.constexpr = t.shape[0]
+    C: tl.constexpr = t.shape[1]
+    if C == 1:
+        return tl.reshape(t, (R,))
+    elif C == 2:
+        c0, c1 = tl.split(t)
+        if IDX == 0:
+            return c0
+        else:
+            return c1
+    else:
+        even, odd = tl.split(tl.reshape(t, (R, 2, 2)))  # columns 0, 2 and 1, 3
+        if IDX % 2 == 0:
+            lo, hi = tl.split(even)
+        else:
+            lo, hi = tl.split(odd)
+        if IDX // 2 == 0:
+            return lo
+        else:
+            return hi
+
+
+@triton.jit
+def _pick4(t0, t1, t2, t3, IDX: tl.constexpr):
+    """t0 .. t3 [IDX] (IDX < 4)."""
+    if IDX == 0:
+        return t0
+    elif IDX == 1:
+        return t1
+    elif IDX == 2:
+        return t2
+    else:
+        return t3
 
 
 @triton.jit
@@ -470,15 +541,19 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
     now holds the weight). ROPE_D > 0 (OUT_BF16, the kernel writing out itself): the output
     is stored with the query's RoPE applied (_store_rope_out; cs_ptr [M, ROPE_R2, 2] fp32,
     else unused), the bits of rope_heads on the stored output. DIAG > 0 (TMA, not VALUES;
-    BLOCK_M a power of two, BLOCK_M * DIAG <= 16; w_desc's boxes [BLOCK_N, 32 DIAG]): each
-    iteration's KSUB blocks (up to 8) as KSUB / DIAG dots of DIAG blocks, each dot against the
-    token rows laid block-diagonally (_diag_tokens), its blocks then taken out (_diag_block)
-    and scaled and added in K order as above: one wgmma wait per DIAG blocks."""
+    BLOCK_M a power of two <= 8, DIAG * cdiv(BLOCK_M, 4) <= 4, DIAG dividing KSUB; w_desc's
+    boxes [BLOCK_N, 32 DIAG]): one dot of DIAG blocks an iteration (KSUB only bounds DIAG),
+    against the token rows laid block-diagonally (_diag_tokens) so that each thread's
+    accumulator registers hold every block dot of its lane's token rows (_diag_slots): those
+    are scaled and added in K order as above into [BLOCK_N, 4] accumulators (one per 4 token
+    rows) without leaving the thread; the next dot's block scales are loaded an iteration
+    ahead, the weight's as the tile's [BLOCK_N / 32, DIAG] bytes (loaded where they are used:
+    no shared-memory round trip). One wgmma wait per DIAG blocks."""
     tl.static_assert(ROPE_D == 0 or (OUT_BF16 and BLOCK_N % 2 == 0 and ROPE_D % 2 == 0))
     tl.static_assert(KSUB == 1 or KSUB == 2 or KSUB == 4 or DIAG > 0)  # DIAG: up to 8
     tl.static_assert(PREFETCH or not TMA)
-    tl.static_assert(DIAG == 0 or (TMA and not VALUES and BLOCK_M * DIAG <= 16
-                                   and KSUB % DIAG == 0))
+    tl.static_assert(DIAG == 0 or (TMA and not VALUES and BLOCK_M <= 8
+                                   and DIAG * ((BLOCK_M + 3) // 4) <= 4 and KSUB % DIAG == 0))
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -503,25 +578,63 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
     sa_ptrs = sa_ptr + offs_m64 * KB
     sb_ptrs = sb_ptr + (offs_n // 32) * KB
     acc = tl.full([BLOCK_N, BLOCK_M], -0.0, tl.float32)
-    if DIAG > 0:  # DIAG block dots at a time in one tl.dot, then added in K order
-        for kb0 in range(kb_lo, kb_hi, KSUB):
-            nxt = kb0 + KSUB
-            for d in tl.static_range(0, KSUB, DIAG):
-                w = w_desc.load([pid_n * BLOCK_N, (kb0 + d) * 32])  # [BLOCK_N, 32 DIAG]
-                xt = _diag_tokens(a_ptr, pid_m * BLOCK_M, M, K, (kb0 + d) * 32, BLOCK_M, DIAG)
-                if INTERPRET:  # each column's one nonzero block summed exactly, as _dot32's
-                    part = tl.dot(w.to(tl.float32).to(tl.float64),
-                                  xt.to(tl.float32).to(tl.float64),
-                                  out_dtype=tl.float64).to(tl.float32)
-                else:
-                    part = tl.dot(w.to(tl.float16), xt.to(tl.float16), out_dtype=tl.float32)
-                for g in tl.static_range(DIAG):
-                    sa, sb = _block_scales(sa_ptrs, sb_ptrs, kb0 + d + g, m_mask, n_mask,
-                                           VALUES)
-                    acc = acc + _scaled(_diag_block(part, g, BLOCK_M), sa, sb, VALUES)
+    if DIAG > 0:  # DIAG block dots at a time in one tl.dot, each token row's in one thread
+        NH: tl.constexpr = (BLOCK_M + 3) // 4  # token rows a lane holds: 1 or 2
+        q4 = tl.arange(0, 4)
+        rows0 = pid_m * BLOCK_M + q4  # the lanes' token rows (and those 4 further: NH = 2)
+        mk0 = (q4 < BLOCK_M) & (rows0 < M)
+        mk1 = (q4 + 4 < BLOCK_M) & (rows0 + 4 < M)
+        sa0_ptrs = sa_ptr + rows0.to(tl.int64) * KB
+        sa1_ptrs = sa0_ptrs + 4 * KB
+        acc0 = tl.full([BLOCK_N, 4], -0.0, tl.float32)
+        acc1 = acc0
+        total0 = acc0
+        total1 = acc0
+        # each dot's block scales, loaded a dot ahead: [BLOCK_N, DIAG] weight, [4, DIAG] token
+        kd = tl.arange(0, DIAG)
+        sbk, sak0, sak1 = _diag_scales(sb_ptr, sa0_ptrs, sa1_ptrs, kb_lo + kd, kb_hi, KB, N,
+                                       pid_n * BLOCK_N, mk0, mk1, BLOCK_N, NH)
+        for kb0 in range(kb_lo, kb_hi, DIAG):  # one dot of DIAG blocks an iteration
+            nxt = kb0 + DIAG
+            w = w_desc.load([pid_n * BLOCK_N, kb0 * 32])  # [BLOCK_N, 32 DIAG]
+            xt = _diag_tokens(a_ptr, pid_m * BLOCK_M, M, K, kb0 * 32, BLOCK_M, DIAG)
+            n_sbk, n_sak0, n_sak1 = _diag_scales(sb_ptr, sa0_ptrs, sa1_ptrs, nxt + kd, kb_hi, KB,
+                                                 N, pid_n * BLOCK_N, mk0, mk1, BLOCK_N, NH)
+            if INTERPRET:  # each column's one nonzero block summed exactly, as _dot32's
+                part = tl.dot(w.to(tl.float32).to(tl.float64),
+                              xt.to(tl.float32).to(tl.float64),
+                              out_dtype=tl.float64).to(tl.float32)
+            else:
+                part = tl.dot(w.to(tl.float16), xt.to(tl.float16), out_dtype=tl.float32)
+            t0, t1, t2, t3 = _diag_slots(part)
+            for g in tl.static_range(DIAG):
+                sb = _col(sbk, g)
+                acc0 = acc0 + _scaled(_pick4(t0, t1, t2, t3, g), _col(sak0, g), sb)
+                if NH > 1:
+                    acc1 = acc1 + _scaled(_pick4(t0, t1, t2, t3, DIAG + g), _col(sak1, g), sb)
+            sbk = n_sbk
+            sak0 = n_sak0
+            sak1 = n_sak1
             if ALL_RANGES:
-                total, acc, r, r_end = _next_range(nxt, r_end, r, total, acc, CHUNKS, RANGES,
-                                                   GRANULE)
+                if nxt == r_end:  # _next_range for both accumulators
+                    total0 += acc0
+                    total1 += acc1
+                    acc0 = tl.full(acc0.shape, -0.0, tl.float32)
+                    acc1 = acc0
+                    r += 1
+                    r_end = (r + 1) * CHUNKS // RANGES * GRANULE
+        if ALL_RANGES:
+            acc0 = total0
+            acc1 = total1
+        if NH > 1:  # token rows 4 h + q
+            acc = tl.reshape(tl.permute(tl.join(acc0, acc1), (0, 2, 1)), (BLOCK_N, 8))
+            cols = tl.arange(0, 8)
+        else:
+            acc = acc0
+            cols = q4
+        offs_m = pid_m * BLOCK_M + cols
+        m_mask = (cols < BLOCK_M) & (offs_m < M)
+        offs_m64 = offs_m.to(tl.int64)
     elif PREFETCH:
         sa0, sb0 = _block_scales(sa_ptrs, sb_ptrs, kb_lo, m_mask, n_mask, VALUES)
         sa1 = sa0
@@ -614,7 +727,7 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
             if ALL_RANGES:
                 total, acc, r, r_end = _next_range(nxt, r_end, r, total, acc, CHUNKS, RANGES,
                                                    GRANULE)
-    if ALL_RANGES:
+    if ALL_RANGES and DIAG == 0:
         acc = total
     mn = offs_m64[None, :] * N + offs_n64[:, None]  # [BLOCK_N, BLOCK_M], N contiguous
     mask = n_mask[:, None] & m_mask[None, :]
@@ -872,7 +985,8 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
         bm = triton.next_power_of_2(max(m, 1))
         bn, warps, stages, ksub_max = _FP8_DIAG_TILES
     ksub = next(d for d in (8, 4, 2, 1) if d <= ksub_max and order.granule % d == 0)
-    diag = min(ksub, 16 // bm) if diag_rows else 0  # blocks a dot: as many as 16 columns hold
+    # blocks a dot: as many as a lane's 4 accumulator slots hold (_diag_tokens)
+    diag = min(ksub, 16 // max(bm, 4)) if diag_rows else 0
     if workspace is None:
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         # the decode kernel: split whenever the tiles leave SMs idle (one program per tile
