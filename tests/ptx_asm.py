@@ -5,7 +5,7 @@ check GPU-only asm bit for bit against the reference ops (the interpreter's kern
 
 Values are register bits: uint32 arrays for .b32, uint16 for .b16 and .f16 / .bf16 halves.
 Operands are registers (``$n`` or names declared with ``.reg``) or integer immediates.
-Supported: shl / shr / and / or .b32, prmt.b32 (default mode, with the sign-replicate selector
+Supported: shl / shr / and / or / xor / not .b32, add.u32, prmt.b32 (default mode, with the sign-replicate selector
 bit), mov.b32 (a copy, or packing and unpacking two halves), cvt.rn.f16x2.e4m3x2, cvt.f32.f16,
 cvt.rn.bf16x2.f32, mul.f32, mul.rn.f16x2 and mul.rn.bf16x2 (round to nearest even: the 16-bit
 products are exact in fp32 before the one rounding), fma.rn.bf16x2 with a +-0 addend (the
@@ -101,11 +101,14 @@ def run(asm: str, inputs: dict[int, np.ndarray], n_out: int) -> list[np.ndarray]
             a, b = (np.asarray(x, dtype=np.uint32).view(np.float32) for x in src)
             with np.errstate(over="ignore"):
                 regs[d] = (a * b).astype(np.float32).view(np.uint32)
-        elif op in ("shl.b32", "shr.b32", "and.b32", "or.b32"):
+        elif op in ("shl.b32", "shr.b32", "and.b32", "or.b32", "xor.b32", "add.u32"):
             a, b = (np.asarray(s, dtype=np.uint64) for s in src)
             r = {"shl.b32": lambda: a << b, "shr.b32": lambda: a >> b,
-                 "and.b32": lambda: a & b, "or.b32": lambda: a | b}[op]()
+                 "and.b32": lambda: a & b, "or.b32": lambda: a | b,
+                 "xor.b32": lambda: a ^ b, "add.u32": lambda: a + b}[op]()
             regs[d] = (r & 0xFFFFFFFF).astype(np.uint32)
+        elif op == "not.b32":
+            regs[d] = ~np.asarray(src[0], dtype=np.uint32)
         elif op == "prmt.b32":
             regs[d] = _prmt(*(np.asarray(s, dtype=np.uint32) for s in src))
         elif op == "cvt.rn.f16x2.e4m3x2":

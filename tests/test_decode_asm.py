@@ -154,3 +154,19 @@ def test_indexer_head_terms_asm_equals_the_reference_rounding():
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(torch.nan_to_num(got).view(torch.int32),
                        torch.nan_to_num(want).view(torch.int32))
+
+
+def test_e8m0x4_asm_bit_exact():
+    """The fp8 decode GEMM's block-scale word decode (common.triton.E8M0X4_ASM): every byte in
+    every position of a word gives torch's float8_e8m0fnu -> fp32 cast (0 -> 2^-127, 255 ->
+    NaN, with e8m0_to_fp32's NaN bits 0x7FC00000)."""
+    from dsv41attn.ops.common.triton import E8M0X4_ASM
+
+    w = _words(8, 3)
+    outs = run(E8M0X4_ASM.value, {4: w}, 4)
+    for pos, got in enumerate(outs):
+        b = (w >> np.uint32(8 * pos)) & 0xFF
+        want = torch.from_numpy(b.astype(np.uint8)).view(torch.float8_e8m0fnu).float()
+        want = want.numpy().view(np.uint32)
+        want = np.where(b == 255, np.uint32(0x7FC00000), want)  # torch's NaN may carry a sign
+        assert np.array_equal(got, want), pos

@@ -60,8 +60,8 @@ except ImportError:  # pragma: no cover - older Triton: plain loads
 from .reference import check_rope
 from ..common.buffers import out_buffer
 from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, any_nan, check_device, cos_sin,
-                             e4m3_code, e4m3_to_fp32, e8m0_to_fp32, interpreting, require,
-                             rms_norm_warps, rms_row_scale, rope_heads, rope_rotate, round_bf16,
+                             e4m3_code, e4m3_to_fp32, e8m0_to_fp32, e8m0x4_to_fp32,
+                             interpreting, require, rms_norm_warps, rms_row_scale, rope_heads, rope_rotate, round_bf16,
                              sm_count, to_bf16, ue8m0_exponent)
 
 QUANT_BLOCKS = 16  # act_quant: scale blocks per program (512 elements of a row)
@@ -441,19 +441,28 @@ def _diag_slots(part):
 
 
 @triton.jit
-def _diag_scales(sb_ptr, sa0_ptrs, sa1_ptrs, kbs, kb_hi, KB, N, n0, mk0, mk1,
-                 BLOCK_N: tl.constexpr, NH: tl.constexpr):
-    """The block scales of 32-blocks kbs [C] (those past kb_hi masked) for DIAG's tiles: the
-    weight's [BLOCK_N, C] (e8m0 -> fp32) of rows n0.., loaded as the tile's [BLOCK_N / 32, C]
-    (few enough for Triton to load them in the layout that uses them: no shared-memory round
-    trip), and the token rows' [4, C] of each lane's first and (NH = 2) second row."""
+def _diag_scales(sb_ptr, sa0_ptrs, sa1_ptrs, kb0, kb_hi, KB, N, n0, mk0, mk1,
+                 BLOCK_N: tl.constexpr, C: tl.constexpr, NH: tl.constexpr,
+                 SB_WORDS: tl.constexpr, INTERPRET: tl.constexpr):
+    """The block scales of the C 32-blocks from kb0 (those past kb_hi masked) for DIAG's tiles:
+    the weight's [BLOCK_N, C] (e8m0 -> fp32) of rows n0.., loaded as the tile's [BLOCK_N / 32,
+    C] (few enough for Triton to load them in the layout that uses them: no shared-memory round
+    trip; SB_WORDS: C = 4 and the bytes 4-aligned, each group's four as one word, decoded by
+    e8m0x4_to_fp32), and the token rows' [4, C] of each lane's first and (NH = 2) second row."""
+    kbs = kb0 + tl.arange(0, C)
     k_mask = kbs < kb_hi
     grp = n0 // 32 + tl.arange(0, BLOCK_N // 32)
-    sbg = tl.load(sb_ptr + grp[:, None] * KB + kbs[None, :],
-                  mask=(grp * 32 < N)[:, None] & k_mask[None, :], other=127)
-    sbg = e8m0_to_fp32(sbg.to(tl.int32))
-    sb = tl.reshape(tl.broadcast_to(sbg[:, None, :], (BLOCK_N // 32, 32, kbs.shape[0])),
-                    (BLOCK_N, kbs.shape[0]))
+    if SB_WORDS:
+        tl.static_assert(C == 4)
+        words = tl.load((sb_ptr + grp * KB + kb0).to(tl.pointer_type(tl.int32)),
+                        mask=(grp * 32 < N) & (grp * 0 + kb0 < kb_hi), other=0x7F7F7F7F)
+        s0, s1, s2, s3 = e8m0x4_to_fp32(words, INTERPRET)
+        sbg = tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), (BLOCK_N // 32, 4))
+    else:
+        sbg = tl.load(sb_ptr + grp[:, None] * KB + kbs[None, :],
+                      mask=(grp * 32 < N)[:, None] & k_mask[None, :], other=127)
+        sbg = e8m0_to_fp32(sbg.to(tl.int32))
+    sb = tl.reshape(tl.broadcast_to(sbg[:, None, :], (BLOCK_N // 32, 32, C)), (BLOCK_N, C))
     sa0 = tl.load(sa0_ptrs[:, None] + kbs[None, :], mask=mk0[:, None] & k_mask[None, :],
                   other=1.0)
     sa1 = sa0
@@ -510,7 +519,8 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
                        SPLITS: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr,
                        OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
                        VALUES: tl.constexpr = False, ROPE_D: tl.constexpr = 0,
-                       ROPE_R2: tl.constexpr = 0, DIAG: tl.constexpr = 0):
+                       ROPE_R2: tl.constexpr = 0, DIAG: tl.constexpr = 0,
+                       SB_WORDS: tl.constexpr = False):
     """_fp8_gemm_kernel for decode-sized M with the operands swapped: each 32-block's tl.dot is
     w [BLOCK_N, 32] . x^T [32, BLOCK_M] (weight rows on the MMA's 64-row side, the few token
     rows its narrow side), so a BLOCK_N x BLOCK_M tile of y^T per program; every output element
@@ -591,15 +601,16 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
         total0 = acc0
         total1 = acc0
         # each dot's block scales, loaded a dot ahead: [BLOCK_N, DIAG] weight, [4, DIAG] token
-        kd = tl.arange(0, DIAG)
-        sbk, sak0, sak1 = _diag_scales(sb_ptr, sa0_ptrs, sa1_ptrs, kb_lo + kd, kb_hi, KB, N,
-                                       pid_n * BLOCK_N, mk0, mk1, BLOCK_N, NH)
+        sbk, sak0, sak1 = _diag_scales(sb_ptr, sa0_ptrs, sa1_ptrs, kb_lo, kb_hi, KB, N,
+                                       pid_n * BLOCK_N, mk0, mk1, BLOCK_N, DIAG, NH, SB_WORDS,
+                                       INTERPRET)
         for kb0 in range(kb_lo, kb_hi, DIAG):  # one dot of DIAG blocks an iteration
             nxt = kb0 + DIAG
             w = w_desc.load([pid_n * BLOCK_N, kb0 * 32])  # [BLOCK_N, 32 DIAG]
             xt = _diag_tokens(a_ptr, pid_m * BLOCK_M, M, K, kb0 * 32, BLOCK_M, DIAG)
-            n_sbk, n_sak0, n_sak1 = _diag_scales(sb_ptr, sa0_ptrs, sa1_ptrs, nxt + kd, kb_hi, KB,
-                                                 N, pid_n * BLOCK_N, mk0, mk1, BLOCK_N, NH)
+            n_sbk, n_sak0, n_sak1 = _diag_scales(sb_ptr, sa0_ptrs, sa1_ptrs, nxt, kb_hi, KB, N,
+                                                 pid_n * BLOCK_N, mk0, mk1, BLOCK_N, DIAG, NH,
+                                                 SB_WORDS, INTERPRET)
             if INTERPRET:  # each column's one nonzero block summed exactly, as _dot32's
                 part = tl.dot(w.to(tl.float32).to(tl.float64),
                               xt.to(tl.float32).to(tl.float64),
@@ -1229,6 +1240,17 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
+def _scale_words(plan: _GemmPlan, weight_scale: torch.Tensor) -> bool:
+    """Whether DIAG's tiles may read the weight's block scales a word (four blocks) at a time:
+    4-block dots on 4-aligned bytes (_diag_scales). A switch for A/B runs: SCALE_WORDS."""
+    kb = weight_scale.shape[1]
+    return bool(SCALE_WORDS and plan.diag == 4 and kb % 4 == 0
+                and weight_scale.data_ptr() % 4 == 0)
+
+
+SCALE_WORDS = True
+
+
 def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out, cs=None,
                   rope_d: int = 0):
     """Launch ``plan`` on checked operands (fp8_gemm's; x_codes e4m3 or fp16 values; for a
@@ -1269,7 +1291,8 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
                                  OUT_BF16=out.dtype == torch.bfloat16,
                                  INTERPRET=interpreting(), VALUES=plan.prescaled,
                                  ROPE_D=rope_d, ROPE_R2=cs.shape[1] if rope_d else 0,
-                                 DIAG=plan.diag, num_warps=plan.num_warps,
+                                 DIAG=plan.diag, SB_WORDS=_scale_words(plan, weight_scale),
+                                 num_warps=plan.num_warps,
                                  num_stages=plan.num_stages)
         if s > 1 and not fused:
             _split_sum_kernel[(triton.cdiv(m * n, SPLIT_SUM_BLOCK),)](
