@@ -473,9 +473,23 @@ def _diag_scales(sb_ptr, sa0_ptrs, sa1_ptrs, kb0, kb_hi, KB, N, n0, mk0, mk1,
 
 
 @triton.jit
+def _col4(t, IDX: tl.constexpr):
+    """Column IDX of t [R, 4], by splits."""
+    even, odd = tl.split(tl.reshape(t, (t.shape[0], 2, 2)))  # columns 0, 2 and 1, 3
+    if IDX % 2 == 0:
+        lo, hi = tl.split(even)
+    else:
+        lo, hi = tl.split(odd)
+    if IDX // 2 == 0:
+        return lo
+    else:
+        return hi
+
+
+@triton.jit
 def _col(t, IDX: tl.constexpr):
-    """Column IDX of t [R, C] (C = 1, 2 or 4), by splits (a register pick where C is in each
-    thread)."""
+    """Column IDX of t [R, C] (C = 1, 2, 4 or 8), by splits (a register pick where C is in
+    each thread)."""
     R: tl.constexpr = t.shape[0]
     C: tl.constexpr = t.shape[1]
     if C == 1:
@@ -486,16 +500,14 @@ def _col(t, IDX: tl.constexpr):
             return c0
         else:
             return c1
+    elif C == 4:
+        return _col4(t, IDX)
     else:
-        even, odd = tl.split(tl.reshape(t, (R, 2, 2)))  # columns 0, 2 and 1, 3
+        even, odd = tl.split(tl.reshape(t, (R, 4, 2)))  # columns 0, 2, 4, 6 and 1, 3, 5, 7
         if IDX % 2 == 0:
-            lo, hi = tl.split(even)
+            return _col4(even, IDX // 2)
         else:
-            lo, hi = tl.split(odd)
-        if IDX // 2 == 0:
-            return lo
-        else:
-            return hi
+            return _col4(odd, IDX // 2)
 
 
 @triton.jit
@@ -552,13 +564,14 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
     is stored with the query's RoPE applied (_store_rope_out; cs_ptr [M, ROPE_R2, 2] fp32,
     else unused), the bits of rope_heads on the stored output. DIAG > 0 (TMA, not VALUES;
     BLOCK_M a power of two <= 8, DIAG * cdiv(BLOCK_M, 4) <= 4, DIAG dividing KSUB; w_desc's
-    boxes [BLOCK_N, 32 DIAG]): one dot of DIAG blocks an iteration (KSUB only bounds DIAG),
-    against the token rows laid block-diagonally (_diag_tokens) so that each thread's
-    accumulator registers hold every block dot of its lane's token rows (_diag_slots): those
-    are scaled and added in K order as above into [BLOCK_N, 4] accumulators (one per 4 token
-    rows) without leaving the thread; the next dot's block scales are loaded an iteration
-    ahead, the weight's as the tile's [BLOCK_N / 32, DIAG] bytes (loaded where they are used:
-    no shared-memory round trip). One wgmma wait per DIAG blocks."""
+    boxes [BLOCK_N, 32 DIAG]): each iteration's KSUB blocks (up to 8) as KSUB / DIAG dots of
+    DIAG blocks, each against the token rows laid block-diagonally (_diag_tokens) so that each
+    thread's accumulator registers hold every block dot of its lane's token rows (_diag_slots):
+    those are scaled and added in K order as above into [BLOCK_N, 4] accumulators (one per 4
+    token rows) without leaving the thread. The next iteration's block scales are loaded an
+    iteration ahead, the weight's as the tile's [BLOCK_N / 32, KSUB] bytes (loaded where they
+    are used: no shared-memory round trip; SB_WORDS: a word a 32-row group, KSUB = 4). One
+    wgmma wait per DIAG blocks."""
     tl.static_assert(ROPE_D == 0 or (OUT_BF16 and BLOCK_N % 2 == 0 and ROPE_D % 2 == 0))
     tl.static_assert(KSUB == 1 or KSUB == 2 or KSUB == 4 or DIAG > 0)  # DIAG: up to 8
     tl.static_assert(PREFETCH or not TMA)
@@ -600,29 +613,32 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
         acc1 = acc0
         total0 = acc0
         total1 = acc0
-        # each dot's block scales, loaded a dot ahead: [BLOCK_N, DIAG] weight, [4, DIAG] token
+        # each iteration's block scales, loaded an iteration ahead: [BLOCK_N, KSUB] weight,
+        # [4, KSUB] token rows
         sbk, sak0, sak1 = _diag_scales(sb_ptr, sa0_ptrs, sa1_ptrs, kb_lo, kb_hi, KB, N,
-                                       pid_n * BLOCK_N, mk0, mk1, BLOCK_N, DIAG, NH, SB_WORDS,
+                                       pid_n * BLOCK_N, mk0, mk1, BLOCK_N, KSUB, NH, SB_WORDS,
                                        INTERPRET)
-        for kb0 in range(kb_lo, kb_hi, DIAG):  # one dot of DIAG blocks an iteration
-            nxt = kb0 + DIAG
-            w = w_desc.load([pid_n * BLOCK_N, kb0 * 32])  # [BLOCK_N, 32 DIAG]
-            xt = _diag_tokens(a_ptr, pid_m * BLOCK_M, M, K, kb0 * 32, BLOCK_M, DIAG)
+        for kb0 in range(kb_lo, kb_hi, KSUB):  # KSUB / DIAG dots of DIAG blocks an iteration
+            nxt = kb0 + KSUB
             n_sbk, n_sak0, n_sak1 = _diag_scales(sb_ptr, sa0_ptrs, sa1_ptrs, nxt, kb_hi, KB, N,
-                                                 pid_n * BLOCK_N, mk0, mk1, BLOCK_N, DIAG, NH,
+                                                 pid_n * BLOCK_N, mk0, mk1, BLOCK_N, KSUB, NH,
                                                  SB_WORDS, INTERPRET)
-            if INTERPRET:  # each column's one nonzero block summed exactly, as _dot32's
-                part = tl.dot(w.to(tl.float32).to(tl.float64),
-                              xt.to(tl.float32).to(tl.float64),
-                              out_dtype=tl.float64).to(tl.float32)
-            else:
-                part = tl.dot(w.to(tl.float16), xt.to(tl.float16), out_dtype=tl.float32)
-            t0, t1, t2, t3 = _diag_slots(part)
-            for g in tl.static_range(DIAG):
-                sb = _col(sbk, g)
-                acc0 = acc0 + _scaled(_pick4(t0, t1, t2, t3, g), _col(sak0, g), sb)
-                if NH > 1:
-                    acc1 = acc1 + _scaled(_pick4(t0, t1, t2, t3, DIAG + g), _col(sak1, g), sb)
+            for d in tl.static_range(0, KSUB, DIAG):
+                w = w_desc.load([pid_n * BLOCK_N, (kb0 + d) * 32])  # [BLOCK_N, 32 DIAG]
+                xt = _diag_tokens(a_ptr, pid_m * BLOCK_M, M, K, (kb0 + d) * 32, BLOCK_M, DIAG)
+                if INTERPRET:  # each column's one nonzero block summed exactly, as _dot32's
+                    part = tl.dot(w.to(tl.float32).to(tl.float64),
+                                  xt.to(tl.float32).to(tl.float64),
+                                  out_dtype=tl.float64).to(tl.float32)
+                else:
+                    part = tl.dot(w.to(tl.float16), xt.to(tl.float16), out_dtype=tl.float32)
+                t0, t1, t2, t3 = _diag_slots(part)
+                for g in tl.static_range(DIAG):
+                    sb = _col(sbk, d + g)
+                    acc0 = acc0 + _scaled(_pick4(t0, t1, t2, t3, g), _col(sak0, d + g), sb)
+                    if NH > 1:
+                        acc1 = acc1 + _scaled(_pick4(t0, t1, t2, t3, DIAG + g),
+                                              _col(sak1, d + g), sb)
             sbk = n_sbk
             sak0 = n_sak0
             sak1 = n_sak1
@@ -1242,9 +1258,9 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 def _scale_words(plan: _GemmPlan, weight_scale: torch.Tensor) -> bool:
     """Whether DIAG's tiles may read the weight's block scales a word (four blocks) at a time:
-    4-block dots on 4-aligned bytes (_diag_scales). A switch for A/B runs: SCALE_WORDS."""
+    4-block iterations on 4-aligned bytes (_diag_scales). A switch for A/B runs: SCALE_WORDS."""
     kb = weight_scale.shape[1]
-    return bool(SCALE_WORDS and plan.diag == 4 and kb % 4 == 0
+    return bool(SCALE_WORDS and plan.diag and plan.ksub == 4 and kb % 4 == 0
                 and weight_scale.data_ptr() % 4 == 0)
 
 
@@ -1291,7 +1307,7 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
                                  OUT_BF16=out.dtype == torch.bfloat16,
                                  INTERPRET=interpreting(), VALUES=plan.prescaled,
                                  ROPE_D=rope_d, ROPE_R2=cs.shape[1] if rope_d else 0,
-                                 DIAG=plan.diag, SB_WORDS=_scale_words(plan, weight_scale),
+                                 DIAG=plan.diag, SB_WORDS=_scale_words(plan, args[3]),
                                  num_warps=plan.num_warps,
                                  num_stages=plan.num_stages)
         if s > 1 and not fused:
