@@ -910,18 +910,24 @@ _FP8_DECODE_TILES = ((16, 16, 64, 4, 3, 4), (SPLIT_MAX_M, 64, 128, 4, 2, 4))
 # (wo_b 0.94-1.02x), so the 64-row tiles keep plain loads.
 _FP8_DECODE_TMA_TILES = ((16, 16, 128, 4, 3, 4),) + _FP8_DECODE_TILES[1:]
 # DIAG (_fp8_decode_kernel): at M <= DIAG_MAX_M rows the TMA tiles take M's next power of two
-# token rows, and one tl.dot makes as many block dots as its 16 columns hold (16 // block_m,
-# at most the iteration's KSUB): the token operand is laid block-diagonally (_diag_tokens),
-# so each column sums one block's 32 products and zeros, and the block dots are taken out and
-# added in K order as before; one wgmma wait per dot instead of one per 32-block. Its bits
+# token rows, and one tl.dot makes several block dots (as many as a lane's 4 accumulator slots
+# hold: 4 up to 4 rows, 2 at 5-8; at most the iteration's KSUB): the token operand is laid
+# block-diagonally (_diag_tokens), so each column sums one block's 32 products and zeros, and
+# in the accumulator's own layout, so each token row's block dots land in the thread that adds
+# them in K order (_diag_slots); one wgmma wait per dot instead of one per 32-block. Its bits
 # equal the other tiles' wherever the wgmma adds zero products exactly: on an H100, 0 of the
 # fp32 outputs differed on the five V4.1 fp8 weights at M = 1, 2, 4, 8 (wide-range rows, a
 # zero block), nor in the decode/tile test with a zero row (signed zeros). H100, act_quant and
 # GEMM, CUDA graphs, us at M = 1 / 8, 16-row tiles -> DIAG: wq_a 9.9 / 11.6 -> 9.1 / 10.6,
 # wq_b 22.1 / 23.3 -> 21.6 / 22.9, wkv 8.1 / 10.1 -> 6.4 / 8.7, index wq_b 9.2 / 10.1 -> 8.5 /
 # 9.4, wo_b 26.2 / 27.7 -> 24.8 / 26.9; the layer's decode step SWA 107.9 -> 98.1 at b = 1, 110.2
-# -> 104.1 at b = 8, Full r=2 145.3 -> 139.0 and 161.4 -> 157.0. (weight rows, warps, stages,
-# most 32-blocks per K iteration):
+# -> 104.1 at b = 8, Full r=2 145.3 -> 139.0 and 161.4 -> 157.0. The block dots taken out in
+# their own threads (they were reduced over the 16 columns: 32 SHFL, 32 FSEL and 40 FADD a
+# 4-block step) and the weight's scales loaded an iteration ahead as the tile's few group bytes
+# (they went through shared memory, 8 barriers a step): 450 -> 326 sm_90a instructions a step
+# at one token, the same bits; H100, M = 1 / 2 / 4: wq_b 21.0 / 21.6 / 21.9 -> 19.8 / 19.9 /
+# 20.2 us, wo_b 23.9 / 25.7 / 25.2 -> 22.4 / 22.7 / 23.0, wq_a 8.7 / 9.4 / 9.4 -> 8.4 / 8.4 /
+# 8.7. (weight rows, warps, stages, most 32-blocks per K iteration):
 _FP8_DIAG_TILES = (128, 4, 3, 4)
 DIAG_MAX_M = 8
 # Past the 16-row tiles, fp8_linear feeds the decode kernel bf16 token values (VALUES: each
