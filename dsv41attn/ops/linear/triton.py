@@ -61,8 +61,8 @@ from .reference import check_rope
 from ..common.buffers import out_buffer
 from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, any_nan, check_device, cos_sin,
                              e4m3_code, e4m3_to_fp32, e8m0_to_fp32, e8m0x4_to_fp32,
-                             interpreting, require, rms_norm_warps, rms_row_scale, rope_heads, rope_rotate, round_bf16,
-                             sm_count, to_bf16, ue8m0_exponent)
+                             interpreting, require, rms_norm_warps, rms_row_scale, rope_heads,
+                             rope_rotate, round_bf16, sm_count, to_bf16, ue8m0_exponent)
 
 QUANT_BLOCKS = 16  # act_quant: scale blocks per program (512 elements of a row)
 QUANT_WIDE_MIN_M = 512  # from this many rows a program takes up to QUANT_BLOCKS_WIDE blocks
