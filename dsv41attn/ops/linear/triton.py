@@ -925,7 +925,7 @@ _FP8_DECODE_TMA_TILES = ((16, 16, 128, 4, 3, 4),) + _FP8_DECODE_TILES[1:]
 # their own threads (they were reduced over the 16 columns: 32 SHFL, 32 FSEL and 40 FADD a
 # 4-block step) and the weight's scales loaded an iteration ahead as the tile's few group bytes
 # (they went through shared memory, 8 barriers a step): 450 -> 326 sm_90a instructions a step
-# at one token, the same bits; H100, M = 1 / 2 / 4: wq_b 21.0 / 21.6 / 21.9 -> 19.8 / 19.9 /
+# at one token (wkv's launch), the same bits; H100, M = 1 / 2 / 4: wq_b 21.0 / 21.6 / 21.9 -> 19.8 / 19.9 /
 # 20.2 us, wo_b 23.9 / 25.7 / 25.2 -> 22.4 / 22.7 / 23.0, wq_a 8.7 / 9.4 / 9.4 -> 8.4 / 8.4 /
 # 8.7. (weight rows, warps, stages, most 32-blocks per K iteration):
 _FP8_DIAG_TILES = (128, 4, 3, 4)
