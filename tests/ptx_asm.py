@@ -5,8 +5,8 @@ check GPU-only asm bit for bit against the reference ops (the interpreter's kern
 
 Values are register bits: uint32 arrays for .b32, uint16 for .b16 and .f16 / .bf16 halves.
 Operands are registers (``$n`` or names declared with ``.reg``) or integer immediates.
-Supported: shl / shr / and / or / xor / not .b32, add.u32, prmt.b32 (default mode, with the sign-replicate selector
-bit), mov.b32 (a copy, or packing and unpacking two halves), cvt.rn.f16x2.e4m3x2, cvt.f32.f16,
+Supported: shl / shr / and / or / xor / not .b32, add.u32, prmt.b32 (default mode, with the
+sign-replicate selector bit), mov.b32 (a copy, or packing and unpacking two halves), cvt.rn.f16x2.e4m3x2, cvt.f32.f16,
 cvt.rn.bf16x2.f32, mul.f32, mul.rn.f16x2 and mul.rn.bf16x2 (round to nearest even: the 16-bit
 products are exact in fp32 before the one rounding), fma.rn.bf16x2 with a +-0 addend (the
 same, the sum of the product and a signed zero as IEEE adds them), max.NaN.bf16x2 (PTX's

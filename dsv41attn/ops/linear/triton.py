@@ -925,9 +925,9 @@ _FP8_DECODE_TMA_TILES = ((16, 16, 128, 4, 3, 4),) + _FP8_DECODE_TILES[1:]
 # their own threads (they were reduced over the 16 columns: 32 SHFL, 32 FSEL and 40 FADD a
 # 4-block step) and the weight's scales loaded an iteration ahead as the tile's few group bytes
 # (they went through shared memory, 8 barriers a step): 450 -> 326 sm_90a instructions a step
-# at one token (wkv's launch), the same bits; H100, M = 1 / 2 / 4: wq_b 21.0 / 21.6 / 21.9 -> 19.8 / 19.9 /
-# 20.2 us, wo_b 23.9 / 25.7 / 25.2 -> 22.4 / 22.7 / 23.0, wq_a 8.7 / 9.4 / 9.4 -> 8.4 / 8.4 /
-# 8.7. (weight rows, warps, stages, most 32-blocks per K iteration):
+# at one token (wkv's launch), the same bits; H100, M = 1 / 2 / 4: wq_b 21.0 / 21.6 / 21.9 ->
+# 19.8 / 19.9 / 20.2 us, wo_b 23.9 / 25.7 / 25.2 -> 22.4 / 22.7 / 23.0, wq_a 8.7 / 9.4 / 9.4 ->
+# 8.4 / 8.4 / 8.7. (weight rows, warps, stages, most 32-blocks per K iteration):
 _FP8_DIAG_TILES = (128, 4, 3, 4)
 DIAG_MAX_M = 8
 # Past the 16-row tiles, fp8_linear feeds the decode kernel bf16 token values (VALUES: each
@@ -1264,13 +1264,10 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 def _scale_words(plan: _GemmPlan, weight_scale: torch.Tensor) -> bool:
     """Whether DIAG's tiles may read the weight's block scales a word (four blocks) at a time:
-    4-block iterations on 4-aligned bytes (_diag_scales). A switch for A/B runs: SCALE_WORDS."""
+    4-block iterations on 4-aligned bytes (_diag_scales)."""
     kb = weight_scale.shape[1]
-    return bool(SCALE_WORDS and plan.diag and plan.ksub == 4 and kb % 4 == 0
+    return bool(plan.diag and plan.ksub == 4 and kb % 4 == 0
                 and weight_scale.data_ptr() % 4 == 0)
-
-
-SCALE_WORDS = True
 
 
 def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out, cs=None,
