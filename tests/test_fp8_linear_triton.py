@@ -297,6 +297,13 @@ def test_k_order_at_v41_shapes():
                 assert -(-n // plans[m].block_n) * order.ranges >= sms, (name, m)
         assert plans[1].ksub * 32 >= 128, name  # contiguous bytes per weight row in flight
         assert not plans[4096].workspace, name
+        # DIAG through TMA: 4 blocks a dot up to 4 token rows, 2 at 5-8 (a lane's 4 slots),
+        # 4-block iterations, so the weight's scales are read a word at a time
+        scale = torch.empty(n // 32, kb, dtype=torch.uint8)
+        for m in range(1, T.DIAG_MAX_M + 1):
+            diag = T._gemm_plan(m, n, kb, sms, tma=True)
+            assert diag.diag == (4 if m <= 4 else 2) and diag.ksub == 4, (name, m)
+            assert T._scale_words(diag, scale), (name, m)
     assert T._gemm_plan(1, 1280, 160, sms).splits > 1  # wq_a at M = 1, named
     wkv = T._gemm_plan(128, 512, 160, sms)  # 4 tiles of 128 rows: the ranges as programs
     assert wkv.splits == wkv.order.ranges > 1
