@@ -511,19 +511,6 @@ def _col(t, IDX: tl.constexpr):
 
 
 @triton.jit
-def _pick4(t0, t1, t2, t3, IDX: tl.constexpr):
-    """t0 .. t3 [IDX] (IDX < 4)."""
-    if IDX == 0:
-        return t0
-    elif IDX == 1:
-        return t1
-    elif IDX == 2:
-        return t2
-    else:
-        return t3
-
-
-@triton.jit
 def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_desc, cs_ptr, M,
                        N, K, KB, CHUNKS, RANGES, GRANULE: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, KSUB: tl.constexpr, DOT_F16: tl.constexpr,
@@ -632,24 +619,20 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
                                   out_dtype=tl.float64).to(tl.float32)
                 else:
                     part = tl.dot(w.to(tl.float16), xt.to(tl.float16), out_dtype=tl.float32)
-                t0, t1, t2, t3 = _diag_slots(part)
+                slots = _diag_slots(part)
                 for g in tl.static_range(DIAG):
                     sb = _col(sbk, d + g)
-                    acc0 = acc0 + _scaled(_pick4(t0, t1, t2, t3, g), _col(sak0, d + g), sb)
+                    acc0 = acc0 + _scaled(slots[g], _col(sak0, d + g), sb)
                     if NH > 1:
-                        acc1 = acc1 + _scaled(_pick4(t0, t1, t2, t3, DIAG + g),
-                                              _col(sak1, d + g), sb)
+                        acc1 = acc1 + _scaled(slots[DIAG + g], _col(sak1, d + g), sb)
             sbk = n_sbk
             sak0 = n_sak0
             sak1 = n_sak1
-            if ALL_RANGES:
-                if nxt == r_end:  # _next_range for both accumulators
-                    total0 += acc0
-                    total1 += acc1
-                    acc0 = tl.full(acc0.shape, -0.0, tl.float32)
-                    acc1 = acc0
-                    r += 1
-                    r_end = (r + 1) * CHUNKS // RANGES * GRANULE
+            if ALL_RANGES:  # both accumulators at the same range end
+                total1, acc1, _, _ = _next_range(nxt, r_end, r, total1, acc1, CHUNKS, RANGES,
+                                                 GRANULE)
+                total0, acc0, r, r_end = _next_range(nxt, r_end, r, total0, acc0, CHUNKS,
+                                                     RANGES, GRANULE)
         if ALL_RANGES:
             acc0 = total0
             acc1 = total1
