@@ -58,6 +58,10 @@ except ImportError:  # pragma: no cover - older Triton: plain loads
     TensorDescriptor = None
 
 from .reference import check_rope
+try:  # the Gluon square tiles (Hopper): a Triton with Gluon
+    from .gluon import fp8_values_gemm_ws, unsupported as _ws_unsupported
+except (ImportError, AttributeError):  # pragma: no cover - no usable Gluon
+    fp8_values_gemm_ws = None
 from ..common.buffers import out_buffer
 from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, any_nan, check_device, cos_sin,
                              e4m3_code, e4m3_to_fp32, e8m0_to_fp32, e8m0x4_to_fp32,
@@ -92,29 +96,79 @@ def _e4m3_value(code):
 
 
 @triton.jit
-def _e4m3_to_bf16_kernel(w_ptr, out_ptr, NUMEL, BLOCK: tl.constexpr):
-    """w: NUMEL e4m3 bytes (uint8); out: their values as bf16 (exact: 4 significant bits and
-    exponents 2^-9 .. 2^8; NaN stays NaN). Grid (cdiv(NUMEL, BLOCK),)."""
+def _e4m3_to_bf16_kernel(w_ptr, s_ptr, out_ptr, NUMEL, K, KB, BLOCK: tl.constexpr,
+                         FOLD: tl.constexpr):
+    """w: NUMEL e4m3 bytes (uint8, rows of K); out: their values as bf16 (exact: 4 significant
+    bits and exponents 2^-9 .. 2^8; NaN stays NaN). FOLD: times their 32 x 32 block's scale
+    2^(e-127) (s: e8m0 bytes [cdiv(N, 32), KB]), exact where the product is a normal bf16
+    (foldable_scales). Grid (cdiv(NUMEL, BLOCK),)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < NUMEL
     v = e4m3_to_fp32(tl.load(w_ptr + offs, mask=mask, other=0))
+    if FOLD:
+        row = offs // K
+        e = tl.load(s_ptr + (row // 32) * KB + (offs - row * K) // 32, mask=mask, other=127)
+        v = v * e8m0_to_fp32(e.to(tl.int32))
     tl.store(out_ptr + offs, v.to(tl.bfloat16), mask=mask)
 
 
-def e4m3_to_bf16(weight: torch.Tensor) -> torch.Tensor:
+def e4m3_to_bf16(weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """float8_e4m3fn -> bf16, the same values as torch's ``weight.to(torch.bfloat16)`` (every
     e4m3 value is a bf16 value) in one streaming pass: the square tiles' weight operand, made
-    per call. torch's elementwise cast ran at ~31% of the copy bandwidth on an H100."""
+    per call. torch's elementwise cast ran at ~31% of the copy bandwidth on an H100. scale
+    (e8m0 [cdiv(N, 32), K / 32]): each value times its block's scale, the Gluon tiles' folded
+    operand (exact for scales that pass foldable_scales)."""
     if weight.dtype != torch.float8_e4m3fn:
         raise TypeError(f"e4m3_to_bf16 wants float8_e4m3fn, got {weight.dtype}")
     check_device(weight)
     w = weight.contiguous()
     out = torch.empty(w.shape, dtype=torch.bfloat16, device=w.device)
     if w.numel():
+        k = w.shape[-1]
+        if scale is not None:
+            check_device(weight, scale)
+            want = (triton.cdiv(w.numel() // k, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK))
+            if w.dim() != 2 or tuple(scale.shape) != want:
+                raise ValueError(f"scale {tuple(scale.shape)} does not match weight "
+                                 f"{tuple(w.shape)}: {want} wanted")
+        sb = scale.contiguous().view(torch.uint8) if scale is not None else w.view(torch.uint8)
         block = 8192
         _e4m3_to_bf16_kernel[(triton.cdiv(w.numel(), block),)](
-            w.view(torch.uint8), out, w.numel(), BLOCK=block, num_warps=8)
+            w.view(torch.uint8), sb, out, w.numel(), k, triton.cdiv(k, FP8_BLOCK), BLOCK=block,
+            FOLD=scale is not None, num_warps=8)
     return out
+
+
+# foldable_scales: e8m0 bytes whose 2^(e-127) the Gluon square tiles may fold into the weight's
+# bf16 values. >= 2^-63: every nonzero e4m3 value times it is a normal bf16, and so is every
+# nonzero product and block sum with act_quant's values (a block's sum is a multiple of its
+# smallest product's unit, >= 2^-9 * 2^-9 * 2^-22 * 2^-63 = 2^-103). <= 1: no product or sum
+# leaves fp32's range folded that does not unfolded (the reverse, an activation block whose
+# unfolded sum overflows at |x| >= ~2^113, gives inf there and a finite sum folded).
+FOLD_MIN_E, FOLD_MAX_E = 127 - 63, 127
+_FOLDABLE: dict[int, tuple] = {}  # id(scale) -> (weakref, _version, data_ptr, verdict)
+
+
+def foldable_scales(scale: torch.Tensor) -> bool:
+    """Whether every e8m0 byte of ``scale`` is in FOLD_MIN_E..FOLD_MAX_E (2^-63 .. 1), so that
+    folding it into the weight's bf16 values keeps the square tiles' bits. A host sync the
+    first time a tensor is asked (then cached while the tensor lives and is not written);
+    during CUDA-graph capture an unasked tensor answers False (the Triton tiles run: the
+    same bits)."""
+    import weakref
+    key = id(scale)
+    hit = _FOLDABLE.get(key)
+    if hit is not None and hit[0]() is scale and hit[1] == scale._version \
+            and hit[2] == scale.data_ptr():
+        return hit[3]
+    if scale.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    e = scale.view(torch.uint8)
+    verdict = bool(((e >= FOLD_MIN_E) & (e <= FOLD_MAX_E)).all())
+    for dead in [k for k, v in _FOLDABLE.items() if v[0]() is None]:
+        del _FOLDABLE[dead]
+    _FOLDABLE[key] = (weakref.ref(scale), scale._version, scale.data_ptr(), verdict)
+    return verdict
 
 
 @triton.jit
@@ -873,6 +927,12 @@ _FP8_TILES = ((None, 128, 128, 8, 4, 1),)
 # points), runs 720-850: the per-32-block rounding costs ~2.4x at these shapes.
 _FP8_VALUE_TILES = ((None, 128, 64, 4, 3, 2),)
 SQUARE_TMA = True  # PRESCALED square tiles read x's and the weight's bf16 values through TMA
+# PRESCALED square tiles on a Hopper GPU: gluon.fp8_values_gemm_ws, on the weight's bf16 values
+# with its block scales folded in, where the scales allow (foldable_scales): the same bits (H100,
+# M = 8192, the GEMM alone, us: wq_b 1994 -> 1614, wo_b 1997 -> 1495, wq_a 335 -> 258, wkv 141
+# -> 117; in the same run the Triton tiles on the folded weight were no faster, and the Gluon
+# tiles loading the scale bytes as these do ran 317-332 TFLOP/s: the loads were the wait)
+SQUARE_WS = True
 # Decode (M <= SPLIT_MAX_M): _fp8_decode_kernel, whose 64-row MMA side is BLOCK_N weight rows
 # and whose narrow side is BLOCK_M (>= 16) token rows: the same wgmma, the same bits (checked on
 # an H200 against _fp8_gemm_kernel at M = 1, 2, 7, 8, 64 on the V4.1 shapes, f16 and e4m3
@@ -1253,6 +1313,17 @@ def _scale_words(plan: _GemmPlan, weight_scale: torch.Tensor) -> bool:
                 and weight_scale.data_ptr() % 4 == 0)
 
 
+def _square_ws(plan: _GemmPlan, x, weight, weight_scale, out) -> bool:
+    """Whether the square tiles run as gluon.fp8_values_gemm_ws on these operands: a Hopper
+    GPU, all of K's ranges in one program, K a multiple of 64, and a weight whose scales fold
+    exactly (the same bits as the Triton tiles; checked last: a host sync per new weight)."""
+    return bool(SQUARE_WS and fp8_values_gemm_ws is not None and not interpreting()
+                and plan.prescaled and not plan.swap and plan.splits == 1
+                and weight.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16
+                and _ws_unsupported(x.shape[1], x.device, out) is None
+                and foldable_scales(weight_scale))
+
+
 def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out, cs=None,
                   rope_d: int = 0):
     """Launch ``plan`` on checked operands (fp8_gemm's; x_codes e4m3 or fp16 values; for a
@@ -1266,6 +1337,10 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
     s = plan.splits
     order = plan.order
     if plan.prescaled and not plan.swap and weight.dtype == torch.float8_e4m3fn:
+        if _square_ws(plan, x_codes, weight, weight_scale, out):
+            assert not rope_d  # (_linear_from_quant turns the heads after)
+            return fp8_values_gemm_ws(x_codes, e4m3_to_bf16(weight, weight_scale),
+                                      out, order.chunks, order.ranges, order.granule)
         weight = e4m3_to_bf16(weight)  # the square tiles' PRESCALED operand (exact)
     args = (x_codes.contiguous(), x_scales.contiguous(), weight.contiguous(),
             weight_scale.contiguous().view(torch.uint8))
@@ -1381,7 +1456,8 @@ def _linear_from_quant(x_q, s, plan, weight, weight_scale, num_splits, precise_d
         direct = out_dtype in (torch.bfloat16, torch.float32)
         out = torch.empty(m, n, dtype=out_dtype if direct else torch.float32,
                           device=x_q.device)
-        if rope is not None and plan.writes_out:
+        if rope is not None and plan.writes_out and \
+                not _square_ws(plan, x_q, weight, weight_scale, out):
             return _run_fp8_gemm(plan, x_q, s, weight, weight_scale, out, cos_sin(rope[0]),
                                  rope[1])
         y = _run_fp8_gemm(plan, x_q, s, weight, weight_scale, out)

@@ -1,0 +1,177 @@
+"""fp8_linear's square tiles (PRESCALE_MIN_M rows and more) warp-specialized in Gluon (Hopper).
+
+Why: ``triton._fp8_gemm_kernel``'s PRESCALED tiles take each 32-block's dot out of the tensor
+cores and add it, times the block's weight scale, before the next block (the reference's
+rounding points). There each block's scale bytes are loaded from global memory inside the K
+loop, and a program's warps wait on those loads, on each wgmma and on their own TMA issue in
+turn: 300-350 TFLOP/s at 8K rows. Here a producer warp group keeps a ring of [128, 64] x tiles
+and [128, 64] weight tiles filled by TMA, and two consumer warp groups, each on 64 of the
+tile's 128 rows, run each block's wgmma and add it, independently of each other (while one
+adds, the other's wgmma runs). The weight's operand is its bf16 values with the block scales
+folded in (``triton.e4m3_to_bf16(weight, scale)``), so a block's dot comes out already scaled
+and is added with no scale load and no multiply.
+
+Numerics: those of the Triton tiles (their reference beside them, ``_fp8_gemm_kernel``): each
+32-block's dot is one wgmma chain over its K from no accumulator, added into its range's fp32
+accumulator from -0 in K order, K's ranges (``k_order``) added in range order. Folding a
+power-of-two scale 2^s into the weight scales every product and the block's sum by 2^s exactly
+while they stay in fp32's normal range, so the wgmma's sum is the unfolded sum times 2^s, bit
+for bit (``triton.foldable_scales`` says which weights keep it there). Note the ``+`` below:
+written ``acc + dot`` in Triton, the compiler may fold the add into the MMA's accumulator (an
+H100 gave other bits that way); Gluon emits the wgmma and the add as written.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                               warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_M = 128  # token rows a tile: two consumer warp groups of 64
+BLOCK_N = 128  # weight rows (output columns) a tile
+BLOCK_K = 64  # two 32-blocks a ring stage (128-byte rows: the widest TMA swizzle)
+STAGES = 4
+GROUP = gl.constexpr(8)  # row tiles taken together along N (a group shares its weight tiles in L2)
+CONSUMER_REGS, PRODUCER_REGS = 232, 40  # setmaxnreg: the consumers' accumulators, the TMA group's
+
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
+
+@lru_cache(maxsize=None)
+def is_hopper(device: torch.device) -> bool:
+    """An sm_90 GPU: the kernel's wgmma exists there only."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, KS,
+              STAGES: gl.constexpr):
+    """Fill ring stage k % STAGES with K step k's x tile [128, 64] and weight tile [128, 64]
+    (rows past M or N read as 0) once both consumers released it."""
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    for k in range(KS):
+        s = k % STAGES
+        mbarrier.wait(empty.index(s), ((k // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        _tma_load(a_desc, [off_m, k * BK], ready.index(s), a_bufs.index(s))
+        _tma_load(b_desc, [off_n, k * BK], ready.index(s), b_bufs.index(s))
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, M, N, KS, CHUNKS, RANGES, off_m, off_n,
+              half, GRANULE: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+              OUT_BF16: gl.constexpr):
+    """Rows [off_m + 64 half, +64) of the tile: every 32-block's wgmma from zero, added in K
+    order into its range's accumulator; the ranges added in order; stored fp32, or rounded
+    once to bf16 (RNE)."""
+    L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                instr_shape=[16, BN, 16])
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    J: gl.constexpr = BK // 32
+    acc = gl.full([64, BN], -0.0, gl.float32, L)  # -0 + p == p for every p
+    total = gl.full([64, BN], -0.0, gl.float32, L)
+    zero = gl.zeros([64, BN], gl.float32, L)
+    r_end = CHUNKS // RANGES * GRANULE  # the 32-block where range 0 ends
+    r = 0
+    for k in range(KS):
+        s = k % STAGES
+        mbarrier.wait(ready.index(s), (k // STAGES) & 1)
+        a_s = a_bufs.index(s).slice(half * 64, 64, dim=0)
+        b_s = b_bufs.index(s)
+        for j in gl.static_range(J):
+            part = warpgroup_mma(a_s.slice(32 * j, 32, dim=1),
+                                 b_s.slice(32 * j, 32, dim=1).permute((1, 0)), zero,
+                                 use_acc=False, is_async=True)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=[part])
+            if j == J - 1:
+                mbarrier.arrive(empty.index(s), count=1)
+            acc = acc + part
+            if RANGES > 1:
+                if k * J + j + 1 == r_end:  # range r is complete: into total, range r + 1 from -0
+                    total = total + acc
+                    acc = gl.full([64, BN], -0.0, gl.float32, L)
+                    r += 1
+                    r_end = (r + 1) * CHUNKS // RANGES * GRANULE
+    if RANGES == 1:
+        total = acc  # (-0 + acc is acc)
+    cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, L))
+    rows = off_m + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, L))
+    ptrs = c_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :]
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    if OUT_BF16:
+        gl.store(ptrs, total.to(gl.bfloat16), mask=mask)
+    else:
+        gl.store(ptrs, total, mask=mask)
+
+
+@gluon.jit
+def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, M, N, KS, CHUNKS, RANGES,
+                          GRANULE: gl.constexpr, STAGES: gl.constexpr, OUT_BF16: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """One program an [128, BN] output tile (GROUP row tiles at a time along N, as
+    _fp8_gemm_kernel): x's bf16 values through a_desc ([M, K], [128, 64] boxes), the weight's
+    folded bf16 values through b_desc ([N, K], [BN, 64] boxes); c [M, N] fp32 or bf16. KS = K /
+    64 steps; K cut as k_order's (CHUNKS chunks of GRANULE 32-blocks, RANGES ranges)."""
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    tiles_m = gl.cdiv(M, 128)
+    width = GROUP * gl.cdiv(N, BN)
+    pid = gl.program_id(0)
+    first_m = pid // width * GROUP
+    rows = gl.minimum(tiles_m - first_m, GROUP)
+    off_m = (first_m + (pid % width) % rows) * 128
+    off_n = (pid % width) // rows * BN
+    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer, (a_bufs, b_bufs, ready, empty, c_ptr, M, N, KS, CHUNKS, RANGES, off_m, off_n,
+                     0, GRANULE, BN, STAGES, OUT_BF16)),
+        (_consumer, (a_bufs, b_bufs, ready, empty, c_ptr, M, N, KS, CHUNKS, RANGES, off_m, off_n,
+                     1, GRANULE, BN, STAGES, OUT_BF16)),
+        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, KS, STAGES)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def unsupported(k: int, device: torch.device, out: torch.Tensor) -> str | None:
+    """Why fp8_values_gemm_ws cannot run a K of k on this device into out, or None."""
+    if not is_hopper(device):
+        return f"device {device}: the kernel's wgmma needs an sm_90 GPU"
+    if k % BLOCK_K:
+        return f"K {k}: a multiple of {BLOCK_K} wanted (whole ring stages)"
+    if out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous():
+        return f"out {out.dtype}: a contiguous bf16 or fp32 tensor wanted"
+    return None
+
+
+def fp8_values_gemm_ws(x_values: torch.Tensor, w_values: torch.Tensor, out: torch.Tensor,
+                       chunks: int, ranges: int, granule: int) -> torch.Tensor:
+    """out [M, N] (fp32, or bf16: rounded once) = x's bf16 values [M, K] times the weight's
+    folded bf16 values [N, K] (``e4m3_to_bf16(weight, scale)``), K cut as k_order's (chunks,
+    ranges, granule): the bits of ``_fp8_gemm_kernel``'s PRESCALED tiles on the unfolded
+    weight. The caller checked ``unsupported``."""
+    x_values = x_values.contiguous()
+    w_values = w_values.contiguous()
+    m, k = x_values.shape
+    n = w_values.shape[0]
+    a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
+    b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
+    a_desc = TensorDescriptor.from_tensor(x_values, [BLOCK_M, BLOCK_K], a_layout)
+    b_desc = TensorDescriptor.from_tensor(w_values, [BLOCK_N, BLOCK_K], b_layout)
+    grid = (-(-m // BLOCK_M) * -(-n // BLOCK_N),)
+    _fp8_values_ws_kernel[grid](a_desc, b_desc, out, m, n, k // BLOCK_K, chunks, ranges,
+                                GRANULE=granule, STAGES=STAGES,
+                                OUT_BF16=out.dtype == torch.bfloat16,
+                                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+                                num_warps=4)
+    return out

@@ -1,0 +1,181 @@
+"""The Gluon square tiles of fp8_linear (ops/linear/gluon.py) and their folded weight operand.
+
+The fold (e4m3_to_bf16 with the block scales) and its guard (foldable_scales) run under the
+interpreter; the Gluon kernel, which does not run there, is compiled for sm_90a on the CPU
+(the stand-in driver of sm90_compile.py) and, on a Hopper GPU, checked bit for bit against the
+Triton square tiles it replaces."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import dsv41attn.ops.linear.triton as T  # noqa: E402
+from dsv41attn.checkpoint import quantize_fp8  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 \
+    and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def _e8m0(e: torch.Tensor) -> torch.Tensor:
+    return e.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def test_fold_is_each_value_times_its_block_scale():
+    """Every e4m3 code (NaN included) in a 70 x 96 weight, each 32 x 32 block with its own
+    scale (2^-63 .. 1, the foldable range, and the edge bytes), the last row block cut short:
+    exactly the code's value times 2^(e-127), in bf16; without scales, the plain values."""
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 256, (70, 96), generator=g, dtype=torch.int32).to(torch.uint8)
+    codes[0, :4] = torch.tensor([0x00, 0x80, 0x01, 0x7E], dtype=torch.uint8)  # +-0, min, max
+    w = codes.view(torch.float8_e4m3fn)
+    e = torch.tensor([[T.FOLD_MIN_E, 127, 100], [120, T.FOLD_MAX_E, 64], [90, 110, 126]],
+                     dtype=torch.int32)
+    got = T.e4m3_to_bf16(w.to(DEV), _e8m0(e).to(DEV)).cpu()
+    scale = torch.pow(2.0, (e - 127).double()).repeat_interleave(32, 0)[:70]
+    want = (w.double() * scale.repeat_interleave(32, 1)).to(torch.bfloat16)
+    nan = torch.isnan(want)
+    assert nan.any() and torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert torch.equal(T.e4m3_to_bf16(w.to(DEV)).cpu().view(torch.int16)[~nan],
+                       w.to(torch.bfloat16).view(torch.int16)[~nan])
+    with pytest.raises(ValueError, match=r"scale \(3, 2\) does not match weight \(70, 96\)"):
+        T.e4m3_to_bf16(w.to(DEV), _e8m0(e[:, :2]).to(DEV))
+
+
+def test_foldable_scales_range_and_cache():
+    """The guard: every byte within FOLD_MIN_E..FOLD_MAX_E; one byte outside either end, or
+    a NaN scale, says no; an answer is cached per tensor and dropped when the tensor is
+    written in place."""
+    s = _e8m0(torch.full((4, 8), 120))
+    assert T.foldable_scales(s)
+    for bad in (T.FOLD_MIN_E - 1, T.FOLD_MAX_E + 1, 0, 255):
+        t = _e8m0(torch.full((4, 8), 120))
+        t.view(torch.uint8)[3, 7] = bad
+        assert not T.foldable_scales(t), bad
+    t = _e8m0(torch.full((2, 2), T.FOLD_MIN_E))
+    assert T.foldable_scales(t)
+    t.view(torch.uint8)[1, 1] = 200  # an in-place write: the cached verdict must not stand
+    assert not T.foldable_scales(t)
+    t.view(torch.uint8)[1, 1] = 127
+    assert T.foldable_scales(t)
+
+
+def _compile() -> dict:
+    """Compile _fp8_values_ws_kernel for sm_90a in a fresh process (the stand-in driver must
+    not touch this process's Triton): shared memory, (registers, stack, local ld/st, loop)."""
+    here = os.path.dirname(__file__)
+    code = f"""
+import json, sys
+sys.path[:0] = {[here, os.path.dirname(here)]!r}
+import sm90_compile as s
+s._setup_worker()
+import torch
+from triton.runtime.jit import MockTensor as M
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+import dsv41attn.ops.linear.gluon as g
+al = gl.NVMMASharedLayout.get_default_for([g.BLOCK_M, g.BLOCK_K], gl.bfloat16)
+bl = gl.NVMMASharedLayout.get_default_for([g.BLOCK_N, g.BLOCK_K], gl.bfloat16)
+ad = TensorDescriptor(M(torch.bfloat16), [8192, 8192], [8192, 1], [g.BLOCK_M, g.BLOCK_K], al)
+bd = TensorDescriptor(M(torch.bfloat16), [5120, 8192], [8192, 1], [g.BLOCK_N, g.BLOCK_K], bl)
+k = g._fp8_values_ws_kernel.warmup(ad, bd, M(torch.bfloat16), 8192, 5120, 128, 32, 5,
+    GRANULE=8, STAGES=g.STAGES, OUT_BF16=True, CONSUMER_REGS=g.CONSUMER_REGS,
+    PRODUCER_REGS=g.PRODUCER_REGS, num_warps=4, grid=(1,))
+ptx = k.asm["ptx"]
+print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["cubin"], True),
+                  "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
+                  "tma": ptx.count("cp.async.bulk.tensor")}}))
+"""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=600)
+    if r.returncode:
+        if "stand-in" in r.stderr or "GPUTarget" in r.stderr:
+            pytest.skip("this Triton's internals do not fit the stand-in driver")
+        raise AssertionError(r.stderr[-4000:])
+    import json
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_compiles_warp_specialized_for_sm90():
+    """The kernel lowers for an H100/H200 with K cut in ranges: each 32-block's wgmma (two per
+    ring stage), register budgets per partition, the TMA ring in shared memory, no spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    r = _compile()
+    assert r["wgmma"] > 0 and r["setmaxnreg"] > 0 and r["tma"] > 0, r
+    assert r["shared"] <= 232448, r
+    regs, stack, local, _ = r["res"]
+    assert stack == 0 and local == 0, r  # no spills
+
+
+# (M, N, K, num_splits): the square tiles' rows; N off the 128-wide tile; ranges as k_order cuts
+WS_CASES = {
+    "m512-n1280-k1280-auto": (512, 1280, 1280, None),
+    "m700-n200-k5120-r20": (700, 200, 5120, 20),  # ragged last row and column tiles, 20 ranges
+    "m1000-n512-k2048-r5": (1000, 512, 2048, 5),  # ragged ranges of whole chunks
+    "m640-n4096-k1024-r1": (640, 4096, 1024, 1),  # one range: the reference's K order
+}
+
+
+@pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
+@pytest.mark.parametrize("case", list(WS_CASES), ids=list(WS_CASES))
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_gluon_tiles_equal_triton_tiles(case, out_dtype, monkeypatch):
+    """fp8_linear with the Gluon tiles on the folded weight against fp8_linear with the Triton
+    tiles on the unfolded one: the same bits, every output written (NaN-poisoned buffers),
+    on wide-range rows (a zero row, a zero block) and scales across the foldable range."""
+    m, n, k, splits = WS_CASES[case]
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g)
+                     * torch.logspace(-4, 1, k, device="cuda") / k ** 0.5)
+    w.weight[:32, :64] = 0
+    x = (torch.randn(m, k, device="cuda", generator=g)
+         * torch.logspace(3, -3, k, device="cuda")).to(torch.bfloat16)
+    x[1] = 0
+    x[2, :32] = 0
+    assert T.foldable_scales(w.scale)
+    plan = T._linear_plan(m, w.weight, splits, True, x.device)
+    assert T._square_ws(plan, x, w.weight, w.scale, torch.empty(1, 1, device="cuda"))
+    empty = torch.empty
+
+    def poisoned(*shape, dtype=None, device=None):  # every buffer the op makes starts NaN
+        t = empty(*shape, dtype=dtype, device=device)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(T.torch, "empty", poisoned)
+    got = T.fp8_linear(x, w.weight, w.scale, num_splits=splits, out_dtype=out_dtype)
+    monkeypatch.setattr(T, "SQUARE_WS", False)
+    want = T.fp8_linear(x, w.weight, w.scale, num_splits=splits, out_dtype=out_dtype)
+    assert not want.isnan().any()
+    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got.view(bits), want.view(bits))
+
+
+@pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
+def test_gluon_tiles_with_rope_and_unfoldable_scales(monkeypatch):
+    """The query's RoPE on the output (the Triton tiles turn it as they store; after the Gluon
+    tiles rope_heads does): the same bits. A weight with one scale byte outside the foldable
+    range runs the Triton tiles (and gives their bits)."""
+    m, n, k, hd = 600, 1024, 1280, 512
+    g = torch.Generator(device="cuda").manual_seed(9)
+    w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    ang = torch.rand(m, 32, device="cuda", generator=g) * 50
+    rot = torch.polar(torch.ones_like(ang), ang)
+    got = T.fp8_linear(x, w.weight, w.scale, rope=(rot, hd))
+    monkeypatch.setattr(T, "SQUARE_WS", False)
+    want = T.fp8_linear(x, w.weight, w.scale, rope=(rot, hd))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    monkeypatch.setattr(T, "SQUARE_WS", True)
+    bad = w.scale.clone()
+    bad.view(torch.uint8)[0, 0] = T.FOLD_MAX_E + 1
+    plan = T._linear_plan(m, w.weight, None, True, x.device)
+    assert not T._square_ws(plan, x, w.weight, bad, torch.empty(1, 1, device="cuda"))
+    y = T.fp8_linear(x, w.weight, bad)
+    monkeypatch.setattr(T, "SQUARE_WS", False)
+    assert torch.equal(y.view(torch.int16), T.fp8_linear(x, w.weight, bad).view(torch.int16))
