@@ -65,7 +65,7 @@ def test_foldable_scales_range_and_cache():
     assert T.foldable_scales(t)
 
 
-def _compile() -> dict:
+def _compile(bk: int, stages: int) -> dict:
     """Compile _fp8_values_ws_kernel for sm_90a in a fresh process (the stand-in driver must
     not touch this process's Triton): shared memory, (registers, stack, local ld/st, loop)."""
     here = os.path.dirname(__file__)
@@ -79,12 +79,12 @@ from triton.runtime.jit import MockTensor as M
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 import dsv41attn.ops.linear.gluon as g
-al = gl.NVMMASharedLayout.get_default_for([g.BLOCK_M, g.BLOCK_K], gl.bfloat16)
-bl = gl.NVMMASharedLayout.get_default_for([g.BLOCK_N, g.BLOCK_K], gl.bfloat16)
-ad = TensorDescriptor(M(torch.bfloat16), [8192, 8192], [8192, 1], [g.BLOCK_M, g.BLOCK_K], al)
-bd = TensorDescriptor(M(torch.bfloat16), [5120, 8192], [8192, 1], [g.BLOCK_N, g.BLOCK_K], bl)
-k = g._fp8_values_ws_kernel.warmup(ad, bd, M(torch.bfloat16), 8192, 5120, 128, 32, 5,
-    GRANULE=8, STAGES=g.STAGES, OUT_BF16=True, CONSUMER_REGS=g.CONSUMER_REGS,
+al = gl.NVMMASharedLayout.get_default_for([g.BLOCK_M, {bk}], gl.bfloat16)
+bl = gl.NVMMASharedLayout.get_default_for([g.BLOCK_N, {bk}], gl.bfloat16)
+ad = TensorDescriptor(M(torch.bfloat16), [8192, 8192], [8192, 1], [g.BLOCK_M, {bk}], al)
+bd = TensorDescriptor(M(torch.bfloat16), [5120, 8192], [8192, 1], [g.BLOCK_N, {bk}], bl)
+k = g._fp8_values_ws_kernel.warmup(ad, bd, M(torch.bfloat16), 8192, 5120, 8192 // {bk}, 32, 5,
+    GRANULE=8, STAGES={stages}, OUT_BF16=True, CONSUMER_REGS=g.CONSUMER_REGS,
     PRODUCER_REGS=g.PRODUCER_REGS, num_warps=4, grid=(1,))
 ptx = k.asm["ptx"]
 print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["cubin"], True),
@@ -102,11 +102,14 @@ print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_compiles_warp_specialized_for_sm90():
-    """The kernel lowers for an H100/H200 with K cut in ranges: each 32-block's wgmma (two per
-    ring stage), register budgets per partition, the TMA ring in shared memory, no spills."""
+@pytest.mark.parametrize("wide", [False, True])
+def test_compiles_warp_specialized_for_sm90(wide):
+    """The kernel lowers for an H100/H200 with K cut in ranges, at both ring forms: each
+    32-block's wgmma (two or four per ring stage), register budgets per partition, the TMA
+    ring in shared memory, no spills."""
     pytest.importorskip("triton.experimental.gluon")
-    r = _compile()
+    from dsv41attn.ops.linear import gluon as G
+    r = _compile(*((G.WIDE_K, G.WIDE_STAGES) if wide else (G.BLOCK_K, G.STAGES)))
     assert r["wgmma"] > 0 and r["setmaxnreg"] > 0 and r["tma"] > 0, r
     assert r["shared"] <= 232448, r
     regs, stack, local, _ = r["res"]
@@ -117,7 +120,7 @@ def test_compiles_warp_specialized_for_sm90():
 WS_CASES = {
     "m512-n1280-k1280-auto": (512, 1280, 1280, None),
     "m700-n200-k5120-r20": (700, 200, 5120, 20),  # ragged last row and column tiles, 20 ranges
-    "m1000-n512-k2048-r5": (1000, 512, 2048, 5),  # ragged ranges of whole chunks
+    "m1000-n512-k8192-r5": (1000, 512, 8192, 5),  # ragged ranges; 128-wide ring stages
     "m640-n4096-k1024-r1": (640, 4096, 1024, 1),  # one range: the reference's K order
 }
 

@@ -5,7 +5,7 @@ cores and add it, times the block's weight scale, before the next block (the ref
 rounding points). There each block's scale bytes are loaded from global memory inside the K
 loop, and a program's warps wait on those loads, on each wgmma and on their own TMA issue in
 turn: 300-350 TFLOP/s at 8K rows. Here a producer warp group keeps a ring of [128, 64] x tiles
-and [128, 64] weight tiles filled by TMA, and two consumer warp groups, each on 64 of the
+and [128, 64] weight tiles (128 wide at long K) filled by TMA, and two consumer warp groups, each on 64 of the
 tile's 128 rows, run each block's wgmma and add it, independently of each other (while one
 adds, the other's wgmma runs). The weight's operand is its bf16 values with the block scales
 folded in (``triton.e4m3_to_bf16(weight, scale)``), so a block's dot comes out already scaled
@@ -33,8 +33,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_M = 128  # token rows a tile: two consumer warp groups of 64
 BLOCK_N = 128  # weight rows (output columns) a tile
-BLOCK_K = 64  # two 32-blocks a ring stage (128-byte rows: the widest TMA swizzle)
+BLOCK_K = 64  # two 32-blocks a ring stage (128-byte rows: the widest TMA swizzle), 4 stages;
 STAGES = 4
+# four a stage (3 stages) where K is long enough: H100, M = 8192, the GEMM alone, us (64 / 128):
+# wo_b (K 8192) 1495 / 1323, wq_a (5120) 258 / 228, wkv (5120) 117 / 105; but wq_b (K 1280,
+# 10 stages a tile) 1614 / 3232
+WIDE_K, WIDE_MIN_K, WIDE_STAGES = 128, 4096, 3
 GROUP = gl.constexpr(8)  # row tiles taken together along N (a group shares its weight tiles in L2)
 CONSUMER_REGS, PRODUCER_REGS = 232, 40  # setmaxnreg: the consumers' accumulators, the TMA group's
 
@@ -164,13 +168,15 @@ def fp8_values_gemm_ws(x_values: torch.Tensor, w_values: torch.Tensor, out: torc
     w_values = w_values.contiguous()
     m, k = x_values.shape
     n = w_values.shape[0]
-    a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
-    b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
-    a_desc = TensorDescriptor.from_tensor(x_values, [BLOCK_M, BLOCK_K], a_layout)
-    b_desc = TensorDescriptor.from_tensor(w_values, [BLOCK_N, BLOCK_K], b_layout)
+    bk, stages = (WIDE_K, WIDE_STAGES) if k >= WIDE_MIN_K and k % WIDE_K == 0 else \
+        (BLOCK_K, STAGES)
+    a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, bk], gl.bfloat16)
+    b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, bk], gl.bfloat16)
+    a_desc = TensorDescriptor.from_tensor(x_values, [BLOCK_M, bk], a_layout)
+    b_desc = TensorDescriptor.from_tensor(w_values, [BLOCK_N, bk], b_layout)
     grid = (-(-m // BLOCK_M) * -(-n // BLOCK_N),)
-    _fp8_values_ws_kernel[grid](a_desc, b_desc, out, m, n, k // BLOCK_K, chunks, ranges,
-                                GRANULE=granule, STAGES=STAGES,
+    _fp8_values_ws_kernel[grid](a_desc, b_desc, out, m, n, k // bk, chunks, ranges,
+                                GRANULE=granule, STAGES=stages,
                                 OUT_BF16=out.dtype == torch.bfloat16,
                                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                                 num_warps=4)
