@@ -46,6 +46,7 @@ kernels are picked by shape, so that their last bits depend on M.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -155,7 +156,6 @@ def foldable_scales(scale: torch.Tensor) -> bool:
     first time a tensor is asked (then cached while the tensor lives and is not written);
     during CUDA-graph capture an unasked tensor answers False (the Triton tiles run: the
     same bits)."""
-    import weakref
     key = id(scale)
     hit = _FOLDABLE.get(key)
     if hit is not None and hit[0]() is scale and hit[1] == scale._version \
