@@ -282,6 +282,31 @@ def _setup_worker() -> None:
     _stand_in_driver()
 
 
+def compile_probe(body: str, triton_dir: str | None = None) -> dict:
+    """Run ``body`` in a fresh process (the stand-in driver must not touch the caller's
+    Triton) after the worker's setup, with ``s`` this module, ``json``, ``torch`` and ``M``
+    (MockTensor) imported, and triton_dir (another Triton) first on the path if given: the
+    body compiles a kernel for sm_90a and prints one JSON line last, returned here. Under
+    pytest, a Triton whose internals the stand-in driver does not fit skips the test."""
+    import json
+    import subprocess
+    code = (f"import json, sys\nsys.path[:0] = [{str(TESTS)!r}, {str(TESTS.parent)!r}]\n"
+            "import sm90_compile as s\ns._setup_worker()\nimport torch\n"
+            "from triton.runtime.jit import MockTensor as M\n" + body)
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    if triton_dir:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [triton_dir] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=600)
+    if r.returncode:
+        if "stand-in" in r.stderr or "GPUTarget" in r.stderr:
+            import pytest
+            pytest.skip("this Triton's internals do not fit the stand-in driver")
+        raise AssertionError(r.stderr[-4000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def _compile(rec: dict, sass: bool = False) -> dict:
     """Compile one recorded launch; a dict of its resources (sass: with the local loads and
     stores counted in its disassembly) or its error."""

@@ -5,8 +5,6 @@ interpreter; the Gluon kernel, which does not run there, is compiled for sm_90a 
 (the stand-in driver of sm90_compile.py) and, on a Hopper GPU, checked bit for bit against the
 Triton square tiles it replaces."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -66,16 +64,10 @@ def test_foldable_scales_range_and_cache():
 
 
 def _compile(bk: int, stages: int) -> dict:
-    """Compile _fp8_values_ws_kernel for sm_90a in a fresh process (the stand-in driver must
-    not touch this process's Triton): shared memory, (registers, stack, local ld/st, loop)."""
-    here = os.path.dirname(__file__)
-    code = f"""
-import json, sys
-sys.path[:0] = {[here, os.path.dirname(here)]!r}
-import sm90_compile as s
-s._setup_worker()
-import torch
-from triton.runtime.jit import MockTensor as M
+    """Compile _fp8_values_ws_kernel for sm_90a (sm90_compile.compile_probe): shared memory,
+    (registers, stack, local ld/st, loop), and what its PTX holds."""
+    import sm90_compile
+    return sm90_compile.compile_probe(f"""
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 import dsv41attn.ops.linear.gluon as g
@@ -89,17 +81,9 @@ k = g._fp8_values_ws_kernel.warmup(ad, bd, M(torch.bfloat16), 8192, 5120, 8192 /
 ptx = k.asm["ptx"]
 print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["cubin"], True),
                   "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
-                  "tma": ptx.count("cp.async.bulk.tensor")}}))
-"""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=600)
-    if r.returncode:
-        if "stand-in" in r.stderr or "GPUTarget" in r.stderr:
-            pytest.skip("this Triton's internals do not fit the stand-in driver")
-        raise AssertionError(r.stderr[-4000:])
-    import json
-    return json.loads(r.stdout.strip().splitlines()[-1])
+                  "tma": ptx.count("cp.async.bulk.tensor"),
+                  "neg_zero": ptx.count("0f80000000"), "pos_zero": ptx.count("0f00000000")}}))
+""")
 
 
 @pytest.mark.parametrize("wide", [False, True])
@@ -114,6 +98,7 @@ def test_compiles_warp_specialized_for_sm90(wide):
     assert r["shared"] <= 232448, r
     regs, stack, local, _ = r["res"]
     assert stack == 0 and local == 0, r  # no spills
+    assert r["neg_zero"] > 0 and r["pos_zero"] == 0, r  # the sums start from -0 (_neg_zeros)
 
 
 # (M, N, K, num_splits): the square tiles' rows; N off the 128-wide tile; ranges as k_order cuts
@@ -132,6 +117,7 @@ def test_gluon_tiles_equal_triton_tiles(case, out_dtype, monkeypatch):
     """fp8_linear with the Gluon tiles on the folded weight against fp8_linear with the Triton
     tiles on the unfolded one: the same bits, every output written (NaN-poisoned buffers),
     on wide-range rows (a zero row, a zero block) and scales across the foldable range."""
+    monkeypatch.setattr(T, "SQUARE_WS", True)
     m, n, k, splits = WS_CASES[case]
     g = torch.Generator(device="cuda").manual_seed(m + n)
     w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g)
@@ -164,6 +150,7 @@ def test_gluon_tiles_with_rope_and_unfoldable_scales(monkeypatch):
     """The query's RoPE on the output (the Triton tiles turn it as they store; after the Gluon
     tiles rope_heads does): the same bits. A weight with one scale byte outside the foldable
     range runs the Triton tiles (and gives their bits)."""
+    monkeypatch.setattr(T, "SQUARE_WS", True)
     m, n, k, hd = 600, 1024, 1280, 512
     g = torch.Generator(device="cuda").manual_seed(9)
     w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5)

@@ -12,6 +12,8 @@ import pytest
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
+from dsv41attn.ops.common.triton import neg_zeros  # noqa: E402
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -127,3 +129,45 @@ def test_main_loop_is_the_shortest_backward_branch_holding_an_mma():
     assert sm90_compile._main_loop(two) == 4  # 0x10..0x40, the MMA loop; not 0x50..0x60
     assert sm90_compile._main_loop(two.replace("HGMMA.64x16x16.F32", "FFMA")) == 2
     assert sm90_compile._main_loop(listing("MOV R1, R2", "@P0 BRA 0x40", "EXIT")) == -1
+
+
+@triton.jit
+def _sum_from_neg_zero_kernel(x_ptr, o_ptr, KS):
+    """o [128] = -0 + x[0] + ... + x[KS - 1], the start from neg_zeros."""
+    i = tl.arange(0, 128)
+    acc = neg_zeros([128], tl.float32)
+    for k in tl.range(0, KS):  # a loop: the start stays a constant of the PTX
+        acc = acc + tl.load(x_ptr + k * 128 + i)
+    tl.store(o_ptr + i, acc)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1", reason="interpreter")
+def test_neg_zeros_sums_minus_zeros_to_minus_zero():
+    """A sum of -0 terms started from neg_zeros is -0, as the reference's."""
+    import torch
+    x = torch.full((3, 128), -0.0)
+    o = torch.empty(128)
+    _sum_from_neg_zero_kernel[(1,)](x, o, 3)
+    assert torch.equal(o.view(torch.int32), torch.full((128,), -2 ** 31, dtype=torch.int32))
+
+
+# this Triton, and the GPU image's where make has put it beside the venv (its triton-X dirs)
+_TRITONS = [None] + sorted(str(p) for p in Path(sys.prefix).glob("triton-*") if p.is_dir())
+
+
+@pytest.mark.parametrize("triton_dir", _TRITONS, ids=lambda d: "this" if d is None else
+                         Path(d).name)
+def test_neg_zeros_is_a_minus_zero_constant_for_sm90(triton_dir):
+    """The start is a -0 constant in the sm_90a PTX (tl.full(-0.0) compiles to +0 under the
+    GPU image's Triton 3.6: the GPU kernels started their sums at +0 and gave +0 where the
+    reference gives -0)."""
+    import sm90_compile
+    got = sm90_compile.compile_probe("""
+import test_sm90_compile as t
+k = t._sum_from_neg_zero_kernel.warmup(M(torch.float32), M(torch.float32), 3, num_warps=4,
+                                      grid=(1,))
+ptx = k.asm["ptx"]
+print(json.dumps({"neg": ptx.count("0f80000000") + ptx.count("-2147483648"),
+                  "pos": ptx.count("0f00000000")}))
+""", triton_dir)
+    assert got["neg"] >= 1 and got["pos"] == 0, got

@@ -25,7 +25,7 @@ from .quant import FP8_BLOCK, FP8_MAX
 
 __all__ = ["DEFAULT_SM_COUNT", "FP8_BLOCK", "INV_FP8_MAX", "check_device", "check_rot",
            "any_nan", "cos_sin", "e4m3_code", "e4m3_of_e2m1", "e4m3_to_fp32", "e8m0_to_fp32",
-           "interpreting",
+           "interpreting", "neg_zeros",
            "pow2_ceil_exponent", "require", "rms_norm", "rms_scale", "rope_heads", "rope_rotate",
            "round_bf16", "sm_count", "to_bf16", "ue8m0_exponent"]
 
@@ -84,6 +84,21 @@ def check_rot(rot: torch.Tensor, n: int, d: int) -> int:
           f"rot shape {tuple(rot.shape)} does not match N = {n} rows with 1 <= R/2 <= D/2 = "
           f"{d // 2}")
     return r2
+
+
+# ---- jit helpers: signed zeros ----------------------------------------------------------------
+
+@triton.jit
+def neg_zeros(shape: tl.constexpr, dtype: tl.constexpr):
+    """A tensor of -0.0 (fp32, or fp64): the start of a sum that must give p for every p
+    (-0 + p == p, also for p = -0). Built from its bits: Triton 3.6 compiles
+    ``tl.full(shape, -0.0, ...)`` to +0 (its constant -0.0 is 0 - 0.0), so a sum of -0 terms
+    came out +0 on the GPU where the reference gives -0."""
+    if dtype == tl.float64:
+        z = (tl.full(shape, 1, tl.int64) << 63).to(tl.float64, bitcast=True)
+    else:
+        z = (tl.full(shape, 1, tl.int32) << 31).to(tl.float32, bitcast=True)
+    return z
 
 
 # ---- jit helpers: bf16 -----------------------------------------------------------------------

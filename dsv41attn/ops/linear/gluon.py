@@ -52,6 +52,12 @@ def is_hopper(device: torch.device) -> bool:
 
 
 @gluon.jit
+def _neg_zeros(shape: gl.constexpr, layout: gl.constexpr):
+    """fp32 -0.0 from its bits (common.triton.neg_zeros: Triton 3.6 makes a -0.0 constant +0)."""
+    return (gl.full(shape, 1, gl.int32, layout) << 31).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, KS,
               STAGES: gl.constexpr):
     """Fill ring stage k % STAGES with K step k's x tile [128, 64] and weight tile [128, 64]
@@ -77,8 +83,8 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, M, N, KS, CHUNKS, RANGES, off
                                                 instr_shape=[16, BN, 16])
     BK: gl.constexpr = a_bufs.type.shape[2]
     J: gl.constexpr = BK // 32
-    acc = gl.full([64, BN], -0.0, gl.float32, L)  # -0 + p == p for every p
-    total = gl.full([64, BN], -0.0, gl.float32, L)
+    acc = _neg_zeros([64, BN], L)  # -0 + p == p for every p
+    total = _neg_zeros([64, BN], L)
     zero = gl.zeros([64, BN], gl.float32, L)
     r_end = CHUNKS // RANGES * GRANULE  # the 32-block where range 0 ends
     r = 0
@@ -98,7 +104,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, M, N, KS, CHUNKS, RANGES, off
             if RANGES > 1:
                 if k * J + j + 1 == r_end:  # range r is complete: into total, range r + 1 from -0
                     total = total + acc
-                    acc = gl.full([64, BN], -0.0, gl.float32, L)
+                    acc = _neg_zeros([64, BN], L)
                     r += 1
                     r_end = (r + 1) * CHUNKS // RANGES * GRANULE
     if RANGES == 1:
