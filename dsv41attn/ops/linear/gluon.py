@@ -4,12 +4,12 @@ Why: ``triton._fp8_gemm_kernel``'s PRESCALED tiles take each 32-block's dot out 
 cores and add it, times the block's weight scale, before the next block (the reference's
 rounding points). There each block's scale bytes are loaded from global memory inside the K
 loop, and a program's warps wait on those loads, on each wgmma and on their own TMA issue in
-turn: 300-350 TFLOP/s at 8K rows. Here a producer warp group keeps a ring of [128, 64] x tiles
-and [128, 64] weight tiles (128 wide at long K) filled by TMA, and two consumer warp groups, each on 64 of the
-tile's 128 rows, run each block's wgmma and add it, independently of each other (while one
-adds, the other's wgmma runs). The weight's operand is its bf16 values with the block scales
-folded in (``triton.e4m3_to_bf16(weight, scale)``), so a block's dot comes out already scaled
-and is added with no scale load and no multiply.
+turn: 300-350 TFLOP/s at 8K rows. Here a producer warp group keeps a ring of [128, BK] x
+tiles and [128, BK] weight tiles filled by TMA (BK = 64, or 128 at long K), and two consumer
+warp groups, each on 64 of the tile's 128 rows, run each block's wgmma and add it,
+independently of each other (while one adds, the other's wgmma runs). The weight's operand is
+its bf16 values with the block scales folded in (``triton.e4m3_to_bf16(weight, scale)``), so a
+block's dot comes out already scaled and is added with no scale load and no multiply.
 
 Numerics: those of the Triton tiles (their reference beside them, ``_fp8_gemm_kernel``): each
 32-block's dot is one wgmma chain over its K from no accumulator, added into its range's fp32
@@ -60,7 +60,7 @@ def _neg_zeros(shape: gl.constexpr, layout: gl.constexpr):
 @gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, KS,
               STAGES: gl.constexpr):
-    """Fill ring stage k % STAGES with K step k's x tile [128, 64] and weight tile [128, 64]
+    """Fill ring stage k % STAGES with K step k's x tile [128, BK] and weight tile [BN, BK]
     (rows past M or N read as 0) once both consumers released it."""
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -124,9 +124,9 @@ def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, M, N, KS, CHUNKS, RANGES,
                           GRANULE: gl.constexpr, STAGES: gl.constexpr, OUT_BF16: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """One program an [128, BN] output tile (GROUP row tiles at a time along N, as
-    _fp8_gemm_kernel): x's bf16 values through a_desc ([M, K], [128, 64] boxes), the weight's
-    folded bf16 values through b_desc ([N, K], [BN, 64] boxes); c [M, N] fp32 or bf16. KS = K /
-    64 steps; K cut as k_order's (CHUNKS chunks of GRANULE 32-blocks, RANGES ranges)."""
+    _fp8_gemm_kernel): x's bf16 values through a_desc ([M, K], [128, BK] boxes), the weight's
+    folded bf16 values through b_desc ([N, K], [BN, BK] boxes); c [M, N] fp32 or bf16. KS = K /
+    BK steps; K cut as k_order's (CHUNKS chunks of GRANULE 32-blocks, RANGES ranges)."""
     BN: gl.constexpr = b_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     tiles_m = gl.cdiv(M, 128)
