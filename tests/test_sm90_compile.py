@@ -12,7 +12,7 @@ import pytest
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from dsv41attn.ops.common.triton import neg_zeros  # noqa: E402
+from dsv41attn.ops.common.triton import neg, neg_zeros  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 
@@ -141,14 +141,26 @@ def _sum_from_neg_zero_kernel(x_ptr, o_ptr, KS):
     tl.store(o_ptr + i, acc)
 
 
+@triton.jit
+def _negate_kernel(x_ptr, o_ptr):
+    """o [128] = neg(x)."""
+    i = tl.arange(0, 128)
+    tl.store(o_ptr + i, neg(tl.load(x_ptr + i)))
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1", reason="interpreter")
-def test_neg_zeros_sums_minus_zeros_to_minus_zero():
-    """A sum of -0 terms started from neg_zeros is -0, as the reference's."""
+def test_neg_zeros_and_neg_keep_the_sign_of_zero():
+    """A sum of -0 terms started from neg_zeros is -0, as the reference's; neg turns +0 into
+    -0 and back, and every other value as -x."""
     import torch
     x = torch.full((3, 128), -0.0)
     o = torch.empty(128)
     _sum_from_neg_zero_kernel[(1,)](x, o, 3)
     assert torch.equal(o.view(torch.int32), torch.full((128,), -2 ** 31, dtype=torch.int32))
+    v = torch.cat([torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-45, -3.5]),
+                   torch.randn(122)])
+    _negate_kernel[(1,)](v, o)
+    assert torch.equal(o.view(torch.int32), (-v).view(torch.int32))
 
 
 # this Triton, and the GPU image's where make has put it beside the venv (its triton-X dirs)
@@ -157,17 +169,21 @@ _TRITONS = [None] + sorted(str(p) for p in Path(sys.prefix).glob("triton-*") if 
 
 @pytest.mark.parametrize("triton_dir", _TRITONS, ids=lambda d: "this" if d is None else
                          Path(d).name)
-def test_neg_zeros_is_a_minus_zero_constant_for_sm90(triton_dir):
+def test_neg_zeros_and_neg_for_sm90(triton_dir):
     """The start is a -0 constant in the sm_90a PTX (tl.full(-0.0) compiles to +0 under the
     GPU image's Triton 3.6: the GPU kernels started their sums at +0 and gave +0 where the
-    reference gives -0)."""
+    reference gives -0), and neg flips the sign bit (3.6 compiles -x to 0 - x)."""
     import sm90_compile
     got = sm90_compile.compile_probe("""
 import test_sm90_compile as t
 k = t._sum_from_neg_zero_kernel.warmup(M(torch.float32), M(torch.float32), 3, num_warps=4,
                                       grid=(1,))
 ptx = k.asm["ptx"]
+n = t._negate_kernel.warmup(M(torch.float32), M(torch.float32), num_warps=4, grid=(1,))
+nptx = n.asm["ptx"]
 print(json.dumps({"neg": ptx.count("0f80000000") + ptx.count("-2147483648"),
-                  "pos": ptx.count("0f00000000")}))
+                  "pos": ptx.count("0f00000000"), "sub": nptx.count("sub.f32"),
+                  "flip": nptx.count("xor.b32") + nptx.count("neg.f32")}))
 """, triton_dir)
     assert got["neg"] >= 1 and got["pos"] == 0, got
+    assert got["sub"] == 0 and got["flip"] >= 1, got

@@ -25,7 +25,7 @@ from .quant import FP8_BLOCK, FP8_MAX
 
 __all__ = ["DEFAULT_SM_COUNT", "FP8_BLOCK", "INV_FP8_MAX", "check_device", "check_rot",
            "any_nan", "cos_sin", "e4m3_code", "e4m3_of_e2m1", "e4m3_to_fp32", "e8m0_to_fp32",
-           "interpreting", "neg_zeros",
+           "interpreting", "neg", "neg_zeros",
            "pow2_ceil_exponent", "require", "rms_norm", "rms_scale", "rope_heads", "rope_rotate",
            "round_bf16", "sm_count", "to_bf16", "ue8m0_exponent"]
 
@@ -99,6 +99,13 @@ def neg_zeros(shape: tl.constexpr, dtype: tl.constexpr):
     else:
         z = (tl.full(shape, 1, tl.int32) << 31).to(tl.float32, bitcast=True)
     return z
+
+
+@triton.jit
+def neg(x):
+    """-x with the sign of zero (-(+0) = -0, as torch's): x times -1, exact. Triton 3.6 compiles
+    the unary ``-x`` of a float tensor to 0 - x, which gives +0 for +0."""
+    return x * -1.0
 
 
 # ---- jit helpers: bf16 -----------------------------------------------------------------------
@@ -271,7 +278,7 @@ def rope_rotate(even, odd, cs_ptr, pair, mask, INVERSE: tl.constexpr, INTERPRET:
     c = tl.load(cs_ptr + 2 * pair, mask=mask, other=1.0)
     s = tl.load(cs_ptr + 2 * pair + 1, mask=mask, other=0.0)
     if INVERSE:
-        s = -s
+        s = neg(s)
     re = mul_rn(even, c, INTERPRET) - mul_rn(odd, s, INTERPRET)
     im = mul_rn(even, s, INTERPRET) + mul_rn(odd, c, INTERPRET)
     return round_bf16(re, INTERPRET), round_bf16(im, INTERPRET)

@@ -40,7 +40,7 @@ import triton.language as tl
 from ...checkpoint import Fp8Weight, exact_fp8
 from ..common.buffers import out_buffer
 from ..common.triton import (FP8_BLOCK, check_device, cos_sin, e4m3_to_fp32, e8m0_to_fp32,
-                             interpreting, rope_heads, sm_count, to_bf16)
+                             interpreting, neg, rope_heads, sm_count, to_bf16)
 from ..linear.triton import dense_fp8_linear, dense_linear, rescalable_scales
 from .reference import check_inputs
 
@@ -83,7 +83,7 @@ def _rotated_o_tile(o_ptr, cs_ptr, rows, row_mask, flat, k_mask, HD, D, ROT_STAR
     cos = tl.load(cs_ptr + cs_off, mask=rmask, other=1.0)
     sin = tl.load(cs_ptr + cs_off + 1, mask=rmask, other=0.0)
     # (e + i o)(c - i s) = (e c + o s) + i (o c - e s): each member is x c + partner (+-s)
-    sin = tl.where(second[None, :] == 1, -sin, sin)
+    sin = tl.where(second[None, :] == 1, neg(sin), sin)
     y = tl.where(rope[None, :], x * cos + partner * sin, x)
     return to_bf16(y, INTERPRET)  # x is bf16 already: only rotated values round
 
