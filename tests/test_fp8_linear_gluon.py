@@ -98,7 +98,7 @@ def test_compiles_warp_specialized_for_sm90(wide):
     assert r["shared"] <= 232448, r
     regs, stack, local, _ = r["res"]
     assert stack == 0 and local == 0, r  # no spills
-    assert r["neg_zero"] > 0 and r["pos_zero"] == 0, r  # the sums start from -0 (_neg_zeros)
+    assert r["neg_zero"] > 0, r  # the sums start from -0 (_neg_zeros)
 
 
 # (M, N, K, num_splits): the square tiles' rows; N off the 128-wide tile; ranges as k_order cuts
