@@ -394,6 +394,18 @@ def bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def poison_empty(monkeypatch, module) -> None:
+    """Make ``module``'s torch.empty hand out NaN-filled floating buffers (integer ones as
+    they come), so a test sees whether an op writes every element of the buffers it makes."""
+    empty = torch.empty
+
+    def poisoned(*shape, dtype=None, device=None):
+        t = empty(*shape, dtype=dtype, device=device)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(module.torch, "empty", poisoned)
+
+
 def assert_same(before: dict[str, object], after: dict[str, object]) -> None:
     assert before.keys() == after.keys()
     for k, a in before.items():

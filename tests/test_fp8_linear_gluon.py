@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 import dsv41attn.ops.linear.triton as T  # noqa: E402
+from conftest import poison_empty  # noqa: E402
 from dsv41attn.checkpoint import quantize_fp8  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -130,13 +131,7 @@ def test_gluon_tiles_equal_triton_tiles(case, out_dtype, monkeypatch):
     assert T.foldable_scales(w.scale)
     plan = T._linear_plan(m, w.weight, splits, True, x.device)
     assert T._square_ws(plan, x, w.weight, w.scale, torch.empty(1, 1, device="cuda"))
-    empty = torch.empty
-
-    def poisoned(*shape, dtype=None, device=None):  # every buffer the op makes starts NaN
-        t = empty(*shape, dtype=dtype, device=device)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(T.torch, "empty", poisoned)
+    poison_empty(monkeypatch, T)  # every buffer the op makes starts NaN
     got = T.fp8_linear(x, w.weight, w.scale, num_splits=splits, out_dtype=out_dtype)
     monkeypatch.setattr(T, "SQUARE_WS", False)
     want = T.fp8_linear(x, w.weight, w.scale, num_splits=splits, out_dtype=out_dtype)

@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("triton")
 
 import dsv41attn.ops.linear.triton as T
-from conftest import bytes_of
+from conftest import bytes_of, poison_empty
 from dsv41attn.checkpoint import quantize_fp8
 from dsv41attn.ops.common.quant import act_quant as ref_act_quant
 from dsv41attn.ops.common.triton import DEFAULT_SM_COUNT, interpreting, sm_count
@@ -720,13 +720,7 @@ def test_fp8_linear_rope_equals_rope_after(case, monkeypatch):
     xd, wd, wsd, rotd = x.to(DEV), w.to(DEV), ws.to(DEV), rot.to(DEV)
     plain = fp8_linear(xd, wd, wsd, num_splits=splits)
     want = rope_heads(plain.view(m, n // d, d), rotd).view(m, n)
-    empty = torch.empty
-
-    def poisoned(*shape, dtype=None, device=None):  # every buffer the op makes starts NaN
-        t = empty(*shape, dtype=dtype, device=device)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(T.torch, "empty", poisoned)
+    poison_empty(monkeypatch, T)  # every buffer the op makes starts NaN
     got = fp8_linear(xd, wd, wsd, num_splits=splits, rope=(rotd, d))
     monkeypatch.undo()
     assert torch.equal(got.cpu().view(torch.int16), want.cpu().view(torch.int16))

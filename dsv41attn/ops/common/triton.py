@@ -17,6 +17,8 @@ values are rounded by bits and kept in fp32 there.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
@@ -25,7 +27,7 @@ from .quant import FP8_BLOCK, FP8_MAX
 
 __all__ = ["DEFAULT_SM_COUNT", "FP8_BLOCK", "INV_FP8_MAX", "check_device", "check_rot",
            "any_nan", "cos_sin", "e4m3_code", "e4m3_of_e2m1", "e4m3_to_fp32", "e8m0_to_fp32",
-           "interpreting", "neg", "neg_zeros",
+           "interpreting", "is_hopper", "neg", "neg_zeros",
            "pow2_ceil_exponent", "require", "rms_norm", "rms_scale", "rope_heads", "rope_rotate",
            "round_bf16", "sm_count", "to_bf16", "ue8m0_exponent"]
 
@@ -59,6 +61,12 @@ def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return DEFAULT_SM_COUNT
+
+
+@lru_cache(maxsize=None)
+def is_hopper(device: torch.device) -> bool:
+    """An sm_90 GPU: the Gluon kernels' wgmma exists there only."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def cos_sin(rot: torch.Tensor) -> torch.Tensor:

@@ -22,14 +22,14 @@ H100 gave other bits that way); Gluon emits the wgmma and the add as written.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..common.triton import is_hopper
 
 BLOCK_M = 128  # token rows a tile: two consumer warp groups of 64
 BLOCK_N = 128  # weight rows (output columns) a tile
@@ -44,11 +44,6 @@ CONSUMER_REGS, PRODUCER_REGS = 232, 40  # setmaxnreg: the consumers' accumulator
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
-
-@lru_cache(maxsize=None)
-def is_hopper(device: torch.device) -> bool:
-    """An sm_90 GPU: the kernel's wgmma exists there only."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 @gluon.jit

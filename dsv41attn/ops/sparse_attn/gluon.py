@@ -31,8 +31,6 @@ denominator at the end. The row sums of p may add in another order than the Trit
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -41,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
+from ..common.triton import is_hopper
 from .triton import (_FP4_WORD_BF16_ASM, check_paged_devices, check_paged_inputs, check_split_args,
                      finish_paged, paged_operands, paged_output, plan_splits, split_partials)
 
@@ -64,11 +63,6 @@ def smem_bytes(d: int, stages: int) -> int:
     for the consumer's reductions and layout changes (measured 4132 B at d = 512)."""
     return (MAX_HEADS + stages * ROWS) * d * 2 + RAW_STAGES * SUB_ROWS * (d + d // 16) + 4352
 
-
-@lru_cache(maxsize=None)
-def is_hopper(device: torch.device) -> bool:
-    """An sm_90 GPU: the kernel's wgmma exists there only."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def unsupported(q: torch.Tensor, window_ring: torch.Tensor,

@@ -15,10 +15,11 @@ import os
 
 import torch
 
+from ..common.triton import is_hopper
 from .triton import sparse_attn_paged as _triton_paged
 
 try:
-    from .gluon import MAX_HEADS, is_hopper, sparse_attn_paged_ws, unsupported
+    from .gluon import MAX_HEADS, sparse_attn_paged_ws, unsupported
 except (ImportError, AttributeError):  # a Triton without Gluon, or another Gluon API
     sparse_attn_paged_ws = None
 
