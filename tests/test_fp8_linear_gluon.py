@@ -64,7 +64,7 @@ def test_foldable_scales_range_and_cache():
     assert T.foldable_scales(t)
 
 
-def _compile(bk: int, stages: int) -> dict:
+def _compile(bk: int, stages: int, split: bool = False) -> dict:
     """Compile _fp8_values_ws_kernel for sm_90a (sm90_compile.compile_probe): shared memory,
     (registers, stack, local ld/st, loop), and what its PTX holds."""
     import sm90_compile
@@ -76,8 +76,9 @@ al = gl.NVMMASharedLayout.get_default_for([g.BLOCK_M, {bk}], gl.bfloat16)
 bl = gl.NVMMASharedLayout.get_default_for([g.BLOCK_N, {bk}], gl.bfloat16)
 ad = TensorDescriptor(M(torch.bfloat16), [8192, 8192], [8192, 1], [g.BLOCK_M, {bk}], al)
 bd = TensorDescriptor(M(torch.bfloat16), [5120, 8192], [8192, 1], [g.BLOCK_N, {bk}], bl)
-k = g._fp8_values_ws_kernel.warmup(ad, bd, M(torch.bfloat16), 8192, 5120, 8192 // {bk}, 32, 5,
-    GRANULE=8, STAGES={stages}, OUT_BF16=True, CONSUMER_REGS=g.CONSUMER_REGS,
+k = g._fp8_values_ws_kernel.warmup(ad, bd, M(torch.bfloat16), 8192, 5120, 8192 // {bk},
+    *((256, 100) if {split} else (32, 5)), GRANULE=1 if {split} else 8, STAGES={stages},
+    SPLIT={split}, OUT_BF16=not {split}, CONSUMER_REGS=g.CONSUMER_REGS,
     PRODUCER_REGS=g.PRODUCER_REGS, num_warps=4, grid=(1,))
 ptx = k.asm["ptx"]
 print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["cubin"], True),
@@ -87,14 +88,16 @@ print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["
 """)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["ranges-in-program", "split-ranges"])
 @pytest.mark.parametrize("wide", [False, True])
-def test_compiles_warp_specialized_for_sm90(wide):
-    """The kernel lowers for an H100/H200 with K cut in ranges, at both ring forms: each
+def test_compiles_warp_specialized_for_sm90(wide, split):
+    """The kernel lowers for an H100/H200 with K cut in ranges, at both ring forms, the ranges
+    summed in the program or one a program (split, ranges ending inside ring stages): each
     32-block's wgmma (two or four per ring stage), register budgets per partition, the TMA
     ring in shared memory, no spills."""
     pytest.importorskip("triton.experimental.gluon")
     from dsv41attn.ops.linear import gluon as G
-    r = _compile(*((G.WIDE_K, G.WIDE_STAGES) if wide else (G.BLOCK_K, G.STAGES)))
+    r = _compile(*((G.WIDE_K, G.WIDE_STAGES) if wide else (G.BLOCK_K, G.STAGES)), split)
     assert r["wgmma"] > 0 and r["setmaxnreg"] > 0 and r["tma"] > 0, r
     assert r["shared"] <= 232448, r
     regs, stack, local, _ = r["res"]
@@ -102,12 +105,16 @@ def test_compiles_warp_specialized_for_sm90(wide):
     assert r["neg_zero"] > 0, r  # the sums start from -0 (_neg_zeros)
 
 
-# (M, N, K, num_splits): the square tiles' rows; N off the 128-wide tile; ranges as k_order cuts
+# (M, N, K, num_splits, split): the square tiles' rows; N off the 128-wide tile; ranges as
+# k_order cuts them, run as separate programs (split) or summed in each tile's program
 WS_CASES = {
-    "m512-n1280-k1280-auto": (512, 1280, 1280, None),
-    "m700-n200-k5120-r20": (700, 200, 5120, 20),  # ragged last row and column tiles, 20 ranges
-    "m1000-n512-k8192-r5": (1000, 512, 8192, 5),  # ragged ranges; 128-wide ring stages
-    "m640-n4096-k1024-r1": (640, 4096, 1024, 1),  # one range: the reference's K order
+    "m512-n1280-k1280-auto": (512, 1280, 1280, None, True),
+    "m700-n200-k5120-r20": (700, 200, 5120, 20, True),  # ragged last row and column tiles
+    "m1000-n512-k8192-r5": (1000, 512, 8192, 5, True),  # ragged ranges; 128-wide ring stages
+    "m512-n128-k2048-r40": (512, 128, 2048, 40, True),  # 1-block chunks: ranges end mid-stage
+    "m600-n256-k4096-r50": (600, 256, 4096, 50, True),  # the same in 128-wide stages
+    "m2048-n1024-k5120-r4": (2048, 1024, 5120, 4, False),  # 4 ranges summed in each program
+    "m640-n4096-k1024-r1": (640, 4096, 1024, 1, False),  # one range: the reference's K order
 }
 
 
@@ -119,7 +126,7 @@ def test_gluon_tiles_equal_triton_tiles(case, out_dtype, monkeypatch):
     tiles on the unfolded one: the same bits, every output written (NaN-poisoned buffers),
     on wide-range rows (a zero row, a zero block) and scales across the foldable range."""
     monkeypatch.setattr(T, "SQUARE_WS", True)
-    m, n, k, splits = WS_CASES[case]
+    m, n, k, splits, split = WS_CASES[case]
     g = torch.Generator(device="cuda").manual_seed(m + n)
     w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g)
                      * torch.logspace(-4, 1, k, device="cuda") / k ** 0.5)
@@ -130,6 +137,7 @@ def test_gluon_tiles_equal_triton_tiles(case, out_dtype, monkeypatch):
     x[2, :32] = 0
     assert T.foldable_scales(w.scale)
     plan = T._linear_plan(m, w.weight, splits, True, x.device)
+    assert plan.workspace == split
     assert T._square_ws(plan, x, w.weight, w.scale, torch.empty(1, 1, device="cuda"))
     poison_empty(monkeypatch, T)  # every buffer the op makes starts NaN
     got = T.fp8_linear(x, w.weight, w.scale, num_splits=splits, out_dtype=out_dtype)

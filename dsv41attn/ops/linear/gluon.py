@@ -53,39 +53,42 @@ def _neg_zeros(shape: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, KS,
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, KS0, KS1,
               STAGES: gl.constexpr):
-    """Fill ring stage k % STAGES with K step k's x tile [128, BK] and weight tile [BN, BK]
-    (rows past M or N read as 0) once both consumers released it."""
+    """Fill ring stage (k - KS0) % STAGES with K step k's x tile [128, BK] and weight tile
+    [BN, BK] (rows past M or N read as 0), k in [KS0, KS1), once both consumers released it."""
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     BK: gl.constexpr = a_desc.block_type.shape[1]
-    for k in range(KS):
-        s = k % STAGES
-        mbarrier.wait(empty.index(s), ((k // STAGES) & 1) ^ 1)
+    for i in range(KS1 - KS0):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
-        _tma_load(a_desc, [off_m, k * BK], ready.index(s), a_bufs.index(s))
-        _tma_load(b_desc, [off_n, k * BK], ready.index(s), b_bufs.index(s))
+        _tma_load(a_desc, [off_m, (KS0 + i) * BK], ready.index(s), a_bufs.index(s))
+        _tma_load(b_desc, [off_n, (KS0 + i) * BK], ready.index(s), b_bufs.index(s))
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, M, N, KS, CHUNKS, RANGES, off_m, off_n,
-              half, GRANULE: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-              OUT_BF16: gl.constexpr):
+def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, M, N, KS0, KS1, B0, B1, CHUNKS, RANGES,
+              off_m, off_n, half, GRANULE: gl.constexpr, BN: gl.constexpr,
+              STAGES: gl.constexpr, SPLIT: gl.constexpr, OUT_BF16: gl.constexpr):
     """Rows [off_m + 64 half, +64) of the tile: every 32-block's wgmma from zero, added in K
     order into its range's accumulator; the ranges added in order; stored fp32, or rounded
-    once to bf16 (RNE)."""
+    once to bf16 (RNE). SPLIT: this program's K steps [KS0, KS1) hold one range, its 32-blocks
+    [B0, B1) (a step it shares with a neighbouring range adds only its own blocks), stored as
+    that range's fp32 partial."""
     L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                 instr_shape=[16, BN, 16])
     BK: gl.constexpr = a_bufs.type.shape[2]
     J: gl.constexpr = BK // 32
+    EDGES: gl.constexpr = SPLIT and GRANULE % J != 0  # ranges may end inside a step
     acc = _neg_zeros([64, BN], L)  # -0 + p == p for every p
     total = _neg_zeros([64, BN], L)
     zero = gl.zeros([64, BN], gl.float32, L)
     r_end = CHUNKS // RANGES * GRANULE  # the 32-block where range 0 ends
     r = 0
-    for k in range(KS):
-        s = k % STAGES
-        mbarrier.wait(ready.index(s), (k // STAGES) & 1)
+    for i in range(KS1 - KS0):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         a_s = a_bufs.index(s).slice(half * 64, 64, dim=0)
         b_s = b_bufs.index(s)
         for j in gl.static_range(J):
@@ -95,14 +98,19 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, M, N, KS, CHUNKS, RANGES, off
             part = warpgroup_mma_wait(num_outstanding=0, deps=[part])
             if j == J - 1:
                 mbarrier.arrive(empty.index(s), count=1)
-            acc = acc + part
-            if RANGES > 1:
-                if k * J + j + 1 == r_end:  # range r is complete: into total, range r + 1 from -0
+            if EDGES:
+                blk = (KS0 + i) * J + j
+                if (blk >= B0) & (blk < B1):
+                    acc = acc + part
+            else:
+                acc = acc + part
+            if RANGES > 1 and not SPLIT:
+                if (KS0 + i) * J + j + 1 == r_end:  # range r is complete: into total, r + 1 from -0
                     total = total + acc
                     acc = _neg_zeros([64, BN], L)
                     r += 1
                     r_end = (r + 1) * CHUNKS // RANGES * GRANULE
-    if RANGES == 1:
+    if RANGES == 1 or SPLIT:
         total = acc  # (-0 + acc is acc)
     cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, L))
     rows = off_m + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, L))
@@ -116,14 +124,17 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, M, N, KS, CHUNKS, RANGES, off
 
 @gluon.jit
 def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, M, N, KS, CHUNKS, RANGES,
-                          GRANULE: gl.constexpr, STAGES: gl.constexpr, OUT_BF16: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                          GRANULE: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                          OUT_BF16: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          PRODUCER_REGS: gl.constexpr):
     """One program an [128, BN] output tile (GROUP row tiles at a time along N, as
     _fp8_gemm_kernel): x's bf16 values through a_desc ([M, K], [128, BK] boxes), the weight's
     folded bf16 values through b_desc ([N, K], [BN, BK] boxes); c [M, N] fp32 or bf16. KS = K /
-    BK steps; K cut as k_order's (CHUNKS chunks of GRANULE 32-blocks, RANGES ranges)."""
+    BK steps; K cut as k_order's (CHUNKS chunks of GRANULE 32-blocks, RANGES ranges). SPLIT:
+    grid axis 1 is the range, written as an fp32 partial into c [RANGES, M, N]."""
     BN: gl.constexpr = b_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
+    J: gl.constexpr = BK // 32
     tiles_m = gl.cdiv(M, 128)
     width = GROUP * gl.cdiv(N, BN)
     pid = gl.program_id(0)
@@ -131,6 +142,18 @@ def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, M, N, KS, CHUNKS, RANGES,
     rows = gl.minimum(tiles_m - first_m, GROUP)
     off_m = (first_m + (pid % width) % rows) * 128
     off_n = (pid % width) // rows * BN
+    if SPLIT:  # range r's 32-blocks [b0, b1), in the K steps that hold them
+        r = gl.program_id(1)
+        b0 = r * CHUNKS // RANGES * GRANULE
+        b1 = (r + 1) * CHUNKS // RANGES * GRANULE
+        ks0 = b0 // J
+        ks1 = (b1 + J - 1) // J
+        c_ptr += r.to(gl.int64) * M * N
+    else:
+        b0 = 0
+        b1 = KS * J
+        ks0 = 0
+        ks1 = KS
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -140,11 +163,12 @@ def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, M, N, KS, CHUNKS, RANGES,
         mbarrier.init(empty.index(i), count=2)  # both consumers
     fence_async_shared()
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, ready, empty, c_ptr, M, N, KS, CHUNKS, RANGES, off_m, off_n,
-                     0, GRANULE, BN, STAGES, OUT_BF16)),
-        (_consumer, (a_bufs, b_bufs, ready, empty, c_ptr, M, N, KS, CHUNKS, RANGES, off_m, off_n,
-                     1, GRANULE, BN, STAGES, OUT_BF16)),
-        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, KS, STAGES)),
+        (_consumer, (a_bufs, b_bufs, ready, empty, c_ptr, M, N, ks0, ks1, b0, b1, CHUNKS,
+                     RANGES, off_m, off_n, 0, GRANULE, BN, STAGES, SPLIT, OUT_BF16)),
+        (_consumer, (a_bufs, b_bufs, ready, empty, c_ptr, M, N, ks0, ks1, b0, b1, CHUNKS,
+                     RANGES, off_m, off_n, 1, GRANULE, BN, STAGES, SPLIT, OUT_BF16)),
+        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, ks0, ks1,
+                     STAGES)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -160,11 +184,14 @@ def unsupported(k: int, device: torch.device, out: torch.Tensor) -> str | None:
 
 
 def fp8_values_gemm_ws(x_values: torch.Tensor, w_values: torch.Tensor, out: torch.Tensor,
-                       chunks: int, ranges: int, granule: int) -> torch.Tensor:
+                       chunks: int, ranges: int, granule: int,
+                       split: bool = False) -> torch.Tensor:
     """out [M, N] (fp32, or bf16: rounded once) = x's bf16 values [M, K] times the weight's
     folded bf16 values [N, K] (``e4m3_to_bf16(weight, scale)``), K cut as k_order's (chunks,
     ranges, granule): the bits of ``_fp8_gemm_kernel``'s PRESCALED tiles on the unfolded
-    weight. The caller checked ``unsupported``."""
+    weight. split: the ranges run as separate programs, each writing its fp32 partial into
+    out [ranges, M, N] (for ``triton._split_sum_kernel``, which adds them in range order). The
+    caller checked ``unsupported``."""
     x_values = x_values.contiguous()
     w_values = w_values.contiguous()
     m, k = x_values.shape
@@ -175,9 +202,12 @@ def fp8_values_gemm_ws(x_values: torch.Tensor, w_values: torch.Tensor, out: torc
     b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, bk], gl.bfloat16)
     a_desc = TensorDescriptor.from_tensor(x_values, [BLOCK_M, bk], a_layout)
     b_desc = TensorDescriptor.from_tensor(w_values, [BLOCK_N, bk], b_layout)
-    grid = (-(-m // BLOCK_M) * -(-n // BLOCK_N),)
+    split = bool(split and ranges > 1)
+    assert out.shape == ((ranges, m, n) if split else (m, n))
+    assert not split or out.dtype == torch.float32
+    grid = (-(-m // BLOCK_M) * -(-n // BLOCK_N), ranges if split else 1)
     _fp8_values_ws_kernel[grid](a_desc, b_desc, out, m, n, k // bk, chunks, ranges,
-                                GRANULE=granule, STAGES=stages,
+                                GRANULE=granule, STAGES=stages, SPLIT=split,
                                 OUT_BF16=out.dtype == torch.bfloat16,
                                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                                 num_warps=4)

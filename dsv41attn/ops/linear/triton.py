@@ -1318,10 +1318,10 @@ def _scale_words(plan: _GemmPlan, weight_scale: torch.Tensor) -> bool:
 
 def _square_ws(plan: _GemmPlan, x, weight, weight_scale, out) -> bool:
     """Whether the square tiles run as gluon.fp8_values_gemm_ws on these operands: a Hopper
-    GPU, all of K's ranges in one program, K a multiple of 64, and a weight whose scales fold
+    GPU, K a multiple of 64, and a weight whose scales fold
     exactly (the same bits as the Triton tiles; checked last: a host sync per new weight)."""
     return bool(SQUARE_WS and fp8_values_gemm_ws is not None and not interpreting()
-                and plan.prescaled and not plan.swap and plan.splits == 1
+                and plan.prescaled and not plan.swap
                 and weight.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16
                 and _ws_unsupported(x.shape[1], x.device, out) is None
                 and foldable_scales(weight_scale))
@@ -1339,15 +1339,18 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
     n, kb = weight.shape[0], k // FP8_BLOCK
     s = plan.splits
     order = plan.order
+    partials = out if s == 1 else torch.empty(s, m, n, dtype=torch.float32, device=out.device)
     if plan.prescaled and not plan.swap and weight.dtype == torch.float8_e4m3fn:
         if _square_ws(plan, x_codes, weight, weight_scale, out):
             assert not rope_d  # (_linear_from_quant turns the heads after)
-            return fp8_values_gemm_ws(x_codes, e4m3_to_bf16(weight, weight_scale),
-                                      out, order.chunks, order.ranges, order.granule)
+            fp8_values_gemm_ws(x_codes, e4m3_to_bf16(weight, weight_scale), partials,
+                               order.chunks, order.ranges, order.granule, split=s > 1)
+            if s > 1:
+                _split_sum(partials, out)
+            return out
         weight = e4m3_to_bf16(weight)  # the square tiles' PRESCALED operand (exact)
     args = (x_codes.contiguous(), x_scales.contiguous(), weight.contiguous(),
             weight_scale.contiguous().view(torch.uint8))
-    partials = out if s == 1 else torch.empty(s, m, n, dtype=torch.float32, device=out.device)
     all_ranges = order.ranges > 1 and not plan.workspace
     if plan.swap:
         grid = (triton.cdiv(n, plan.block_n), s, triton.cdiv(m, plan.block_m))
@@ -1375,9 +1378,7 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
                                  num_warps=plan.num_warps,
                                  num_stages=plan.num_stages)
         if s > 1 and not fused:
-            _split_sum_kernel[(triton.cdiv(m * n, SPLIT_SUM_BLOCK),)](
-                partials, out, m * n, SPLITS=s, BLOCK=SPLIT_SUM_BLOCK,
-                OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interpreting(), num_warps=2)
+            _split_sum(partials, out)
         return out
     assert out.dtype == torch.float32 or out.dtype == torch.bfloat16
     assert not rope_d or (s == 1 and out.dtype == torch.bfloat16)
@@ -1396,10 +1397,16 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
                            ROPE_R2=cs.shape[1] if rope_d else 0, num_warps=plan.num_warps,
                            num_stages=plan.num_stages)
     if s > 1:
-        _split_sum_kernel[(triton.cdiv(m * n, SPLIT_SUM_BLOCK),)](
-            partials, out, m * n, SPLITS=s, BLOCK=SPLIT_SUM_BLOCK,
-            OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interpreting(), num_warps=2)
+        _split_sum(partials, out)
     return out
+
+
+def _split_sum(partials: torch.Tensor, out: torch.Tensor) -> None:
+    """out [M, N] = the fp32 partials [S, M, N] added in range order (_split_sum_kernel)."""
+    s, m, n = partials.shape
+    _split_sum_kernel[(triton.cdiv(m * n, SPLIT_SUM_BLOCK),)](
+        partials, out, m * n, SPLITS=s, BLOCK=SPLIT_SUM_BLOCK,
+        OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interpreting(), num_warps=2)
 
 
 def _check_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
