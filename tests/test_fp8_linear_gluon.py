@@ -64,7 +64,7 @@ def test_foldable_scales_range_and_cache():
     assert T.foldable_scales(t)
 
 
-def _compile(bk: int, stages: int, split: bool = False) -> dict:
+def _compile(bk: int, stages: int, split: bool = False, codes: bool = False) -> dict:
     """Compile _fp8_values_ws_kernel for sm_90a (sm90_compile.compile_probe): shared memory,
     (registers, stack, local ld/st, loop), and what its PTX holds."""
     import sm90_compile
@@ -74,12 +74,15 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 import dsv41attn.ops.linear.gluon as g
 al = gl.NVMMASharedLayout.get_default_for([g.BLOCK_M, {bk}], gl.bfloat16)
 bl = gl.NVMMASharedLayout.get_default_for([g.BLOCK_N, {bk}], gl.bfloat16)
+wl = gl.NVMMASharedLayout.get_default_for([g.BLOCK_N, {bk}], gl.float8e4nv) if {codes} else bl
 ad = TensorDescriptor(M(torch.bfloat16), [8192, 8192], [8192, 1], [g.BLOCK_M, {bk}], al)
-bd = TensorDescriptor(M(torch.bfloat16), [5120, 8192], [8192, 1], [g.BLOCK_N, {bk}], bl)
-k = g._fp8_values_ws_kernel.warmup(ad, bd, M(torch.bfloat16), 8192, 5120, 8192 // {bk},
-    *((256, 100) if {split} else (32, 5)), GRANULE=1 if {split} else 8, STAGES={stages},
-    SPLIT={split}, OUT_BF16=not {split}, CONSUMER_REGS=g.CONSUMER_REGS,
-    PRODUCER_REGS=g.PRODUCER_REGS, num_warps=4, grid=(1,))
+bd = TensorDescriptor(M(torch.float8_e4m3fn if {codes} else torch.bfloat16), [5120, 8192],
+                      [8192, 1], [g.BLOCK_N, {bk}], wl)
+k = g._fp8_values_ws_kernel.warmup(ad, bd, M(torch.bfloat16), M(torch.uint8), 8192, 5120, 256,
+    160, 8192 // {bk}, *((256, 100) if {split} else (32, 5)), GRANULE=1 if {split} else 8,
+    STAGES={stages}, SPLIT={split}, CODES={codes}, B_LAYOUT=bl, OUT_BF16=not {split},
+    CONSUMER_REGS=g.CODES_CONSUMER_REGS if {codes} else g.CONSUMER_REGS,
+    PRODUCER_REGS=g.PRODUCER_REGS, CONVERTER_REGS=g.CONVERTER_REGS, num_warps=4, grid=(1,))
 ptx = k.asm["ptx"]
 print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["cubin"], True),
                   "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
@@ -89,15 +92,18 @@ print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["ranges-in-program", "split-ranges"])
-@pytest.mark.parametrize("wide", [False, True])
-def test_compiles_warp_specialized_for_sm90(wide, split):
-    """The kernel lowers for an H100/H200 with K cut in ranges, at both ring forms, the ranges
-    summed in the program or one a program (split, ranges ending inside ring stages): each
-    32-block's wgmma (two or four per ring stage), register budgets per partition, the TMA
-    ring in shared memory, no spills."""
+@pytest.mark.parametrize("ring", ["values", "values-wide", "codes"])
+def test_compiles_warp_specialized_for_sm90(ring, split):
+    """The kernel lowers for an H100/H200 with K cut in ranges, at each ring form (folded bf16
+    values in 64- or 128-wide stages; e4m3 codes folded by the converter), the ranges summed in
+    the program or one a program (split, ranges ending inside ring stages): each 32-block's
+    wgmma (two or four per ring stage), register budgets per partition, the TMA ring in shared
+    memory, no spills."""
     pytest.importorskip("triton.experimental.gluon")
     from dsv41attn.ops.linear import gluon as G
-    r = _compile(*((G.WIDE_K, G.WIDE_STAGES) if wide else (G.BLOCK_K, G.STAGES)), split)
+    bk, stages = {"values": (G.BLOCK_K, G.STAGES), "values-wide": (G.WIDE_K, G.WIDE_STAGES),
+                  "codes": (G.BLOCK_K, G.CODES_STAGES)}[ring]
+    r = _compile(bk, stages, split, ring == "codes")
     assert r["wgmma"] > 0 and r["setmaxnreg"] > 0 and r["tma"] > 0, r
     assert r["shared"] <= 232448, r
     regs, stack, local, _ = r["res"]
@@ -121,11 +127,14 @@ WS_CASES = {
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
 @pytest.mark.parametrize("case", list(WS_CASES), ids=list(WS_CASES))
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_gluon_tiles_equal_triton_tiles(case, out_dtype, monkeypatch):
-    """fp8_linear with the Gluon tiles on the folded weight against fp8_linear with the Triton
-    tiles on the unfolded one: the same bits, every output written (NaN-poisoned buffers),
-    on wide-range rows (a zero row, a zero block) and scales across the foldable range."""
+@pytest.mark.parametrize("codes", [False, True], ids=["fold-pass", "fold-in-ring"])
+def test_gluon_tiles_equal_triton_tiles(case, out_dtype, codes, monkeypatch):
+    """fp8_linear with the Gluon tiles on the folded weight (folded by a pass over it, or by
+    the kernel's converter from the e4m3 codes) against fp8_linear with the Triton tiles on the
+    unfolded one: the same bits, every output written (NaN-poisoned buffers), on wide-range
+    rows (a zero row, a zero block) and scales across the foldable range."""
     monkeypatch.setattr(T, "SQUARE_WS", True)
+    monkeypatch.setattr(T, "SQUARE_WS_CODES", codes)
     m, n, k, splits, split = WS_CASES[case]
     g = torch.Generator(device="cuda").manual_seed(m + n)
     w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g)

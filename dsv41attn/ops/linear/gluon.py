@@ -41,8 +41,12 @@ STAGES = 4
 WIDE_K, WIDE_MIN_K, WIDE_STAGES = 128, 4096, 3
 GROUP = gl.constexpr(8)  # row tiles taken together along N (a group shares its weight tiles in L2)
 CONSUMER_REGS, PRODUCER_REGS = 232, 40  # setmaxnreg: the consumers' accumulators, the TMA group's
+# CODES (the weight's e4m3 codes, folded in the ring by a converter warp group): 64-wide
+# stages, an fp8 and a bf16 weight tile each; 16 warps share the register file
+CODES_STAGES, CODES_CONSUMER_REGS, CONVERTER_REGS = 4, 208, 64
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # (3.9's name, 3.6's)
 
 
 
@@ -68,14 +72,42 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, KS0, K
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, M, N, KS0, KS1, B0, B1, CHUNKS, RANGES,
-              off_m, off_n, half, GRANULE: gl.constexpr, BN: gl.constexpr,
-              STAGES: gl.constexpr, SPLIT: gl.constexpr, OUT_BF16: gl.constexpr):
+def _converter(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, KS0, KS1,
+               STAGES: gl.constexpr):
+    """The fold in the ring (CODES): once stage (k - KS0) % STAGES holds K step k's e4m3 weight
+    tile [BN, BK], write its bf16 values times their 32 x 32 blocks' scales (2^(e - 127), e
+    from ws [SROWS, KB] bytes) into the stage's bf16 tile, as ``triton.e4m3_to_bf16(weight,
+    scale)`` does (exact for foldable scales), and tell the consumers (conv). Rows past N are
+    TMA's zeros (their scale row clamped in range)."""
+    BN: gl.constexpr = w8_bufs.type.shape[1]
+    BK: gl.constexpr = w8_bufs.type.shape[2]
+    J: gl.constexpr = BK // 32
+    LW: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])  # a 32-block: 2 lanes a row
+    srow = gl.minimum((off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))) // 32, SROWS - 1)
+    for i in range(KS1 - KS0):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        for j in gl.static_range(J):
+            e = gl.load(ws_ptr + srow * KB + ((KS0 + i) * J + j)).to(gl.int32)
+            scale = (e << 23).to(gl.float32, bitcast=True)  # foldable: 2^-63 .. 1, normal
+            w = w8_bufs.index(s).slice(32 * j, 32, dim=1).load(LW).to(gl.float32)
+            b_bufs.index(s).slice(32 * j, 32, dim=1).store((w * scale[:, None]).to(gl.bfloat16))
+        fence_async_shared()  # the stores before the consumers' wgmma reads (async proxy)
+        _cta_barrier()
+        mbarrier.arrive(conv.index(s), count=1)
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS0, KS1, B0, B1, CHUNKS,
+              RANGES, off_m, off_n, half, GRANULE: gl.constexpr, BN: gl.constexpr,
+              STAGES: gl.constexpr, SPLIT: gl.constexpr, CODES: gl.constexpr,
+              OUT_BF16: gl.constexpr):
     """Rows [off_m + 64 half, +64) of the tile: every 32-block's wgmma from zero, added in K
     order into its range's accumulator; the ranges added in order; stored fp32, or rounded
     once to bf16 (RNE). SPLIT: this program's K steps [KS0, KS1) hold one range, its 32-blocks
     [B0, B1) (a step it shares with a neighbouring range adds only its own blocks), stored as
-    that range's fp32 partial."""
+    that range's fp32 partial. CODES: a stage's weight tile is ready once the converter says
+    so (conv), after TMA's (ready)."""
     L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                 instr_shape=[16, BN, 16])
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -89,6 +121,8 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, M, N, KS0, KS1, B0, B1, CHUNK
     for i in range(KS1 - KS0):
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        if CODES:
+            mbarrier.wait(conv.index(s), (i // STAGES) & 1)
         a_s = a_bufs.index(s).slice(half * 64, 64, dim=0)
         b_s = b_bufs.index(s)
         for j in gl.static_range(J):
@@ -123,15 +157,18 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, M, N, KS0, KS1, B0, B1, CHUNK
 
 
 @gluon.jit
-def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, M, N, KS, CHUNKS, RANGES,
+def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CHUNKS, RANGES,
                           GRANULE: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                          OUT_BF16: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr):
+                          CODES: gl.constexpr, B_LAYOUT: gl.constexpr, OUT_BF16: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                          CONVERTER_REGS: gl.constexpr):
     """One program an [128, BN] output tile (GROUP row tiles at a time along N, as
     _fp8_gemm_kernel): x's bf16 values through a_desc ([M, K], [128, BK] boxes), the weight's
-    folded bf16 values through b_desc ([N, K], [BN, BK] boxes); c [M, N] fp32 or bf16. KS = K /
-    BK steps; K cut as k_order's (CHUNKS chunks of GRANULE 32-blocks, RANGES ranges). SPLIT:
-    grid axis 1 is the range, written as an fp32 partial into c [RANGES, M, N]."""
+    folded bf16 values through b_desc ([N, K], [BN, BK] boxes), or (CODES) its e4m3 codes, which
+    a converter partition folds with ws [SROWS, KB] (e8m0 bytes) into B_LAYOUT bf16 tiles in
+    the ring; c [M, N] fp32 or bf16. KS = K / BK steps; K cut as k_order's (CHUNKS chunks of
+    GRANULE 32-blocks, RANGES ranges). SPLIT: grid axis 1 is the range, written as an fp32
+    partial into c [RANGES, M, N]."""
     BN: gl.constexpr = b_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     J: gl.constexpr = BK // 32
@@ -155,21 +192,40 @@ def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, M, N, KS, CHUNKS, RANGES,
         ks0 = 0
         ks1 = KS
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BK], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], b_desc.layout)
+    b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], B_LAYOUT)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    conv = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers
+        mbarrier.init(conv.index(i), count=1)
     fence_async_shared()
-    gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, ready, empty, c_ptr, M, N, ks0, ks1, b0, b1, CHUNKS,
-                     RANGES, off_m, off_n, 0, GRANULE, BN, STAGES, SPLIT, OUT_BF16)),
-        (_consumer, (a_bufs, b_bufs, ready, empty, c_ptr, M, N, ks0, ks1, b0, b1, CHUNKS,
-                     RANGES, off_m, off_n, 1, GRANULE, BN, STAGES, SPLIT, OUT_BF16)),
-        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, ks0, ks1,
-                     STAGES)),
-    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+    if CODES:
+        w8_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], b_desc.layout)
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, ks0, ks1, b0, b1,
+                         CHUNKS, RANGES, off_m, off_n, 0, GRANULE, BN, STAGES, SPLIT, CODES,
+                         OUT_BF16)),
+            (_consumer, (a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, ks0, ks1, b0, b1,
+                         CHUNKS, RANGES, off_m, off_n, 1, GRANULE, BN, STAGES, SPLIT, CODES,
+                         OUT_BF16)),
+            (_producer, (a_desc, b_desc, a_bufs, w8_bufs, ready, empty, off_m, off_n, ks0, ks1,
+                         STAGES)),
+            (_converter, (w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, ks0, ks1,
+                          STAGES)),
+        ], [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, CONVERTER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, ks0, ks1, b0, b1,
+                         CHUNKS, RANGES, off_m, off_n, 0, GRANULE, BN, STAGES, SPLIT, CODES,
+                         OUT_BF16)),
+            (_consumer, (a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, ks0, ks1, b0, b1,
+                         CHUNKS, RANGES, off_m, off_n, 1, GRANULE, BN, STAGES, SPLIT, CODES,
+                         OUT_BF16)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, ks0, ks1,
+                         STAGES)),
+        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def unsupported(k: int, device: torch.device, out: torch.Tensor) -> str | None:
@@ -183,32 +239,44 @@ def unsupported(k: int, device: torch.device, out: torch.Tensor) -> str | None:
     return None
 
 
-def fp8_values_gemm_ws(x_values: torch.Tensor, w_values: torch.Tensor, out: torch.Tensor,
-                       chunks: int, ranges: int, granule: int,
-                       split: bool = False) -> torch.Tensor:
+def fp8_values_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                       chunks: int, ranges: int, granule: int, split: bool = False,
+                       w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """out [M, N] (fp32, or bf16: rounded once) = x's bf16 values [M, K] times the weight's
-    folded bf16 values [N, K] (``e4m3_to_bf16(weight, scale)``), K cut as k_order's (chunks,
-    ranges, granule): the bits of ``_fp8_gemm_kernel``'s PRESCALED tiles on the unfolded
-    weight. split: the ranges run as separate programs, each writing its fp32 partial into
-    out [ranges, M, N] (for ``triton._split_sum_kernel``, which adds them in range order). The
-    caller checked ``unsupported``."""
+    folded bf16 values [N, K] (``e4m3_to_bf16(weight, scale)``), or its e4m3 codes w [N, K]
+    with w_scale [ceil(N / 32), K / 32] (e8m0, foldable: the converter folds them in the ring),
+    K cut as k_order's (chunks, ranges, granule): the bits of ``_fp8_gemm_kernel``'s PRESCALED
+    tiles on the unfolded weight. split: the ranges run as separate programs, each writing its
+    fp32 partial into out [ranges, M, N] (for ``triton._split_sum_kernel``, which adds them in
+    range order). The caller checked ``unsupported``."""
     x_values = x_values.contiguous()
-    w_values = w_values.contiguous()
+    w = w.contiguous()
     m, k = x_values.shape
-    n = w_values.shape[0]
-    bk, stages = (WIDE_K, WIDE_STAGES) if k >= WIDE_MIN_K and k % WIDE_K == 0 else \
-        (BLOCK_K, STAGES)
+    n = w.shape[0]
+    codes = w.dtype == torch.float8_e4m3fn
+    assert codes == (w_scale is not None)
+    if codes:
+        bk, stages = BLOCK_K, CODES_STAGES
+    else:
+        bk, stages = (WIDE_K, WIDE_STAGES) if k >= WIDE_MIN_K and k % WIDE_K == 0 else \
+            (BLOCK_K, STAGES)
     a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, bk], gl.bfloat16)
     b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, bk], gl.bfloat16)
+    w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, bk], gl.float8e4nv) if codes \
+        else b_layout
     a_desc = TensorDescriptor.from_tensor(x_values, [BLOCK_M, bk], a_layout)
-    b_desc = TensorDescriptor.from_tensor(w_values, [BLOCK_N, bk], b_layout)
+    b_desc = TensorDescriptor.from_tensor(w, [BLOCK_N, bk], w_layout)
+    ws = w_scale.contiguous().view(torch.uint8) if codes else x_values  # (not read unless codes)
+    srows, kb = (ws.shape[0], ws.shape[1]) if codes else (1, k // 32)
     split = bool(split and ranges > 1)
     assert out.shape == ((ranges, m, n) if split else (m, n))
     assert not split or out.dtype == torch.float32
     grid = (-(-m // BLOCK_M) * -(-n // BLOCK_N), ranges if split else 1)
-    _fp8_values_ws_kernel[grid](a_desc, b_desc, out, m, n, k // bk, chunks, ranges,
-                                GRANULE=granule, STAGES=stages, SPLIT=split,
+    _fp8_values_ws_kernel[grid](a_desc, b_desc, out, ws, m, n, kb, srows, k // bk, chunks,
+                                ranges, GRANULE=granule, STAGES=stages, SPLIT=split,
+                                CODES=codes, B_LAYOUT=b_layout,
                                 OUT_BF16=out.dtype == torch.bfloat16,
-                                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+                                CONSUMER_REGS=CODES_CONSUMER_REGS if codes else CONSUMER_REGS,
+                                PRODUCER_REGS=PRODUCER_REGS, CONVERTER_REGS=CONVERTER_REGS,
                                 num_warps=4)
     return out

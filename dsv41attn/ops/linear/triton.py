@@ -936,6 +936,7 @@ SQUARE_TMA = True  # PRESCALED square tiles read x's and the weight's bf16 value
 # Off by default until this module's path has passed its GPU tests (tests/test_fp8_linear_gluon.py:
 # the kernel ran bit for bit in a probe, this code has not run on a GPU yet).
 SQUARE_WS = False
+SQUARE_WS_CODES = False  # the Gluon tiles read the e4m3 codes and fold them in the ring (else a fold pass)
 # Decode (M <= SPLIT_MAX_M): _fp8_decode_kernel, whose 64-row MMA side is BLOCK_N weight rows
 # and whose narrow side is BLOCK_M (>= 16) token rows: the same wgmma, the same bits (checked on
 # an H200 against _fp8_gemm_kernel at M = 1, 2, 7, 8, 64 on the V4.1 shapes, f16 and e4m3
@@ -1343,8 +1344,12 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
     if plan.prescaled and not plan.swap and weight.dtype == torch.float8_e4m3fn:
         if _square_ws(plan, x_codes, weight, weight_scale, out):
             assert not rope_d  # (_linear_from_quant turns the heads after)
-            fp8_values_gemm_ws(x_codes, e4m3_to_bf16(weight, weight_scale), partials,
-                               order.chunks, order.ranges, order.granule, split=s > 1)
+            if SQUARE_WS_CODES:  # the fold in the kernel's ring
+                fp8_values_gemm_ws(x_codes, weight, partials, order.chunks, order.ranges,
+                                   order.granule, split=s > 1, w_scale=weight_scale)
+            else:
+                fp8_values_gemm_ws(x_codes, e4m3_to_bf16(weight, weight_scale), partials,
+                                   order.chunks, order.ranges, order.granule, split=s > 1)
             if s > 1:
                 _split_sum(partials, out)
             return out
