@@ -66,9 +66,9 @@ except (ImportError, AttributeError):  # pragma: no cover - no usable Gluon
 from ..common.buffers import out_buffer
 from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, any_nan, check_device, cos_sin,
                              e4m3_code, e4m3_to_fp32, e8m0_to_fp32, e8m0x4_to_fp32,
-                             interpreting, neg_zeros, require, rms_norm_warps, rms_row_scale,
-                             rope_heads, rope_rotate, round_bf16, sm_count, to_bf16,
-                             ue8m0_exponent)
+                             interpreting, is_hopper, neg_zeros, require, rms_norm_warps,
+                             rms_row_scale, rope_heads, rope_rotate, round_bf16, sm_count,
+                             to_bf16, ue8m0_exponent)
 
 QUANT_BLOCKS = 16  # act_quant: scale blocks per program (512 elements of a row)
 QUANT_WIDE_MIN_M = 512  # from this many rows a program takes up to QUANT_BLOCKS_WIDE blocks
@@ -937,6 +937,17 @@ SQUARE_TMA = True  # PRESCALED square tiles read x's and the weight's bf16 value
 # the kernel ran bit for bit in a probe, this code has not run on a GPU yet).
 SQUARE_WS = False
 SQUARE_WS_CODES = False  # the Gluon tiles read the e4m3 codes and fold them in the ring (else a fold pass)
+# With the fold in the ring (no pass over the weight per call) the square tiles replace the wide
+# decode-kernel tiles from this many rows
+SQUARE_WS_MIN_M = 128
+
+
+def _square_min_m(device: torch.device) -> int:
+    """The rows from which fp8_linear's plan takes the square tiles on x's bf16 values:
+    PRESCALE_MIN_M, or SQUARE_WS_MIN_M where the Gluon tiles fold the weight in their ring."""
+    gluon = SQUARE_WS and SQUARE_WS_CODES and fp8_values_gemm_ws is not None \
+        and not interpreting() and is_hopper(device)
+    return min(SQUARE_WS_MIN_M, PRESCALE_MIN_M) if gluon else PRESCALE_MIN_M
 # Decode (M <= SPLIT_MAX_M): _fp8_decode_kernel, whose 64-row MMA side is BLOCK_N weight rows
 # and whose narrow side is BLOCK_M (>= 16) token rows: the same wgmma, the same bits (checked on
 # an H200 against _fp8_gemm_kernel at M = 1, 2, 7, 8, 64 on the V4.1 shapes, f16 and e4m3
@@ -1023,7 +1034,8 @@ def _use_workspace(order: KOrder, tiles: int, m: int, n: int, weight_bytes: int,
 
 def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
                precise_dot: bool = True, workspace: bool | None = None,
-               values: bool = False, tma: bool = False) -> _GemmPlan:
+               values: bool = False, tma: bool = False,
+               square_min_m: int = PRESCALE_MIN_M) -> _GemmPlan:
     """The K order from (N, KB, SM count) (``k_order``; num_splits, 1 <= it <= KB, forces the
     range count), then the kernel and tiles by M: decode (M <= SPLIT_MAX_M) is
     weight-bandwidth bound: _fp8_decode_kernel, BLOCK_N weight rows by 16-64 token rows,
@@ -1036,15 +1048,16 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
     (sm_count); precise_dot: see fp8_gemm. values: the caller has act_quant's bf16 values of x
     (dequant; precise_dot only): the plan reads them (``prescaled``), the square tiles also the
     weight's bf16 values (PRESCALED), the decode kernel its e4m3 codes (VALUES), which past 16
-    rows of a large weight, or 65 to PRESCALE_MIN_M - 1 rows where the square tiles would idle
-    most SMs unsplit (``_wide_swap``), run the wide tiles through TMA. tma: the weight may be
+    rows of a large weight, or 65 to square_min_m - 1 rows (PRESCALE_MIN_M, or fewer: see
+    _square_min_m) where the square tiles would idle most SMs unsplit (``_wide_swap``), run
+    the wide tiles through TMA. tma: the weight may be
     read through a TMA descriptor (``_tma_weight``): the 16-row decode tiles then do, and so do
     the wide tiles, which need it. Every choice gives the same bits."""
     order = k_order(triton.cdiv(n, 64), kb, sms, ranges=num_splits)
     prescaled = bool(values and precise_dot)
     large = n * kb * FP8_BLOCK >= WIDE_MIN_BYTES
     narrow = m <= _FP8_DECODE_TILES[0][0]
-    wide = bool(tma and prescaled and not narrow and m < PRESCALE_MIN_M
+    wide = bool(tma and prescaled and not narrow and m < square_min_m
                 and (large or m > SPLIT_MAX_M and _wide_swap(m, n, kb, sms, order)))
     swap = m <= SPLIT_MAX_M or wide
     if wide:
@@ -1423,19 +1436,20 @@ def _linear_plan(m: int, weight: torch.Tensor, num_splits, precise_dot, device) 
     """The plan fp8_linear runs for M rows of ``weight`` (e4m3 codes): ``_linear_shape_plan``
     of its shape, the device's SM count and whether TMA can read it."""
     return _linear_shape_plan(m, weight.shape[0], weight.shape[1] // FP8_BLOCK,
-                              sm_count(device), num_splits, precise_dot, _tma_weight(weight))
+                              sm_count(device), num_splits, precise_dot, _tma_weight(weight),
+                              _square_min_m(torch.device(device)))
 
 
 def _linear_shape_plan(m: int, n: int, kb: int, sms: int, num_splits, precise_dot,
-                       tma: bool) -> _GemmPlan:
+                       tma: bool, square_min_m: int = PRESCALE_MIN_M) -> _GemmPlan:
     """fp8_linear's plan for M rows of an [N, 32 KB] weight: act_quant's bf16 values past the
     16-row tiles (_gemm_plan's ``values``) wherever the plan reads them without a copy of the
-    weight, i.e. in the decode kernel, or from PRESCALE_MIN_M rows (where the square tiles'
-    bf16 weight copy costs ~1%); else the e4m3 codes (fp16 values at <= 16 rows:
-    ``_x_form``)."""
+    weight, i.e. in the decode kernel, or from square_min_m rows (where the square tiles'
+    bf16 weight copy costs ~1%, or the Gluon tiles fold it in their ring); else the e4m3
+    codes (fp16 values at <= 16 rows: ``_x_form``)."""
     plan = _gemm_plan(m, n, kb, sms, num_splits, precise_dot,
-                      values=m > _FP8_DECODE_TILES[0][0], tma=tma)
-    if plan.prescaled and not plan.swap and m < PRESCALE_MIN_M:
+                      values=m > _FP8_DECODE_TILES[0][0], tma=tma, square_min_m=square_min_m)
+    if plan.prescaled and not plan.swap and m < square_min_m:
         plan = _gemm_plan(m, n, kb, sms, num_splits, precise_dot, tma=tma)
     return plan
 
