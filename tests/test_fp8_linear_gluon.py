@@ -64,6 +64,25 @@ def test_foldable_scales_range_and_cache():
     assert T.foldable_scales(t)
 
 
+def test_square_tiles_from_fewer_rows_only_with_the_fold_in_the_ring(monkeypatch):
+    """The plan takes the square tiles from SQUARE_WS_MIN_M rows instead of PRESCALE_MIN_M only
+    where the Gluon tiles fold the weight in their ring (both flags, a Hopper GPU): with either
+    flag off, or on the CPU, 256 rows of wq_b's shape keep the wide tiles."""
+    n, kb, sms = 32768, 40, 132
+    default = T._linear_shape_plan(256, n, kb, sms, None, True, True)
+    assert default.swap and default.prescaled  # the wide decode-kernel tiles
+    square = T._linear_shape_plan(256, n, kb, sms, None, True, True, square_min_m=128)
+    assert not square.swap and square.prescaled  # the square tiles on bf16 values
+    assert square.order == default.order  # the same K order: the same bits
+    monkeypatch.setattr(T, "SQUARE_WS", True)
+    monkeypatch.setattr(T, "SQUARE_WS_CODES", True)
+    assert T._square_min_m(torch.device("cpu")) == T.PRESCALE_MIN_M
+    if GPU:
+        assert T._square_min_m(torch.device("cuda")) == T.SQUARE_WS_MIN_M
+        monkeypatch.setattr(T, "SQUARE_WS_CODES", False)  # the fold pass: not below 512 rows
+        assert T._square_min_m(torch.device("cuda")) == T.PRESCALE_MIN_M
+
+
 def _compile(bk: int, stages: int, split: bool = False, codes: bool = False) -> dict:
     """Compile _fp8_values_ws_kernel for sm_90a (sm90_compile.compile_probe): shared memory,
     (registers, stack, local ld/st, loop), and what its PTX holds."""
