@@ -1334,12 +1334,14 @@ def _scale_words(plan: _GemmPlan, weight_scale: torch.Tensor) -> bool:
 
 def _square_ws(plan: _GemmPlan, x, weight, weight_scale, out) -> bool:
     """Whether the square tiles run as gluon.fp8_values_gemm_ws on these operands: a Hopper
-    GPU, K a multiple of 64, and a weight whose scales fold
+    GPU, K a multiple of 64, a weight TMA can read where the kernel reads its codes
+    (SQUARE_WS_CODES), and whose scales fold
     exactly (the same bits as the Triton tiles; checked last: a host sync per new weight)."""
     return bool(SQUARE_WS and fp8_values_gemm_ws is not None and not interpreting()
                 and plan.prescaled and not plan.swap
                 and weight.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16
                 and _ws_unsupported(x.shape[1], x.device, out) is None
+                and (not SQUARE_WS_CODES or _tma_weight(weight))  # TMA reads the codes
                 and foldable_scales(weight_scale))
 
 
