@@ -946,7 +946,9 @@ SQUARE_WS_MIN_M = 128
 
 def _square_min_m(device: torch.device) -> int:
     """The rows from which fp8_linear's plan takes the square tiles on x's bf16 values:
-    PRESCALE_MIN_M, or SQUARE_WS_MIN_M where the Gluon tiles fold the weight in their ring."""
+    PRESCALE_MIN_M, or SQUARE_WS_MIN_M where the Gluon tiles fold the weight in their ring. (A
+    weight the Gluon tiles then refuse, _square_ws, runs the Triton square tiles at those rows:
+    the same bits, slower than the wide tiles would be.)"""
     gluon = SQUARE_WS and SQUARE_WS_CODES and fp8_values_gemm_ws is not None \
         and not interpreting() and is_hopper(device)
     return min(SQUARE_WS_MIN_M, PRESCALE_MIN_M) if gluon else PRESCALE_MIN_M
