@@ -9,7 +9,9 @@ tiles and [128, BK] weight tiles filled by TMA (BK = 64, or 128 at long K), and 
 warp groups, each on 64 of the tile's 128 rows, run each block's wgmma and add it,
 independently of each other (while one adds, the other's wgmma runs). The weight's operand is
 its bf16 values with the block scales folded in (``triton.e4m3_to_bf16(weight, scale)``), so a
-block's dot comes out already scaled and is added with no scale load and no multiply.
+block's dot comes out already scaled and is added with no scale load and no multiply; with
+CODES, TMA brings the weight's e4m3 tile instead and a converter warp group folds it into the
+stage's bf16 tile (no pass over the weight per call).
 
 Numerics: those of the Triton tiles (their reference beside them, ``_fp8_gemm_kernel``): each
 32-block's dot is one wgmma chain over its K from no accumulator, added into its range's fp32
@@ -47,7 +49,6 @@ CODES_STAGES, CODES_CONSUMER_REGS, CONVERTER_REGS = 4, 208, 64
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # (3.9's name, 3.6's)
-
 
 
 @gluon.jit
@@ -195,14 +196,15 @@ def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CH
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], B_LAYOUT)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    conv = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers
-        mbarrier.init(conv.index(i), count=1)
-    fence_async_shared()
     if CODES:
         w8_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], b_desc.layout)
+        conv = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(conv.index(i), count=1)
+        fence_async_shared()
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, ks0, ks1, b0, b1,
                          CHUNKS, RANGES, off_m, off_n, 0, GRANULE, BN, STAGES, SPLIT, CODES,
@@ -215,12 +217,13 @@ def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CH
             (_converter, (w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, ks0, ks1,
                           STAGES)),
         ], [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, CONVERTER_REGS])
-    else:
+    else:  # (no converter: the consumers wait on ready alone; conv is not read)
+        fence_async_shared()
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, ks0, ks1, b0, b1,
+            (_consumer, (a_bufs, b_bufs, ready, ready, empty, c_ptr, M, N, ks0, ks1, b0, b1,
                          CHUNKS, RANGES, off_m, off_n, 0, GRANULE, BN, STAGES, SPLIT, CODES,
                          OUT_BF16)),
-            (_consumer, (a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, ks0, ks1, b0, b1,
+            (_consumer, (a_bufs, b_bufs, ready, ready, empty, c_ptr, M, N, ks0, ks1, b0, b1,
                          CHUNKS, RANGES, off_m, off_n, 1, GRANULE, BN, STAGES, SPLIT, CODES,
                          OUT_BF16)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, ks0, ks1,

@@ -944,14 +944,21 @@ SQUARE_WS_CODES = False  # the Gluon tiles read the e4m3 codes and fold them in 
 SQUARE_WS_MIN_M = 128
 
 
+def _gluon_tiles(device: torch.device) -> bool:
+    """Whether the square tiles may run as the Gluon ones on this device (SQUARE_WS, a Triton
+    with Gluon, a Hopper GPU, no interpreter); _square_ws adds what the operands need."""
+    return bool(SQUARE_WS and fp8_values_gemm_ws is not None and not interpreting()
+                and is_hopper(device))
+
+
 def _square_min_m(device: torch.device) -> int:
     """The rows from which fp8_linear's plan takes the square tiles on x's bf16 values:
     PRESCALE_MIN_M, or SQUARE_WS_MIN_M where the Gluon tiles fold the weight in their ring. (A
     weight the Gluon tiles then refuse, _square_ws, runs the Triton square tiles at those rows:
     the same bits, slower than the wide tiles would be.)"""
-    gluon = SQUARE_WS and SQUARE_WS_CODES and fp8_values_gemm_ws is not None \
-        and not interpreting() and is_hopper(device)
-    return min(SQUARE_WS_MIN_M, PRESCALE_MIN_M) if gluon else PRESCALE_MIN_M
+    if SQUARE_WS_CODES and _gluon_tiles(device):
+        return min(SQUARE_WS_MIN_M, PRESCALE_MIN_M)
+    return PRESCALE_MIN_M
 # Decode (M <= SPLIT_MAX_M): _fp8_decode_kernel, whose 64-row MMA side is BLOCK_N weight rows
 # and whose narrow side is BLOCK_M (>= 16) token rows: the same wgmma, the same bits (checked on
 # an H200 against _fp8_gemm_kernel at M = 1, 2, 7, 8, 64 on the V4.1 shapes, f16 and e4m3
@@ -1339,8 +1346,7 @@ def _square_ws(plan: _GemmPlan, x, weight, weight_scale, out) -> bool:
     GPU, K a multiple of 64, a weight TMA can read where the kernel reads its codes
     (SQUARE_WS_CODES), and whose scales fold
     exactly (the same bits as the Triton tiles; checked last: a host sync per new weight)."""
-    return bool(SQUARE_WS and fp8_values_gemm_ws is not None and not interpreting()
-                and plan.prescaled and not plan.swap
+    return bool(_gluon_tiles(x.device) and plan.prescaled and not plan.swap
                 and weight.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16
                 and _ws_unsupported(x.shape[1], x.device, out) is None
                 and (not SQUARE_WS_CODES or _tma_weight(weight))  # TMA reads the codes
@@ -1363,12 +1369,11 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
     if plan.prescaled and not plan.swap and weight.dtype == torch.float8_e4m3fn:
         if _square_ws(plan, x_codes, weight, weight_scale, out):
             assert not rope_d  # (_linear_from_quant turns the heads after)
-            if SQUARE_WS_CODES:  # the fold in the kernel's ring
-                fp8_values_gemm_ws(x_codes, weight, partials, order.chunks, order.ranges,
-                                   order.granule, split=s > 1, w_scale=weight_scale)
-            else:
-                fp8_values_gemm_ws(x_codes, e4m3_to_bf16(weight, weight_scale), partials,
-                                   order.chunks, order.ranges, order.granule, split=s > 1)
+            # the codes, folded in the kernel's ring; else the folded values, by a pass
+            w, ws = (weight, weight_scale) if SQUARE_WS_CODES else \
+                (e4m3_to_bf16(weight, weight_scale), None)
+            fp8_values_gemm_ws(x_codes, w, partials, order.chunks, order.ranges, order.granule,
+                               split=s > 1, w_scale=ws)
             if s > 1:
                 _split_sum(partials, out)
             return out

@@ -64,7 +64,6 @@ def smem_bytes(d: int, stages: int) -> int:
     return (MAX_HEADS + stages * ROWS) * d * 2 + RAW_STAGES * SUB_ROWS * (d + d // 16) + 4352
 
 
-
 def unsupported(q: torch.Tensor, window_ring: torch.Tensor,
                 compressed_pool: torch.Tensor | None) -> str | None:
     """Why sparse_attn_paged_ws cannot run on these operands (q [T, H, D]), or None: the
