@@ -933,12 +933,17 @@ SQUARE_TMA = True  # PRESCALED square tiles read x's and the weight's bf16 value
 # M = 8192, the GEMM alone, us: wq_b 1994 -> 1614, wo_b 1997 -> 1495, wq_a 335 -> 258, wkv 141
 # -> 117; in the same run the Triton tiles on the folded weight were no faster, and the Gluon
 # tiles loading the scale bytes as these do ran 317-332 TFLOP/s: the loads were the wait).
-# Off by default until this module's path has passed its GPU tests (tests/test_fp8_linear_gluon.py):
-# it ran bit for bit on an H100 at M = 8192 (fp8_linear 1.1-1.4x faster than the Triton tiles,
-# the 8K prefill layer SWA 6738 -> 5574 us), but refused the plans that split K's ranges into
-# programs; those ranges as programs and the fold in the ring have not run on a GPU yet.
-SQUARE_WS = False
-SQUARE_WS_CODES = False  # the Gluon tiles read the e4m3 codes and fold them in the ring (else a fold pass)
+# On by default since its GPU tests passed (H100, thirty-ninth session: every case of
+# tests/test_fp8_linear_gluon.py, both fold forms, ranges summed in the program and as
+# separate programs, 0 differing bits; the roles', fixtures', invariance and decode-plan tests
+# with it on). fp8_linear at M = 8192, act_quant and the fold pass included, Triton tiles ->
+# Gluon: wq_b 2061 -> 1697 us, wo_b 2159 -> 1590, wq_a 436 -> 415.
+SQUARE_WS = True
+# The fold in the ring (the converter warp group folds the weight's e4m3 codes into the stage's
+# bf16 tile; no pass over the weight per call): the same bits, but slower where timed (H100,
+# M = 8192: wq_b 2643 us against the fold pass's 1697, wo_b 2300 against 1590, wq_a 470
+# against 415; its converter spends ~3 instructions a weight element, not yet profiled). Off.
+SQUARE_WS_CODES = False
 # With the fold in the ring (no pass over the weight per call) the square tiles replace the wide
 # decode-kernel tiles from this many rows
 SQUARE_WS_MIN_M = 128
