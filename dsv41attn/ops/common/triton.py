@@ -25,17 +25,30 @@ import triton.language as tl
 
 from .quant import FP8_BLOCK, FP8_MAX
 
-__all__ = ["DEFAULT_SM_COUNT", "FP8_BLOCK", "INV_FP8_MAX", "check_device", "check_rot",
-           "any_nan", "cos_sin", "e4m3_code", "e4m3_of_e2m1", "e4m3_to_fp32", "e8m0_to_fp32",
-           "interpreting", "is_hopper", "neg", "neg_zeros",
-           "pow2_ceil_exponent", "require", "rms_norm", "rms_scale", "rope_heads", "rope_rotate",
-           "round_bf16", "sm_count", "to_bf16", "ue8m0_exponent"]
+__all__ = ["DEFAULT_SM_COUNT", "FP8_BLOCK", "INV_FP8_MAX", "check_device", "check_rot", "any_nan",
+           "cdiv", "cos_sin", "e4m3_code", "e4m3_of_e2m1", "e4m3_to_fp32", "e8m0_to_fp32",
+           "interpreting", "is_hopper", "neg", "neg_zeros", "next_pow2", "pow2_ceil_exponent",
+           "require", "rms_norm", "rms_scale", "rope_heads", "rope_rotate", "round_bf16",
+           "sm_count", "to_bf16", "ue8m0_exponent"]
 
 INV_FP8_MAX = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32).item()  # fp32(1/448), as quant.py
 DEFAULT_SM_COUNT = 132  # an H200's, for planning off the GPU (the CPU interpreter)
 
 
 # ---- host ------------------------------------------------------------------------------------
+def cdiv(x: int, y: int) -> int:
+    """ceil(x / y) on the host: triton.cdiv's arithmetic as a plain function (triton.cdiv is a
+    constexpr_function, a few microseconds of Python a call, and a layer step's host code
+    plans its launches with hundreds of such calls)."""
+    return (x + (y - 1)) // y
+
+
+def next_pow2(n: int) -> int:
+    """The least power of two >= n (0 for 0), as triton.next_power_of_2, on the host (a plain
+    function: see cdiv)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 
 def interpreting() -> bool:
     """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1 when triton was imported).
@@ -345,11 +358,11 @@ def rope_heads(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False, *,
     if out.numel() == 0:
         return out
     # in place, a program turns up to 32 heads' tails (64 B-256 B each): few, longer programs
-    block_h = min(triton.next_power_of_2(h), 32 if in_place else 8)
-    _rope_heads_kernel[(n, triton.cdiv(h, block_h))](
+    block_h = min(next_pow2(h), 32 if in_place else 8)
+    _rope_heads_kernel[(n, cdiv(h, block_h))](
         x.contiguous(), cos_sin(rot), out, h, D=d, R2=r2, BLOCK_H=block_h,
-        BLOCK_NOPE=triton.next_power_of_2(max(d - 2 * r2, 1)),
-        BLOCK_R2=triton.next_power_of_2(r2), INVERSE=bool(inverse), COPY_NOPE=not in_place,
+        BLOCK_NOPE=next_pow2(max(d - 2 * r2, 1)),
+        BLOCK_R2=next_pow2(r2), INVERSE=bool(inverse), COPY_NOPE=not in_place,
         INTERPRET=interpreting(), num_warps=4, enable_fp_fusion=False)
     return out
 
@@ -407,6 +420,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if out.numel() == 0:
         return out
     _rms_norm_kernel[(rows,)](x.contiguous(), weight.contiguous(), out, N=n, eps=float(eps),
-                              BLOCK=triton.next_power_of_2(n), INTERPRET=interpreting(),
+                              BLOCK=next_pow2(n), INTERPRET=interpreting(),
                               num_warps=rms_norm_warps(n), enable_fp_fusion=False)
     return out

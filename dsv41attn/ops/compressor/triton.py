@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.triton import (any_nan, check_device, cos_sin, e4m3_code, e4m3_to_fp32,
-                             interpreting, pow2_ceil_exponent, require, rms_scale, rope_rotate,
-                             round_bf16, to_bf16)
+from ..common.triton import (any_nan, cdiv, check_device, cos_sin, e4m3_code, e4m3_to_fp32,
+                             interpreting, next_pow2, pow2_ceil_exponent, require, rms_scale,
+                             rope_rotate, round_bf16, to_bf16)
 from ..linear.triton import _dense_sum_kernel, dense_linear
 from . import reference
 
@@ -406,14 +406,14 @@ def _project_rows(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor
     out = torch.empty(2, m, n, dtype=torch.float32, device=x.device)  # kv, score
     if out.numel() == 0 or k == 0:
         return out[0].zero_(), out[1].zero_()
-    ranges = triton.cdiv(k, PROJECT_RANGE_K)
-    bm, bn, warps = (triton.next_power_of_2(m), 8, 4) if m <= 8 else (8, 8, 8)
+    ranges = cdiv(k, PROJECT_RANGE_K)
+    bm, bn, warps = (next_pow2(m), 8, 4) if m <= 8 else (8, 8, 8)
     part = torch.empty(ranges, 2, m, n, dtype=torch.float64, device=x.device)
-    _project_kernel[(2 * triton.cdiv(n, bn), triton.cdiv(m, bm), ranges)](
+    _project_kernel[(2 * cdiv(n, bn), cdiv(m, bm), ranges)](
         x.contiguous(), wkv.contiguous(), wgate.contiguous(), part, m, n, k, BM=bm, BN=bn,
         LANES=PROJECT_LANES, RANGE_K=PROJECT_RANGE_K, num_warps=warps)
     block = 1024  # the ranges' partials added in range order, rounded once to fp32
-    _dense_sum_kernel[(triton.cdiv(out.numel(), block),)](
+    _dense_sum_kernel[(cdiv(out.numel(), block),)](
         part, out, out.numel(), ranges, FP64=True, BLOCK=block, INTERPRET=interpreting())
     return out[0], out[1]
 
@@ -579,11 +579,11 @@ def recent_gather_write(recent_kv: torch.Tensor, recent_score: torch.Tensor,
     kv = torch.empty(t, r, d, dtype=torch.float32, device=new_kv.device)
     score = torch.empty_like(kv)
     if t and r and d:
-        _recent_kernel[(t, triton.cdiv(d, RECENT_BLOCK_D))](
+        _recent_kernel[(t, cdiv(d, RECENT_BLOCK_D))](
             recent_kv, recent_score, new_kv.contiguous(), new_score.contiguous(),
             members.contiguous(), write.contiguous(), kv, score,
             recent_kv.shape[0] * recent_kv.shape[1], t, d, R=r,
-            BLOCK_R=triton.next_power_of_2(r), BLOCK_D=RECENT_BLOCK_D, num_warps=2)
+            BLOCK_R=next_pow2(r), BLOCK_D=RECENT_BLOCK_D, num_warps=2)
     return kv, score
 
 
@@ -676,20 +676,20 @@ def pool_norm_rope_pack(kv: torch.Tensor, score: torch.Tensor | None, norm_weigh
         score = score.contiguous()
         pooled = torch.empty((n, d_lat), dtype=torch.float32, device=kv.device)
         block_c = min(POOL_BLOCK_C, d_lat)
-        _pool_kernel[(triton.cdiv(n, POOL_BLOCK_G), d_lat // block_c)](
+        _pool_kernel[(cdiv(n, POOL_BLOCK_G), d_lat // block_c)](
             kv, score, pooled, page, slot, n, rows_pool.shape[0], rows_pool.shape[1],
             RATIO=r, D=d_lat, BLOCK_G=POOL_BLOCK_G, BLOCK_C=block_c, INTERPRET=interp,
             num_warps=4, enable_fp_fusion=False)  # as stage 2: no fused multiply-add
     bk = min(MAX_BK, d_lat)
     d_idx, chunks = index_wk.shape[0], d_lat // bk
     part = torch.empty((n, chunks, d_idx), dtype=torch.float32, device=kv.device)
-    _latent_kernel[(triton.cdiv(n, BLOCK_G), chunks)](
+    _latent_kernel[(cdiv(n, BLOCK_G), chunks)](
         kv, pooled, norm_weight.contiguous(), index_wk.contiguous(), rot_cs, rows_pool, part,
         page, slot, n, rows_pool.shape[0], rows_pool.shape[1], float(eps), RATIO=r, D=d_lat,
         DI=d_idx, ROPE=2 * rot.shape[1], BLOCK_G=BLOCK_G, BK=bk, UNROLL=r > 1,
         INTERPRET=interp, num_warps=4,
         enable_fp_fusion=False)  # the reference rounds every product before its sum
-    _key_kernel[(triton.cdiv(n, BLOCK_G),)](
+    _key_kernel[(cdiv(n, BLOCK_G),)](
         part, index_k_norm.contiguous(), rot_cs, keys_pool, page, slot, n, rows_pool.shape[0],
         rows_pool.shape[1], float(eps), _INV_FP4_MAX, DI=d_idx, ROPE=2 * rot.shape[1],
         CHUNKS=chunks, BLOCK_G=BLOCK_G, INTERPRET=interp, num_warps=4, enable_fp_fusion=False)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.triton import (any_nan, check_device, check_rot, cos_sin, interpreting,
+from ..common.triton import (any_nan, cdiv, check_device, check_rot, cos_sin, interpreting,
                              pow2_ceil_exponent, require, rope_rotate)
 
 BLOCK_H = 4  # heads per program
@@ -93,7 +93,7 @@ def rope_fp4_heads(q: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n, h, d, dtype=torch.bfloat16, device=q.device)
     if out.numel() == 0:
         return out
-    _rope_fp4_heads_kernel[(n, triton.cdiv(h, BLOCK_H))](
+    _rope_fp4_heads_kernel[(n, cdiv(h, BLOCK_H))](
         q.contiguous(), cos_sin(rot), out, h, _INV_FP4_MAX, D=d, R2=r2, BLOCK_H=BLOCK_H,
         INTERPRET=interpreting(), num_warps=4, enable_fp_fusion=False)
     return out

@@ -94,8 +94,8 @@ import triton
 import triton.language as tl
 
 from ..common.packing import index_key_bytes
-from ..common.triton import (check_device, e4m3_of_e2m1, e4m3_to_fp32, interpreting,
-                             require, round_bf16, sm_count)
+from ..common.triton import (cdiv, check_device, e4m3_of_e2m1, e4m3_to_fp32, interpreting,
+                             next_pow2, require, round_bf16, sm_count)
 
 PREFILL_TILE = 4  # queries of one sequence per scoring program (they share the key loads)
 SCORE_ROWS = 128  # rows per scoring tile (decode)
@@ -886,7 +886,7 @@ def _select(src, k: int, out, visible, tiles, tile_base: int, slot_base: int, sl
     ch = SELECT_CHUNK if ch is None else ch  # rows per program
     if hist is None:
         hist = torch.zeros(2, slots, 256, dtype=torch.int32, device=dev)
-    nch = triton.cdiv(n, ch)
+    nch = cdiv(n, ch)
     cnt = torch.empty(slots, 2, nch, dtype=torch.int32, device=dev)
     nvalid, blocks, bs = compact if compact is not None else (None, None, 1)
     common = (tile_tok, tile_cnt, tile_base, slot_base, n, k)
@@ -900,7 +900,7 @@ def _select(src, k: int, out, visible, tiles, tile_base: int, slot_base: int, sl
                         FILTER=False, FB=1, num_warps=4)
     _select_kernel[grid](src, hist[0], hist[1], cnt, out, visible, nvalid, blocks, *common, nch,
                          out.stride(0), blocks.stride(0) if blocks is not None else 0,
-                         NCH_PAD=triton.next_power_of_2(nch), MASK_OUT=mask_out,
+                         NCH_PAD=next_pow2(nch), MASK_OUT=mask_out,
                          BLOCK_SIZE=bs, **meta, num_warps=4)
 
 
@@ -919,9 +919,9 @@ def _candidate_blocks(scores, kb: int, keep, visible, tiles, tile_base: int, slo
             UNIT=block_size, BLOCKS=True, num_warps=_one_program_warps(nblk))
         return
     bkeys = torch.empty(slots, nblk, dtype=torch.int32, device=scores.device)
-    _block_key_kernel[(slots, triton.cdiv(nblk, BLOCK_KEYS))](
+    _block_key_kernel[(slots, cdiv(nblk, BLOCK_KEYS))](
         scores, bkeys, visible, tile_tok, tiles[1], tile_base, slot_base, n_rows, nblk, kb,
-        BLOCK_SIZE=block_size, BS_PAD=triton.next_power_of_2(block_size), BB=BLOCK_KEYS,
+        BLOCK_SIZE=block_size, BS_PAD=next_pow2(block_size), BB=BLOCK_KEYS,
         TILE=tile, HAS_TILES=tile_tok is not None, PIN=True, CLIP=clip, num_warps=4)
     _select(bkeys, kb, keep, visible, tiles, tile_base, slot_base, slots, nblk, False, True,
             clip=clip, unit=block_size, hist=hist)
@@ -934,7 +934,7 @@ def _one_program(n: int, compact: bool) -> bool:
 
 def _one_program_ch(n: int) -> int:
     """_select_one_kernel's CH for a source of n entries a slot."""
-    return triton.next_power_of_2(n)
+    return next_pow2(n)
 
 
 def _one_program_warps(n: int) -> int:
@@ -953,12 +953,12 @@ def _filters(slots: int, n: int, k: int) -> bool:
     selection step it lost up to 10% at 8-32 queries (one program a query in its last step,
     latency bound), so the rule keeps small calls on the radix select."""
     return (slots * n >= FILTER_MIN_SCORES and n >= FILTER_MIN_ROWS
-            and triton.cdiv(n, FILTER_BLOCK) >= k)
+            and cdiv(n, FILTER_BLOCK) >= k)
 
 
 def _filter_bytes(n: int, k: int) -> int:
     """Bytes a query slot's filter holds: block maxima and the list of rows above t."""
-    return 4 * (triton.cdiv(n, FILTER_BLOCK) + k * FILTER_BLOCK)
+    return 4 * (cdiv(n, FILTER_BLOCK) + k * FILTER_BLOCK)
 
 
 def _select_filtered(src, k: int, out, visible, tiles, tile_base: int, slot_base: int,
@@ -977,24 +977,24 @@ def _select_filtered(src, k: int, out, visible, tiles, tile_base: int, slot_base
     tile_tok, tile_cnt, tile = tiles
     has_tiles = tile_tok is not None
     fb = FILTER_BLOCK
-    nb = triton.cdiv(n, fb)
+    nb = cdiv(n, fb)
     gcap = k * fb
     bkeys = torch.empty(slots, nb, dtype=torch.int32, device=dev)
-    _block_key_kernel[(slots, triton.cdiv(nb, BLOCK_KEYS))](
+    _block_key_kernel[(slots, cdiv(nb, BLOCK_KEYS))](
         src, bkeys, visible, tile_tok, tile_cnt, tile_base, slot_base, n, nb, k,
-        BLOCK_SIZE=fb, BS_PAD=triton.next_power_of_2(fb), BB=BLOCK_KEYS, TILE=tile,
+        BLOCK_SIZE=fb, BS_PAD=next_pow2(fb), BB=BLOCK_KEYS, TILE=tile,
         HAS_TILES=has_tiles, PIN=False, CLIP=clip, num_warps=4)
     if hist is None:
         hist = torch.zeros(2, slots, 256, dtype=torch.int32, device=dev)
     ch = SELECT_CHUNK
     for low in (False, True):
-        _hist_kernel[(slots, triton.cdiv(nb, ch))](
+        _hist_kernel[(slots, cdiv(nb, ch))](
             bkeys, hist[0], hist[1], None, visible, tile_tok, tile_cnt, tile_base, slot_base,
             nb, k, LOW=low, CH=ch, TILE=tile, HAS_TILES=has_tiles, FROM_SCORES=False,
             COMPACT=False, CLIP=clip, UNIT=fb, num_warps=4)
     ch = FILTER_CHUNK
-    nch = triton.cdiv(n, ch)
-    nch_pad = triton.next_power_of_2(nch)
+    nch = cdiv(n, ch)
+    nch_pad = next_pow2(nch)
     cnt = torch.empty(slots, 2, nch, dtype=torch.int32, device=dev)
     gt = torch.empty(slots, gcap, dtype=torch.int32, device=dev)
     common = (tile_tok, tile_cnt, tile_base, slot_base, n, k, nch)
@@ -1030,7 +1030,7 @@ def _score_tiles_per_prog(tiles: int, row_tiles: int, sms: int) -> int:
     an SM (a decode of one query over 2048 rows: 2 programs of 8 tiles, each a serial chain;
     at 1 tile a program, 16). A row's score is the same at any count."""
     t = SCORE_TILES_PER_PROGRAM
-    while t > 1 and tiles * triton.cdiv(row_tiles, t) < SCORE_PROGRAMS_PER_SM * sms:
+    while t > 1 and tiles * cdiv(row_tiles, t) < SCORE_PROGRAMS_PER_SM * sms:
         t //= 2
     return t
 
@@ -1053,7 +1053,7 @@ def _compact_candidates(cand, nblk: int, first: int, n_rows: int, block_size: in
     below k); listing rows in ascending order keeps ties to the lower row."""
     dev = cand.device
     tile_tok, tile_cnt, tile = tiles
-    nlch = triton.cdiv(nblk, LIST_CHUNK)
+    nlch = cdiv(nblk, LIST_CHUNK)
     lcnt = torch.empty(owners, nlch, dtype=torch.int32, device=dev)
     blocks = torch.empty(owners, nblk, dtype=torch.int32, device=dev)
     nvalid = torch.empty(owners, dtype=torch.int32, device=dev)
@@ -1061,7 +1061,7 @@ def _compact_candidates(cand, nblk: int, first: int, n_rows: int, block_size: in
     meta = dict(LCH=LIST_CHUNK, TILE=tile, HAS_TILES=tile_tok is not None)
     _list_count_kernel[(owners, nlch)](cand, lcnt, *common, **meta, num_warps=4)
     _list_write_kernel[(owners, nlch)](cand, lcnt, blocks, nvalid, *common, n_rows,
-                                       blocks.stride(0), NLCH_PAD=triton.next_power_of_2(nlch),
+                                       blocks.stride(0), NLCH_PAD=next_pow2(nlch),
                                        BLOCK_SIZE=block_size, **meta, num_warps=4)
     return blocks, nvalid
 
@@ -1140,7 +1140,7 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
     if filtered:
         per_tile += tile * _filter_bytes(width, k)
     chunk_tiles = max(1, min(n_tiles, score_budget // per_tile))
-    i_pad = max(triton.next_power_of_2(heads), 16 // tile)
+    i_pad = max(next_pow2(heads), 16 // tile)
     interpret = interpreting()
     rows_per_tile = PREFILL_SCORE_ROWS if prefill else SCORE_ROWS
     sms = sm_count(dev)
@@ -1150,7 +1150,7 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
         slots = c * tile
         tile_base, slot_base = (t0, 0) if prefill else (0, t0)
         tiles_per_prog = _compact_tiles_per_prog(c) if compact else _score_tiles_per_prog(
-            c, triton.cdiv(width, rows_per_tile), sms)
+            c, cdiv(width, rows_per_tile), sms)
         lists = _compact_candidates(cand, nblk, -(-k // block_size), n_rows, block_size, c,
                                     tiles, tile_base, slot_base) if compact else None
         scores = torch.empty(slots, width, dtype=torch.int16, device=dev)
@@ -1160,9 +1160,9 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
         hist_rows = filtered or not _one_program(width, compact)
         nz = hist_blocks + hist_rows
         hist = torch.empty(nz, 2, slots, 256, dtype=torch.int32, device=dev) if nz else None
-        row_progs = triton.cdiv(width, rows_per_tile * tiles_per_prog)
+        row_progs = cdiv(width, rows_per_tile * tiles_per_prog)
         if compact:
-            row_progs = min(row_progs, triton.cdiv(COMPACT_PROGRAMS, c))
+            row_progs = min(row_progs, cdiv(COMPACT_PROGRAMS, c))
         _score_kernel[(c, row_progs)](
             q, w, key_pool, table, vis, rows, cand, *(lists or (None, None)), scores, hist,
             tile_tok, tile_cnt, tile_base, slot_base, width, k, float(head_scale), slots,

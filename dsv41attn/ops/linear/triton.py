@@ -64,11 +64,11 @@ try:  # the Gluon square tiles (Hopper): a Triton with Gluon
 except (ImportError, AttributeError):  # pragma: no cover - no usable Gluon
     fp8_values_gemm_ws = None
 from ..common.buffers import out_buffer
-from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, any_nan, check_device, cos_sin,
-                             e4m3_code, e4m3_to_fp32, e8m0_to_fp32, e8m0x4_to_fp32,
-                             interpreting, is_hopper, neg_zeros, require, rms_norm_warps,
-                             rms_row_scale, rope_heads, rope_rotate, round_bf16, sm_count,
-                             to_bf16, ue8m0_exponent)
+from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, any_nan, cdiv, check_device, cos_sin,
+                             e4m3_code, e4m3_to_fp32, e8m0_to_fp32, e8m0x4_to_fp32, interpreting,
+                             is_hopper, neg_zeros, next_pow2, require, rms_norm_warps,
+                             rms_row_scale, rope_heads, rope_rotate, round_bf16, sm_count, to_bf16,
+                             ue8m0_exponent)
 
 QUANT_BLOCKS = 16  # act_quant: scale blocks per program (512 elements of a row)
 QUANT_WIDE_MIN_M = 512  # from this many rows a program takes up to QUANT_BLOCKS_WIDE blocks
@@ -129,14 +129,14 @@ def e4m3_to_bf16(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tor
         k = w.shape[-1]
         if scale is not None:
             check_device(weight, scale)
-            want = (triton.cdiv(w.numel() // k, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK))
+            want = (cdiv(w.numel() // k, FP8_BLOCK), cdiv(k, FP8_BLOCK))
             if w.dim() != 2 or tuple(scale.shape) != want:
                 raise ValueError(f"scale {tuple(scale.shape)} does not match weight "
                                  f"{tuple(w.shape)}: {want} wanted")
         sb = scale.contiguous().view(torch.uint8) if scale is not None else w.view(torch.uint8)
         block = 8192
-        _e4m3_to_bf16_kernel[(triton.cdiv(w.numel(), block),)](
-            w.view(torch.uint8), sb, out, w.numel(), k, triton.cdiv(k, FP8_BLOCK), BLOCK=block,
+        _e4m3_to_bf16_kernel[(cdiv(w.numel(), block),)](
+            w.view(torch.uint8), sb, out, w.numel(), k, cdiv(k, FP8_BLOCK), BLOCK=block,
             FOLD=scale is not None, num_warps=8)
     return out
 
@@ -857,7 +857,7 @@ def k_order(n_tiles: int, steps: int, sms: int, granules: tuple[int, ...] = (8, 
     leaves fewer chunks than wanted ranges. ``ranges`` forces the count (1 <= it <= steps); the
     chunk then shrinks, if need be, to give every range at least one."""
     if ranges is None:
-        want = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, max(n_tiles, 1))
+        want = cdiv(SPLIT_PROGRAMS_PER_SM * sms, max(n_tiles, 1))
         fits = [d for d in granules if steps % d == 0]
         g = fits[0]
         if len(fits) > 1 and steps // g < want:  # more, shorter ranges (wkv)
@@ -1069,7 +1069,7 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
     the wide tiles through TMA. tma: the weight may be
     read through a TMA descriptor (``_tma_weight``): the 16-row decode tiles then do, and so do
     the wide tiles, which need it. Every choice gives the same bits."""
-    order = k_order(triton.cdiv(n, 64), kb, sms, ranges=num_splits)
+    order = k_order(cdiv(n, 64), kb, sms, ranges=num_splits)
     prescaled = bool(values and precise_dot)
     large = n * kb * FP8_BLOCK >= WIDE_MIN_BYTES
     narrow = m <= _FP8_DECODE_TILES[0][0]
@@ -1080,7 +1080,7 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
         table = _FP8_WIDE_TILES if large else _FP8_WIDE_SMALL_TILES
         _, tall_m, tall_n = _FP8_WIDE_TALL_TILES[0][:3]
         if large and _FP8_WIDE_TILES[0][0] < m <= SPLIT_MAX_M \
-                and triton.cdiv(n, tall_n) * triton.cdiv(m, tall_m) >= sms:
+                and cdiv(n, tall_n) * cdiv(m, tall_m) >= sms:
             table = _FP8_WIDE_TALL_TILES
     elif swap:
         tma = bool(tma and narrow)
@@ -1091,13 +1091,13 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
     bm, bn, warps, stages, ksub_max = _tile_row(table, m)
     diag_rows = swap and tma and narrow and precise_dot and not prescaled and m <= DIAG_MAX_M
     if diag_rows:
-        bm = triton.next_power_of_2(max(m, 1))
+        bm = next_pow2(max(m, 1))
         bn, warps, stages, ksub_max = _FP8_DIAG_TILES
     ksub = next(d for d in (8, 4, 2, 1) if d <= ksub_max and order.granule % d == 0)
     # blocks a dot: as many as a lane's 4 accumulator slots hold (_diag_tokens)
     diag = min(ksub, 16 // max(bm, 4)) if diag_rows else 0
     if workspace is None:
-        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        tiles = cdiv(m, bm) * cdiv(n, bn)
         # the decode kernel: split whenever the tiles leave SMs idle (one program per tile
         # summing 20-40 ranges would stream at a tenth of the rate)
         workspace = order.ranges > 1 and tiles < sms if swap else \
@@ -1119,11 +1119,11 @@ def _wide_swap(m: int, n: int, kb: int, sms: int, order: KOrder) -> bool:
     tiles split: 29.0 against 24.1, and wq_a's and wkv's wide tiles lost at every M below
     their switch, 1.1-2.9x)."""
     bm, bn = _FP8_TILES[0][1:3]
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
     split = _use_workspace(order, tiles, m, n, n * kb * FP8_BLOCK, sms,
                            budget=SPLIT_PARTIAL_BYTES)
     wbm, wbn = _FP8_WIDE_SMALL_TILES[0][1:3]
-    wide_tiles = triton.cdiv(m, wbm) * triton.cdiv(n, wbn)
+    wide_tiles = cdiv(m, wbm) * cdiv(n, wbn)
     return order.ranges > 1 and tiles < sms and (not split or wide_tiles >= sms)
 
 
@@ -1177,10 +1177,10 @@ def act_quant(x: torch.Tensor, *, f16: bool = False, dequant: bool = False,
     if m == 0 or k == 0:
         return q, s
     qb = QUANT_BLOCKS if m < QUANT_WIDE_MIN_M else \
-        min(QUANT_BLOCKS_WIDE, max(QUANT_BLOCKS, triton.next_power_of_2(kb)))
-    grid = (m, triton.cdiv(kb, qb))
+        min(QUANT_BLOCKS_WIDE, max(QUANT_BLOCKS, next_pow2(kb)))
+    grid = (m, cdiv(kb, qb))
     norm_kw = {} if norm is None else dict(
-        NORM_K=k, NORM_BLOCK=triton.next_power_of_2(k), enable_fp_fusion=False)
+        NORM_K=k, NORM_BLOCK=next_pow2(k), enable_fp_fusion=False)
     _act_quant_kernel[grid](x.contiguous(), q if f16 or dequant else q.view(torch.uint8), s,
                             nw.contiguous(), k, kb, INV_FP8_MAX, float(eps), QB=qb,
                             F16=f16, DEQUANT=dequant, INTERPRET=interpreting(),
@@ -1212,9 +1212,9 @@ def _check_gemm(x_codes, x_scales, weight, weight_scale, num_splits, precise_dot
         raise ValueError(f"weight {tuple(weight.shape)} does not match K = {k}")
     if tuple(x_scales.shape) != (m, kb):
         raise ValueError(f"x_scales {tuple(x_scales.shape)} != {(m, kb)}")
-    if tuple(weight_scale.shape) != (triton.cdiv(n, FP8_BLOCK), kb):
+    if tuple(weight_scale.shape) != (cdiv(n, FP8_BLOCK), kb):
         raise ValueError(f"weight_scale {tuple(weight_scale.shape)} != "
-                         f"{(triton.cdiv(n, FP8_BLOCK), kb)}")
+                         f"{(cdiv(n, FP8_BLOCK), kb)}")
     if num_splits is not None and not 1 <= num_splits <= max(kb, 1):
         raise ValueError(f"num_splits = {num_splits} is not in [1, K/32 = {kb}]")
     check_device(x_codes, x_scales, weight, weight_scale)
@@ -1387,7 +1387,7 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
             weight_scale.contiguous().view(torch.uint8))
     all_ranges = order.ranges > 1 and not plan.workspace
     if plan.swap:
-        grid = (triton.cdiv(n, plan.block_n), s, triton.cdiv(m, plan.block_m))
+        grid = (cdiv(n, plan.block_n), s, cdiv(m, plan.block_m))
         # 16-row and TMA tiles: PREFETCH, the split-K sum in the kernel
         prefetch = plan.block_m <= 16 or plan.tma
         fused = s > 1 and plan.writes_out  # the split-K sum in the kernel's last program
@@ -1417,7 +1417,7 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
     assert out.dtype == torch.float32 or out.dtype == torch.bfloat16
     assert not rope_d or (s == 1 and out.dtype == torch.bfloat16)
     assert (x_codes.dtype == torch.bfloat16) == plan.prescaled == (weight.dtype == torch.bfloat16)
-    grid = (triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n), s)
+    grid = (cdiv(m, plan.block_m) * cdiv(n, plan.block_n), s)
     # TMA: descriptors of the bf16 values (else the pointers again: the arguments are not read)
     descs = (TensorDescriptor.from_tensor(args[0], [plan.block_m, FP8_BLOCK]),
              TensorDescriptor.from_tensor(args[2], [plan.block_n, FP8_BLOCK])) \
@@ -1438,7 +1438,7 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
 def _split_sum(partials: torch.Tensor, out: torch.Tensor) -> None:
     """out [M, N] = the fp32 partials [S, M, N] added in range order (_split_sum_kernel)."""
     s, m, n = partials.shape
-    _split_sum_kernel[(triton.cdiv(m * n, SPLIT_SUM_BLOCK),)](
+    _split_sum_kernel[(cdiv(m * n, SPLIT_SUM_BLOCK),)](
         partials, out, m * n, SPLITS=s, BLOCK=SPLIT_SUM_BLOCK,
         OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interpreting(), num_warps=2)
 
@@ -1831,7 +1831,7 @@ def _dense_order(n_group: int, k_group: int, groups: int, dtype: torch.dtype, sm
     """dense_linear's K order for a [groups * n_group, k_group] weight: steps of
     DENSE_BLOCK_K[dtype] in ``k_order`` ranges, from the weight's shape and the SM count alone
     (num_splits forces the range count)."""
-    return k_order(groups * triton.cdiv(n_group, 64), triton.cdiv(k_group, DENSE_BLOCK_K[dtype]),
+    return k_order(groups * cdiv(n_group, 64), cdiv(k_group, DENSE_BLOCK_K[dtype]),
                    sms, granules=(1,), ranges=num_splits)
 
 
@@ -1845,7 +1845,7 @@ def _dense_plan(m: int, n_group: int, k_group: int, groups: int, dtype: torch.dt
     order = _dense_order(n_group, k_group, groups, dtype, sms, num_splits)
     bm, bn, warps, stages = _tile_row(_DENSE_TILES[dtype], m)
     if workspace is None:
-        tiles = triton.cdiv(m, bm) * groups * triton.cdiv(n_group, bn)
+        tiles = cdiv(m, bm) * groups * cdiv(n_group, bn)
         if dtype == torch.float32:  # FMA-bound, not weight-bound: split K while SMs idle
             workspace = tiles < sms  # (H200, 512 x 5120, M = 8: 8 tiles alone ran ~1 ms)
         else:
@@ -1871,7 +1871,7 @@ def _grouped_input(x: torch.Tensor, shape: tuple[int, int], groups, dtype: torch
 
 
 def _check_splits(num_splits, k_group: int, dtype: torch.dtype) -> None:
-    steps = triton.cdiv(k_group, DENSE_BLOCK_K[dtype])
+    steps = cdiv(k_group, DENSE_BLOCK_K[dtype])
     require(num_splits is None or 1 <= num_splits <= steps,
             f"num_splits = {num_splits} is not in [1, {steps}] (K steps)")
 
@@ -1919,7 +1919,7 @@ def _run_dense(plan: _DensePlan, x: torch.Tensor, weight: torch.Tensor, groups: 
     target = out if s == 1 else torch.empty(
         s, m, groups * ng, dtype=torch.float64 if fp64 else torch.float32, device=out.device)
     order, interp = plan.order, interpreting()
-    grid = (triton.cdiv(m, plan.block_m), groups * triton.cdiv(ng, plan.block_n), s)
+    grid = (cdiv(m, plan.block_m), groups * cdiv(ng, plan.block_n), s)
     _dense_gemm_kernel[grid](x, weight, target, m, ng, kg, x.shape[1], groups * ng,
                              order.chunks, order.ranges, BLOCK_M=plan.block_m,
                              BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, FP64=fp64,
@@ -1928,7 +1928,7 @@ def _run_dense(plan: _DensePlan, x: torch.Tensor, weight: torch.Tensor, groups: 
                              num_stages=plan.num_stages)
     if s > 1:
         block = 1024
-        _dense_sum_kernel[(triton.cdiv(out.numel(), block),)](
+        _dense_sum_kernel[(cdiv(out.numel(), block),)](
             target, out, out.numel(), s, FP64=fp64, BLOCK=block, INTERPRET=interp)
     return out
 
@@ -1978,7 +1978,7 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             f"weight must be a 2-D float8_e4m3fn tensor, got {getattr(weight, 'dtype', None)} "
             f"{tuple(getattr(weight, 'shape', ()))}")
     rows, kg = weight.shape
-    want = (triton.cdiv(rows, FP8_BLOCK), triton.cdiv(kg, FP8_BLOCK))
+    want = (cdiv(rows, FP8_BLOCK), cdiv(kg, FP8_BLOCK))
     require(isinstance(scale, torch.Tensor) and scale.dtype == torch.float8_e8m0fnu
             and tuple(scale.shape) == want,
             f"scale must be float8_e8m0fnu {list(want)} for a weight {[rows, kg]}, got "
@@ -1997,7 +1997,7 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     bm, bn, warps, stages, tma_tile = _tile_row(DENSE_FP8_TILES, m)
     if tiles is not None:
         bm, bn, warps, stages = tiles
-    grid_n, grid_m = groups * triton.cdiv(ng, bn), triton.cdiv(m, bm)
+    grid_n, grid_m = groups * cdiv(ng, bn), cdiv(m, bm)
     split = order.ranges > 1 and grid_n * grid_m < sms
     s = order.ranges if split else 1
     w = weight.contiguous()

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ...checkpoint import Fp8Weight, exact_fp8
 from ..common.buffers import out_buffer
-from ..common.triton import (FP8_BLOCK, check_device, cos_sin, e4m3_to_fp32, e8m0_to_fp32,
+from ..common.triton import (FP8_BLOCK, cdiv, check_device, cos_sin, e4m3_to_fp32, e8m0_to_fp32,
                              interpreting, neg, rope_heads, sm_count, to_bf16)
 from ..linear.triton import dense_fp8_linear, dense_linear, rescalable_scales
 from .reference import check_inputs
@@ -181,7 +181,7 @@ def _pick_splits(programs: int, k_blocks: int, partial_row_bytes: int, weight_by
     1/8 of the weight bytes; 1 when the tiles fill the machine."""
     if programs >= sms:
         return 1
-    s = min(k_blocks, triton.cdiv(2 * sms, programs), weight_bytes // (8 * partial_row_bytes))
+    s = min(k_blocks, cdiv(2 * sms, programs), weight_bytes // (8 * partial_row_bytes))
     return max(1, s)
 
 
@@ -310,23 +310,23 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Ten
     else:
         scale = weight  # never read
     bm, bn, bk, warps, stages = _tiles(n)
-    k_blocks = triton.cdiv(kg, bk)
-    programs = triton.cdiv(n, bm) * groups * triton.cdiv(rk, bn)
+    k_blocks = cdiv(kg, bk)
+    programs = cdiv(n, bm) * groups * cdiv(rk, bn)
     if num_splits is None:
         num_splits = _pick_splits(programs, k_blocks, 8 * n * gr,
                                   weight.numel() * weight.element_size(), sm_count(o.device))
-    per_split = triton.cdiv(k_blocks, min(num_splits, k_blocks))  # K blocks per split
-    s = triton.cdiv(k_blocks, per_split)  # no split left without a block
+    per_split = cdiv(k_blocks, min(num_splits, k_blocks))  # K blocks per split
+    s = cdiv(k_blocks, per_split)  # no split left without a block
     part = o.new_empty(s, n, gr, dtype=torch.float32) if s > 1 else out
     interp = interpreting()
-    _inverse_rope_wo_a_kernel[(triton.cdiv(n, bm), groups * triton.cdiv(rk, bn), s)](
+    _inverse_rope_wo_a_kernel[(cdiv(n, bm), groups * cdiv(rk, bn), s)](
         o, cs, weight, scale, out, part, n, h * d, d, d - 2 * rot.shape[1], 2 * rot.shape[1],
-        kg, rk, gr, triton.cdiv(kg, FP8_BLOCK), per_split * bk,
+        kg, rk, gr, cdiv(kg, FP8_BLOCK), per_split * bk,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP8=fp8, SPLIT=s > 1, INTERPRET=interp,
         num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     if s > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(n * gr, block),)](part, out, n * gr, s, BLOCK=block,
+        _sum_splits_kernel[(cdiv(n * gr, block),)](part, out, n * gr, s, BLOCK=block,
                                                           INTERPRET=interp)
     return out
 

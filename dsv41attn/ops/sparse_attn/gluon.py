@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
-from ..common.triton import is_hopper
+from ..common.triton import cdiv, is_hopper
 from .triton import (_FP4_WORD_BF16_ASM, check_paged_devices, check_paged_inputs, check_split_args,
                      finish_paged, paged_operands, paged_output, plan_splits, split_partials)
 
@@ -455,7 +455,7 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
     q, sink, ring, new_rows, widx, pool, table, token_row, cidx, n_ring, page_shift = \
         paged_operands(q, sink, window_ring, new_rows, window_ids, compressed_pool, block_table,
                        token_row, compressed_idx, align=16)
-    s, per_split = plan_splits(t, triton.cdiv(ww + k, ROWS), q.device, num_splits,
+    s, per_split = plan_splits(t, cdiv(ww + k, ROWS), q.device, num_splits,
                                split_blocks)
     partials = split_partials(q, s) if s > 1 else None
     _sparse_attn_ws_kernel[(t, s)](

@@ -44,8 +44,8 @@ import triton
 import triton.language as tl
 
 from ..common.buffers import out_buffer
-from ..common.triton import (check_rot, cos_sin, e4m3_of_e2m1, e4m3_to_fp32, interpreting,
-                             rope_heads, rope_rotate, sm_count, to_bf16)
+from ..common.triton import (cdiv, check_rot, cos_sin, e4m3_of_e2m1, e4m3_to_fp32, interpreting,
+                             next_pow2, rope_heads, rope_rotate, sm_count, to_bf16)
 
 BLOCK_N = 64  # index-list block, fixed by the rounding points (docs/numerics.md §6)
 BLOCK_H = 16  # head tile: tl.dot needs every dim >= 16
@@ -152,7 +152,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     if idx.shape[2] == 0:  # no entries at all: every row is empty, o = 0 (as the reference)
         return out.zero_()
     q, kv, sink, idx = q.contiguous(), kv.contiguous(), sink.contiguous(), idx.contiguous()
-    grid = (b * m, triton.cdiv(h, BLOCK_H))
+    grid = (b * m, cdiv(h, BLOCK_H))
     _sparse_attn_kernel[grid](q, kv, sink, idx, out, float(scale), m, h, n, idx.shape[2],
                               D=d, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, INTERPRET=interpreting(),
                               num_warps=4 if d <= 128 else 8)  # 8 warps: less spill at D=512
@@ -603,7 +603,7 @@ def _pick_splits(n_blocks: int, split_blocks: int = SPLIT_BLOCKS) -> tuple[int, 
     list is cut at the same entries alone, in any batch and in any chunk, and its partials are
     merged in the same order, so its bits do not depend on the call; trailing splits of pads
     only (a batch-mate's longer list) merge as exact identities (m = -1e30, l = 0, acc = 0)."""
-    return triton.cdiv(n_blocks, split_blocks), split_blocks
+    return cdiv(n_blocks, split_blocks), split_blocks
 
 
 def _wave_splits(programs: int, n_blocks: int, sms: int) -> int:
@@ -619,7 +619,7 @@ def _wave_splits(programs: int, n_blocks: int, sms: int) -> int:
                                                and 4 * programs > sms):
         return 1
     s = min(n_blocks, sms // programs)
-    return triton.cdiv(n_blocks, triton.cdiv(n_blocks, s))  # no split left without a block
+    return cdiv(n_blocks, cdiv(n_blocks, s))  # no split left without a block
 
 
 def plan_splits(programs: int, n_blocks: int, device: torch.device,
@@ -631,7 +631,7 @@ def plan_splits(programs: int, n_blocks: int, device: torch.device,
         num_splits = _wave_splits(programs, n_blocks, sm_count(device))
     if num_splits is None:
         return _pick_splits(n_blocks, split_blocks or SPLIT_BLOCKS)
-    return num_splits, triton.cdiv(n_blocks, num_splits)
+    return num_splits, cdiv(n_blocks, num_splits)
 
 
 def paged_output(q: torch.Tensor, sink: torch.Tensor, out: torch.Tensor | None,
@@ -662,9 +662,9 @@ def finish_paged(out: torch.Tensor, partials: tuple | None, sink: torch.Tensor,
     ml, acc = partials
     t_all, s, h, d = acc.shape
     bd = min(d, 128)  # small merge tiles: enough programs to read the partials fast
-    _combine_kernel[(t_all, triton.cdiv(h, BLOCK_H), d // bd)](
+    _combine_kernel[(t_all, cdiv(h, BLOCK_H), d // bd)](
         ml, acc, sink, out, sink if out_rot is None else cos_sin(out_rot), h, s, D=d,
-        BLOCK_H=BLOCK_H, BLOCK_D=bd, S_PAD=triton.next_power_of_2(s), R2=r2,
+        BLOCK_H=BLOCK_H, BLOCK_D=bd, S_PAD=next_pow2(s), R2=r2,
         INTERPRET=interpreting())
     return out
 
@@ -809,7 +809,7 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
                                             compressed_idx)
     if block_h is None and split_blocks == 0 and t_all == 1:
         block_h = BLOCK_H  # one token, splits sized to the step: more, smaller programs
-    block_h = block_h or min(BLOCK_H_MAX, max(BLOCK_H, triton.next_power_of_2(h)))
+    block_h = block_h or min(BLOCK_H_MAX, max(BLOCK_H, next_pow2(h)))
     if block_h < 16 or block_h & (block_h - 1):
         raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
     if d_chunks not in (None, 1, 2) or (d_chunks == 2 and d < 64):
@@ -827,8 +827,8 @@ def sparse_attn_paged(q: torch.Tensor, sink: torch.Tensor, scale: float,
     # multiples of 4 there); views that are not take the byte path instead of being copied
     nh = d_chunks or 1  # 2: fewer live registers per step, but more spills on Triton 3.6
     words = d // nh >= 128 and all(x.data_ptr() % 4 == 0 for x in (ring, new_rows, pool))
-    h_blocks = triton.cdiv(h, block_h)
-    s, per_split = plan_splits(t_all * h_blocks, triton.cdiv(ww + k, BLOCK_N), q.device,
+    h_blocks = cdiv(h, block_h)
+    s, per_split = plan_splits(t_all * h_blocks, cdiv(ww + k, BLOCK_N), q.device,
                                num_splits, split_blocks)
     partials = split_partials(q, s) if s > 1 else None
     interp, warps = interpreting(), num_warps or (4 if d <= 128 else 8)

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.triton import next_pow2
+
 
 @triton.jit
 def _window_kernel(pos_ptr, row_ptr, ids_ptr, flat_ptr, W, S, N_RING, BLOCK_W: tl.constexpr):
@@ -54,7 +56,7 @@ def decode_window_facts(pos: torch.Tensor, row: torch.Tensor, window: int, slots
     flat = torch.empty(t, dtype=torch.int64, device=pos.device)
     if t:
         _window_kernel[(t,)](pos, row, ids, flat, window, slots, n_ring,
-                             BLOCK_W=triton.next_power_of_2(window))
+                             BLOCK_W=next_pow2(window))
     return ids, flat
 
 
@@ -72,7 +74,7 @@ def decode_group_facts(pos: torch.Tensor, row: torch.Tensor, block_table: torch.
         _group_kernel[(t,)](pos, row, table, table.stride(0), vis, page, slot, gpos,
                             members if members is not None else vis,
                             recent if recent is not None else vis, ratio, page_rows, held,
-                            n_recent, HAS_SOURCE=has_source, BLOCK_R=triton.next_power_of_2(ratio)
+                            n_recent, HAS_SOURCE=has_source, BLOCK_R=next_pow2(ratio)
                             if ratio > 1 else 1)
     if not has_source:
         return vis, None, None, None, None, None

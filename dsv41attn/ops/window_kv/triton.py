@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, any_nan, check_device, check_rot,
+from ..common.triton import (next_pow2, FP8_BLOCK, INV_FP8_MAX, any_nan, check_device, check_rot,
                              cos_sin, e4m3_code, interpreting, require, rms_scale, rope_heads,
                              rope_rotate, round_bf16, ue8m0_exponent)
 
@@ -180,7 +180,7 @@ def norm_rope_pack(kv: torch.Tensor, weight: torch.Tensor, eps: float, rot: torc
         float(eps), INV_FP8_MAX,
         ring.shape[0] if has_ring else 0, ring.shape[1] if has_ring else 0,
         ring.stride(0) if has_ring else 0, ring.stride(1) if has_ring else 0,
-        D=d, R2=r2, BLOCK_KB=triton.next_power_of_2(d // FP8_BLOCK), HAS_RING=has_ring,
+        D=d, R2=r2, BLOCK_KB=next_pow2(d // FP8_BLOCK), HAS_RING=has_ring,
         HAS_ROW=has_row, HAS_POS=has_pos, INTERPRET=interpreting(), num_warps=4,
         enable_fp_fusion=False)
     return out
