@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 import dsv41attn.ops.linear.triton as T
 from conftest import bytes_of, poison_empty
@@ -34,6 +34,17 @@ def _check_quant(x: torch.Tensor) -> None:
     # bytes too: the reference's e4m3 is torch's saturating RNE cast of the clamped quotient
     ref_bytes = rq.to(torch.float8_e4m3fn).view(torch.uint8)
     assert torch.equal(q.cpu().view(torch.uint8), ref_bytes)
+
+
+def test_host_cdiv_and_next_pow2_are_tritons():
+    """The host's plain launch-planning helpers give Triton's integers (every n to 2^17, the
+    edges of wide ones); the kernels' grids and block sizes are built from them."""
+    from dsv41attn.ops.common.triton import cdiv, next_pow2
+    ns = list(range(0, 1 << 17)) + [(1 << e) + d for e in range(17, 62) for d in (-1, 0, 1)]
+    assert [next_pow2(n) for n in ns] == [triton.next_power_of_2(n) for n in ns]
+    for y in (1, 2, 3, 16, 32, 64, 127, 128, 1000):
+        assert [cdiv(x, y) for x in ns[:5000] + ns[-90:]] == \
+            [triton.cdiv(x, y) for x in ns[:5000] + ns[-90:]]
 
 
 @pytest.mark.parametrize("seed", [0, 1])

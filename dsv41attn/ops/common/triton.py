@@ -1,7 +1,8 @@
 """What the Triton ops share: host queries and checks, and the jit helpers of the rounding points
 and number formats that several kernels reproduce (docs/numerics.md §2, §4).
 
-Host: ``interpreting`` (is Triton running the CPU interpreter), ``check_device``, ``sm_count``,
+Host: ``cdiv`` and ``next_pow2`` (plain integer helpers for launch planning), ``interpreting``
+(is Triton running the CPU interpreter), ``check_device``, ``sm_count``,
 ``cos_sin`` (complex64 rotations as the fp32 (cos, sin) pairs the kernels read), ``check_rot``,
 ``require`` (a ValueError unless a condition holds), ``rms_norm`` (the row RMSNorm op).
 Jit helpers, inlined into their callers (they change no rounding): bf16 rounding
@@ -36,18 +37,21 @@ DEFAULT_SM_COUNT = 132  # an H200's, for planning off the GPU (the CPU interpret
 
 
 # ---- host ------------------------------------------------------------------------------------
+
 def cdiv(x: int, y: int) -> int:
     """ceil(x / y) on the host: triton.cdiv's arithmetic as a plain function (triton.cdiv is a
     constexpr_function, a few microseconds of Python a call, and a layer step's host code
-    plans its launches with hundreds of such calls)."""
+    plans its launches with dozens of such calls)."""
     return (x + (y - 1)) // y
 
 
 def next_pow2(n: int) -> int:
-    """The least power of two >= n (0 for 0), as triton.next_power_of_2, on the host (a plain
-    function: see cdiv)."""
-    return 1 << (n - 1).bit_length() if n > 0 else 0
-
+    """The least power of two >= n (0 for 0), triton.next_power_of_2's arithmetic on the host
+    (a plain function: see cdiv)."""
+    n -= 1
+    for shift in (1, 2, 4, 8, 16, 32):
+        n |= n >> shift
+    return n + 1
 
 
 def interpreting() -> bool:
