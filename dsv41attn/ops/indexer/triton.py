@@ -910,7 +910,7 @@ def _candidate_blocks(scores, kb: int, keep, visible, tiles, tile_base: int, slo
     [slots, n_rows]: the top-kb blocks by their largest score, the newest visible block
     pinned. Block keys (_block_key_kernel) then _select's passes over them, or where the
     blocks are few (_one_program) both in one launch. hist: as _select's."""
-    tile_tok, tile, nblk = tiles[0], tiles[2], -(-n_rows // block_size)
+    tile_tok, tile, nblk = tiles[0], tiles[2], cdiv(n_rows, block_size)
     if _one_program(nblk, False):
         _select_one_kernel[(slots,)](
             scores, keep, visible, tile_tok, tiles[1], tile_base, slot_base, nblk, kb,
@@ -1103,7 +1103,7 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
     check_device(q_index, head_weights, key_pool, block_table, token_row, visible)
     k = min(topk, n_rows)
     selected = torch.empty(t_all, k, dtype=torch.int32, device=dev)
-    nblk = -(-n_rows // block_size)
+    nblk = cdiv(n_rows, block_size)
     keep = torch.empty(t_all, nblk, dtype=torch.bool, device=dev) \
         if candidate_topk is not None else None
     if n_rows == 0 or t_all == 0:
@@ -1151,7 +1151,7 @@ def index_topk(q_index: torch.Tensor, head_weights: torch.Tensor, key_pool: torc
         tile_base, slot_base = (t0, 0) if prefill else (0, t0)
         tiles_per_prog = _compact_tiles_per_prog(c) if compact else _score_tiles_per_prog(
             c, cdiv(width, rows_per_tile), sms)
-        lists = _compact_candidates(cand, nblk, -(-k // block_size), n_rows, block_size, c,
+        lists = _compact_candidates(cand, nblk, cdiv(k, block_size), n_rows, block_size, c,
                                     tiles, tile_base, slot_base) if compact else None
         scores = torch.empty(slots, width, dtype=torch.int16, device=dev)
         # the histograms of the selections that need them (the candidate blocks', the rows'),

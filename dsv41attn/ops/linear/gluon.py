@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..common.triton import is_hopper
+from ..common.triton import cdiv, is_hopper
 
 BLOCK_M = 128  # token rows a tile: two consumer warp groups of 64
 BLOCK_N = 128  # weight rows (output columns) a tile
@@ -274,7 +274,7 @@ def fp8_values_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, out: torch.Tenso
     split = bool(split and ranges > 1)
     assert out.shape == ((ranges, m, n) if split else (m, n))
     assert not split or out.dtype == torch.float32
-    grid = (-(-m // BLOCK_M) * -(-n // BLOCK_N), ranges if split else 1)
+    grid = (cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N), ranges if split else 1)
     _fp8_values_ws_kernel[grid](a_desc, b_desc, out, ws, m, n, kb, srows, k // bk, chunks,
                                 ranges, GRANULE=granule, STAGES=stages, SPLIT=split,
                                 CODES=codes, B_LAYOUT=b_layout,
