@@ -200,3 +200,123 @@ def test_gluon_tiles_with_rope_and_unfoldable_scales(monkeypatch):
     y = T.fp8_linear(x, w.weight, bad)
     monkeypatch.setattr(T, "SQUARE_WS", False)
     assert torch.equal(y.view(torch.int16), T.fp8_linear(x, w.weight, bad).view(torch.int16))
+
+
+def _compile_swap(bt: int, split: bool) -> dict:
+    """Compile _fp8_swap_ws_kernel for sm_90a at BT token rows a tile (as _compile)."""
+    import sm90_compile
+    return sm90_compile.compile_probe(f"""
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+import dsv41attn.ops.linear.gluon as g
+bt, stages = g.swap_tile({bt})
+xl = gl.NVMMASharedLayout.get_default_for([bt, g.SWAP_BK], gl.bfloat16)
+wl = gl.NVMMASharedLayout.get_default_for([g.SWAP_BN, g.SWAP_BK], gl.float8e4nv)
+xd = TensorDescriptor(M(torch.bfloat16), [256, 8192], [8192, 1], [bt, g.SWAP_BK], xl)
+wd = TensorDescriptor(M(torch.float8_e4m3fn), [5120, 8192], [8192, 1], [g.SWAP_BN, g.SWAP_BK],
+                      wl)
+k = g._fp8_swap_ws_kernel.warmup(wd, xd, M(torch.bfloat16), M(torch.uint8), 256, 5120, 256,
+    160, 8192 // g.SWAP_BK, *((256, 100) if {split} else (32, 5)), GRANULE=1 if {split} else 8,
+    STAGES=stages, SPLIT={split}, OUT_BF16=not {split}, CONSUMER_REGS=g.CONSUMER_REGS,
+    PRODUCER_REGS=g.PRODUCER_REGS, num_warps=4, grid=(1,))
+ptx = k.asm["ptx"]
+print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["cubin"], True),
+                  "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
+                  "tma": ptx.count("cp.async.bulk.tensor"),
+                  "neg_zero": ptx.count("0f80000000")}}))
+""")
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["ranges-in-program", "split-ranges"])
+@pytest.mark.parametrize("bt", [16, 32, 64, 128])
+def test_swap_tiles_compile_warp_specialized_for_sm90(bt, split):
+    """The swapped decode tiles lower for an H100/H200 at each token-tile width, the ranges
+    summed in the program or one a program: four wgmmas a ring stage (the weight's codes as
+    the register operand), register budgets per partition, the ring within shared memory, no
+    spills, sums from -0."""
+    pytest.importorskip("triton.experimental.gluon")
+    r = _compile_swap(bt, split)
+    assert r["wgmma"] > 0 and r["setmaxnreg"] > 0 and r["tma"] > 0, r
+    assert r["shared"] <= 232448, r
+    regs, stack, local, _ = r["res"]
+    assert stack == 0 and local == 0, r  # no spills
+    assert r["neg_zero"] > 0, r
+
+
+# (M, N, K, num_splits): token rows past 16 that the decode kernel's VALUES tiles take (the
+# wide tiles of a large weight, the 17-64-row tiles, the small weights' wide tiles); ranges
+# as programs of their own where the swapped tiles leave SMs idle, else summed in the program
+SWAP_CASES = {
+    "m1-n1280-k5120-auto": (1, 1280, 5120, None),  # 1-16 rows: x's bf16 values, not fp16
+    "m5-n32768-k1280-auto": (5, 32768, 1280, None),
+    "m16-n5120-k8192-auto": (16, 5120, 8192, None),
+    "m17-n4096-k4096-auto": (17, 4096, 4096, None),
+    "m33-n1280-k5120-auto": (33, 1280, 5120, None),  # wq_a's shape: split ranges
+    "m64-n5120-k8192-auto": (64, 5120, 8192, None),  # wo_b's
+    "m100-n8200-k2048-r7": (100, 8200, 2048, 7),  # ragged N (and its last scale row), ranges
+    "m40-n512-k2048-r40": (40, 512, 2048, 40),  # 1-block chunks: ranges end inside a stage
+    "m128-n32768-k1280-auto": (128, 32768, 1280, None),  # wq_b's: one range
+    "m256-n16384-k2048-r4": (256, 16384, 2048, 4),  # 4 ranges summed in each program
+    "m200-n5120-k8192-auto": (200, 5120, 8192, None),  # two token tiles, the last ragged
+}
+
+
+@pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
+@pytest.mark.parametrize("case", list(SWAP_CASES), ids=list(SWAP_CASES))
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_swap_tiles_equal_triton_tiles(case, out_dtype, monkeypatch):
+    """fp8_linear with the Gluon swapped tiles against the Triton decode kernel's tiles they
+    replace (at 1-16 rows those read x's fp16 values, these its bf16 values): the same bits,
+    every output written (NaN-poisoned buffers), on wide-range rows (a zero row, a zero
+    block), weight scales over a wide range."""
+    m, n, k, splits = SWAP_CASES[case]
+    monkeypatch.setattr(T, "SWAP_WS_MIN_M", 1)  # every case on them, whatever the default
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g)
+                     * torch.logspace(-8, 8, k, device="cuda") / k ** 0.5)
+    w.weight[:32, :64] = 0
+    x = (torch.randn(m, k, device="cuda", generator=g)
+         * torch.logspace(3, -3, k, device="cuda")).to(torch.bfloat16)
+    x[1:2] = 0  # (rows past M: nothing)
+    x[2:3, :32] = 0
+    monkeypatch.setattr(T, "SWAP_WS", True)
+    plan = T._linear_plan(m, w.weight, splits, True, x.device)
+    assert plan.swap and plan.prescaled, plan
+    assert T._swap_ws(plan, x, w.weight, torch.empty(1, 1, device="cuda"))
+    poison_empty(monkeypatch, T)  # every buffer the op makes starts NaN
+    got = T.fp8_linear(x, w.weight, w.scale, num_splits=splits, out_dtype=out_dtype)
+    monkeypatch.setattr(T, "SWAP_WS", False)
+    want = T.fp8_linear(x, w.weight, w.scale, num_splits=splits, out_dtype=out_dtype)
+    assert not want.isnan().any()
+    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    diff = (got.view(bits) != want.view(bits)).sum().item()
+    assert diff == 0, f"{diff} of {got.numel()} outputs differ"
+
+
+@pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
+def test_swap_tiles_with_rope_and_in_a_graph(monkeypatch):
+    """The query's RoPE on the swapped tiles' output (rope_heads after them; the Triton tiles
+    turn it as they store): the same bits; and the same call captured in a CUDA graph replays
+    new inputs to the bits of an eager call."""
+    m, n, k, hd = 48, 4096, 1280, 512
+    g = torch.Generator(device="cuda").manual_seed(11)
+    w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    ang = torch.rand(m, 32, device="cuda", generator=g) * 50
+    rot = torch.polar(torch.ones_like(ang), ang)
+    monkeypatch.setattr(T, "SWAP_WS", True)
+    monkeypatch.setattr(T, "SWAP_WS_MIN_M", 1)
+    got = T.fp8_linear(x, w.weight, w.scale, rope=(rot, hd))
+    monkeypatch.setattr(T, "SWAP_WS", False)
+    want = T.fp8_linear(x, w.weight, w.scale, rope=(rot, hd))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    monkeypatch.setattr(T, "SWAP_WS", True)
+    xs = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    T.fp8_linear(xs, w.weight, w.scale)  # compiled and planned before the capture
+    with torch.cuda.graph(graph):
+        ys = T.fp8_linear(xs, w.weight, w.scale)
+    x2 = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    xs.copy_(x2)
+    graph.replay()
+    assert torch.equal(ys.view(torch.int16), T.fp8_linear(x2, w.weight, w.scale).view(torch.int16))

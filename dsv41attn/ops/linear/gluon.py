@@ -283,3 +283,258 @@ def fp8_values_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, out: torch.Tenso
                                 PRODUCER_REGS=PRODUCER_REGS, CONVERTER_REGS=CONVERTER_REGS,
                                 num_warps=4)
     return out
+
+
+# The decode-sized GEMM with the operands swapped (fp8_linear's wide and decode tiles past 16
+# token rows: weight rows on the wgmma's 64-row side, the token rows its narrow side).
+SWAP_BN = 128  # weight rows a tile: two consumer warp groups of 64
+SWAP_BK = 128  # four 32-blocks a ring stage (the weight's 128-byte rows)
+SWAP_MAX_BT = 128  # token rows a tile at most (the wgmma's N; [64, BT] fp32 accumulators)
+SWAP_SMEM = 200 * 1024  # the ring's shared memory at most (the H100/H200 block limit: 227 KB)
+
+
+@gluon.jit
+def _block_scale(ws_ptr, srow, KB, blk):
+    """The weight's 32-block scales 2^(e - 127) of 32-block column blk (clamped in range: a
+    block past K is loaded but not used) for the rows of srow (e8m0 bytes of ws [SROWS, KB])."""
+    e = gl.load(ws_ptr + srow * KB + gl.minimum(blk, KB - 1)).to(gl.int32)
+    # as common.triton.e8m0_to_fp32 (torch's cast): 0 -> 2^-127 (subnormal), 255 -> NaN
+    s = gl.where(e == 0, 0x400000, gl.where(e == 255, 0x7FC00000, e << 23))
+    return s.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _swap_producer(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_m, KS0, KS1,
+                   STAGES: gl.constexpr):
+    """Fill ring stage (k - KS0) % STAGES with K step k's weight codes [128, BK] and token
+    values [BT, BK] (rows past N or M read as 0), k in [KS0, KS1), once both consumers
+    released it."""
+    nbytes: gl.constexpr = w_desc.block_type.nbytes + x_desc.block_type.nbytes
+    BK: gl.constexpr = w_desc.block_type.shape[1]
+    for i in range(KS1 - KS0):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        _tma_load(w_desc, [off_n, (KS0 + i) * BK], ready.index(s), w_bufs.index(s))
+        _tma_load(x_desc, [off_m, (KS0 + i) * BK], ready.index(s), x_bufs.index(s))
+
+
+@gluon.jit
+def _swap_add(acc, total, part, scale, blk, B0, B1, r, r_end, CHUNKS, RANGES,
+              GRANULE: gl.constexpr, SPLIT: gl.constexpr, EDGES: gl.constexpr):
+    """32-block blk's dot times its rows' scale (a power of two: exact) added into the range's
+    accumulator (EDGES: only blocks in [B0, B1)); where range r ends there, the accumulator
+    goes into total and range r + 1 starts from -0 (ranges summed in the program)."""
+    part = part * scale[:, None]
+    if EDGES:
+        if (blk >= B0) & (blk < B1):
+            acc = acc + part
+    else:
+        acc = acc + part
+    if RANGES > 1 and not SPLIT:
+        if blk + 1 == r_end:  # range r is complete: into total, r + 1 from -0
+            total = total + acc
+            acc = _neg_zeros(acc.shape, acc.type.layout)
+            r += 1
+            r_end = (r + 1) * CHUNKS // RANGES * GRANULE
+    return acc, total, r, r_end
+
+
+@gluon.jit
+def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, KS0, KS1, B0,
+                   B1, CHUNKS, RANGES, off_n, off_m, half, GRANULE: gl.constexpr,
+                   STAGES: gl.constexpr, SPLIT: gl.constexpr, OUT_BF16: gl.constexpr):
+    """Weight rows [off_n + 64 half, +64) of the tile against its BT token rows: each
+    32-block's dot (the weight's e4m3 values, exact in bf16, from the stage into the wgmma's
+    register operand; the token rows' bf16 values from the stage) from no accumulator, times
+    the rows' block scale, added in K order into its range's fp32 accumulator from -0; the
+    ranges added in order; y^T's tile stored into c [M, N] as fp32 or rounded once to bf16.
+    SPLIT: as _consumer's. Up to 32 token rows a stage's four dots are in flight together
+    (one wait), then added in K order; past 32 one at a time (four [64, 64] fp32 dots beside
+    the accumulators spill)."""
+    BT: gl.constexpr = x_bufs.type.shape[1]
+    BK: gl.constexpr = x_bufs.type.shape[2]
+    gl.static_assert(BK == 128)  # four blocks a stage: the scales s0..s3
+    J: gl.constexpr = 4
+    L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                instr_shape=[16, BT, 16])
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=2)
+    EDGES: gl.constexpr = SPLIT and GRANULE % J != 0  # ranges may end inside a step
+    rows = off_n + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, L))
+    srow = gl.minimum(rows // 32, SROWS - 1)
+    acc = _neg_zeros([64, BT], L)  # -0 + p == p for every p
+    total = _neg_zeros([64, BT], L)
+    zero = gl.zeros([64, BT], gl.float32, L)
+    r_end = CHUNKS // RANGES * GRANULE  # the 32-block where range 0 ends
+    r = 0
+    # each K step's four block scales, loaded a step ahead (off the dots' path)
+    s0 = _block_scale(ws_ptr, srow, KB, KS0 * J)
+    s1 = _block_scale(ws_ptr, srow, KB, KS0 * J + 1)
+    s2 = _block_scale(ws_ptr, srow, KB, KS0 * J + 2)
+    s3 = _block_scale(ws_ptr, srow, KB, KS0 * J + 3)
+    for i in range(KS1 - KS0):
+        s = i % STAGES
+        blk = (KS0 + i) * J
+        n0 = _block_scale(ws_ptr, srow, KB, blk + 4)
+        n1 = _block_scale(ws_ptr, srow, KB, blk + 5)
+        n2 = _block_scale(ws_ptr, srow, KB, blk + 6)
+        n3 = _block_scale(ws_ptr, srow, KB, blk + 7)
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        w_s = w_bufs.index(s).slice(half * 64, 64, dim=0)
+        x_s = x_bufs.index(s)
+        if BT <= 32:  # the stage's four dots in flight together
+            p0 = warpgroup_mma(w_s.slice(0, 32, dim=1).load(AL).to(gl.bfloat16),
+                               x_s.slice(0, 32, dim=1).permute((1, 0)), zero, use_acc=False,
+                               is_async=True)
+            p1 = warpgroup_mma(w_s.slice(32, 32, dim=1).load(AL).to(gl.bfloat16),
+                               x_s.slice(32, 32, dim=1).permute((1, 0)), zero, use_acc=False,
+                               is_async=True)
+            p2 = warpgroup_mma(w_s.slice(64, 32, dim=1).load(AL).to(gl.bfloat16),
+                               x_s.slice(64, 32, dim=1).permute((1, 0)), zero, use_acc=False,
+                               is_async=True)
+            p3 = warpgroup_mma(w_s.slice(96, 32, dim=1).load(AL).to(gl.bfloat16),
+                               x_s.slice(96, 32, dim=1).permute((1, 0)), zero, use_acc=False,
+                               is_async=True)
+            p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=[p0, p1, p2, p3])
+            mbarrier.arrive(empty.index(s), count=1)
+            acc, total, r, r_end = _swap_add(acc, total, p0, s0, blk, B0, B1, r, r_end, CHUNKS,
+                                             RANGES, GRANULE, SPLIT, EDGES)
+            acc, total, r, r_end = _swap_add(acc, total, p1, s1, blk + 1, B0, B1, r, r_end,
+                                             CHUNKS, RANGES, GRANULE, SPLIT, EDGES)
+            acc, total, r, r_end = _swap_add(acc, total, p2, s2, blk + 2, B0, B1, r, r_end,
+                                             CHUNKS, RANGES, GRANULE, SPLIT, EDGES)
+            acc, total, r, r_end = _swap_add(acc, total, p3, s3, blk + 3, B0, B1, r, r_end,
+                                             CHUNKS, RANGES, GRANULE, SPLIT, EDGES)
+        else:
+            for j in gl.static_range(J):
+                a = w_s.slice(32 * j, 32, dim=1).load(AL).to(gl.bfloat16)  # exact
+                part = warpgroup_mma(a, x_s.slice(32 * j, 32, dim=1).permute((1, 0)), zero,
+                                     use_acc=False, is_async=True)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=[part])
+                if j == J - 1:
+                    mbarrier.arrive(empty.index(s), count=1)
+                if j == 0:
+                    sc = s0
+                elif j == 1:
+                    sc = s1
+                elif j == 2:
+                    sc = s2
+                else:
+                    sc = s3
+                acc, total, r, r_end = _swap_add(acc, total, part, sc, blk + j, B0, B1, r,
+                                                 r_end, CHUNKS, RANGES, GRANULE, SPLIT, EDGES)
+        s0 = n0
+        s1 = n1
+        s2 = n2
+        s3 = n3
+    if RANGES == 1 or SPLIT:
+        total = acc  # (-0 + acc is acc)
+    toks = off_m + gl.arange(0, BT, layout=gl.SliceLayout(0, L))
+    ptrs = c_ptr + toks.to(gl.int64)[None, :] * N + rows[:, None]
+    mask = (rows < N)[:, None] & (toks < M)[None, :]
+    if OUT_BF16:
+        gl.store(ptrs, total.to(gl.bfloat16), mask=mask)
+    else:
+        gl.store(ptrs, total, mask=mask)
+
+
+@gluon.jit
+def _fp8_swap_ws_kernel(w_desc, x_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CHUNKS, RANGES,
+                        GRANULE: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                        OUT_BF16: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr):
+    """One program a [128 weight rows, BT token rows] tile of y^T (the token tiles of one
+    weight tile next to each other, sharing its bytes in L2): the weight's e4m3 codes through
+    w_desc ([N, K], [128, BK] boxes), x's bf16 values (act_quant's, exact) through x_desc ([M,
+    K], [BT, BK] boxes), ws [SROWS, KB] the weight's e8m0 block scales; c [M, N] fp32 or bf16.
+    KS = K / BK steps; K cut as k_order's (CHUNKS chunks of GRANULE 32-blocks, RANGES ranges).
+    SPLIT: grid axis 1 is the range, written as an fp32 partial into c [RANGES, M, N]."""
+    BT: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    J: gl.constexpr = BK // 32
+    tiles_m = gl.cdiv(M, BT)
+    pid = gl.program_id(0)
+    off_n = pid // tiles_m * 128
+    off_m = pid % tiles_m * BT
+    if SPLIT:  # range r's 32-blocks [b0, b1), in the K steps that hold them
+        r = gl.program_id(1)
+        b0 = r * CHUNKS // RANGES * GRANULE
+        b1 = (r + 1) * CHUNKS // RANGES * GRANULE
+        ks0 = b0 // J
+        ks1 = (b1 + J - 1) // J
+        c_ptr += r.to(gl.int64) * M * N
+    else:
+        b0 = 0
+        b1 = KS * J
+        ks0 = 0
+        ks1 = KS
+    w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, BK], w_desc.layout)
+    x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BK], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers
+    fence_async_shared()
+    gl.warp_specialize([
+        (_swap_consumer, (w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, ks0,
+                          ks1, b0, b1, CHUNKS, RANGES, off_n, off_m, 0, GRANULE, STAGES, SPLIT,
+                          OUT_BF16)),
+        (_swap_consumer, (w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, ks0,
+                          ks1, b0, b1, CHUNKS, RANGES, off_n, off_m, 1, GRANULE, STAGES, SPLIT,
+                          OUT_BF16)),
+        (_swap_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_m, ks0, ks1,
+                          STAGES)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def swap_tile(m: int) -> tuple[int, int]:
+    """(token rows a tile, ring stages) of fp8_swap_gemm_ws for M rows: the narrowest
+    power-of-two wgmma side from 16 that holds M, at most SWAP_MAX_BT; as many stages as
+    SWAP_SMEM holds (the weight's [128, 128] codes and the tokens' [BT, 128] values a stage)."""
+    bt = 16
+    while bt < min(m, SWAP_MAX_BT):
+        bt *= 2
+    return bt, min(8, SWAP_SMEM // (SWAP_BN * SWAP_BK + bt * SWAP_BK * 2))
+
+
+def swap_unsupported(k: int, device: torch.device, out: torch.Tensor) -> str | None:
+    """Why fp8_swap_gemm_ws cannot run a K of k on this device into out, or None."""
+    if not is_hopper(device):
+        return f"device {device}: the kernel's wgmma needs an sm_90 GPU"
+    if k % SWAP_BK:
+        return f"K {k}: a multiple of {SWAP_BK} wanted (whole ring stages)"
+    if out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous():
+        return f"out {out.dtype}: a contiguous bf16 or fp32 tensor wanted"
+    return None
+
+
+def fp8_swap_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     out: torch.Tensor, chunks: int, ranges: int, granule: int,
+                     split: bool = False) -> torch.Tensor:
+    """out [M, N] (fp32, or bf16: rounded once) = x's bf16 values [M, K] (act_quant's: codes
+    times their power-of-two row scales, exact) times the weight's e4m3 codes w [N, K] with
+    their block scales w_scale [ceil(N / 32), K / 32] (e8m0), K cut as k_order's (chunks,
+    ranges, granule): the bits of ``_fp8_decode_kernel``'s VALUES tiles. split: the ranges run
+    as separate programs, each writing its fp32 partial into out [ranges, M, N] (for
+    ``triton._split_sum_kernel``). The caller checked ``swap_unsupported``."""
+    x_values = x_values.contiguous()
+    w = w.contiguous()
+    m, k = x_values.shape
+    n = w.shape[0]
+    bt, stages = swap_tile(m)
+    x_layout = gl.NVMMASharedLayout.get_default_for([bt, SWAP_BK], gl.bfloat16)
+    w_layout = gl.NVMMASharedLayout.get_default_for([SWAP_BN, SWAP_BK], gl.float8e4nv)
+    x_desc = TensorDescriptor.from_tensor(x_values, [bt, SWAP_BK], x_layout)
+    w_desc = TensorDescriptor.from_tensor(w, [SWAP_BN, SWAP_BK], w_layout)
+    ws = w_scale.contiguous().view(torch.uint8)
+    split = bool(split and ranges > 1)
+    assert out.shape == ((ranges, m, n) if split else (m, n))
+    assert not split or out.dtype == torch.float32
+    grid = (cdiv(n, SWAP_BN) * cdiv(m, bt), ranges if split else 1)
+    _fp8_swap_ws_kernel[grid](w_desc, x_desc, out, ws, m, n, ws.shape[1], ws.shape[0],
+                              k // SWAP_BK, chunks, ranges, GRANULE=granule, STAGES=stages,
+                              SPLIT=split, OUT_BF16=out.dtype == torch.bfloat16,
+                              CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+                              num_warps=4)
+    return out

@@ -59,10 +59,11 @@ except ImportError:  # pragma: no cover - older Triton: plain loads
     TensorDescriptor = None
 
 from .reference import check_rope
-try:  # the Gluon square tiles (Hopper): a Triton with Gluon
-    from .gluon import fp8_values_gemm_ws, unsupported as _ws_unsupported
+try:  # the Gluon square and swapped tiles (Hopper): a Triton with Gluon
+    from .gluon import (SWAP_BK, SWAP_BN, fp8_swap_gemm_ws, fp8_values_gemm_ws, swap_tile,
+                        swap_unsupported as _swap_unsupported, unsupported as _ws_unsupported)
 except (ImportError, AttributeError):  # pragma: no cover - no usable Gluon
-    fp8_values_gemm_ws = None
+    fp8_values_gemm_ws = fp8_swap_gemm_ws = None
 from ..common.buffers import out_buffer
 from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, any_nan, cdiv, check_device, cos_sin,
                              e4m3_code, e4m3_to_fp32, e8m0_to_fp32, e8m0x4_to_fp32, interpreting,
@@ -949,6 +950,36 @@ SQUARE_WS_CODES = False
 SQUARE_WS_MIN_M = 128
 
 
+# The decode kernel's VALUES tiles (x's bf16 values: its wide tiles, and at SWAP_WS_MIN_M < 17
+# the 1-64-row ones too) on a Hopper GPU: gluon.fp8_swap_gemm_ws, warp-specialized (a TMA
+# producer warp group, two consumer warp groups each on 64 weight rows, the weight's e4m3
+# codes widened in registers as the wgmma's register operand), the same bits (H100, every
+# case of tests/test_fp8_linear_gluon.py's swapped tiles, 1-256 rows). fp8_linear in a CUDA
+# graph, H100, us, Triton -> Gluon: wq_b 51.4 -> 42.9 at 128 rows, 94.1 -> 78.1 at 256; wo_b
+# 69.3 -> 57.6, 132.2 -> 105.0; wq_a 83.3 -> 57.8 at 384. At 64 rows wq_b lost (30.2 ->
+# 36.4) and wo_b won (49.7 -> 45.3); at 1-32 rows, one wgmma wait a block, each lost 1.2-2x.
+SWAP_WS = True
+SWAP_WS_MIN_M = 65  # the token rows from which they run
+
+
+def _swap_tiles(device: torch.device, k: int) -> bool:
+    """Whether the swapped tiles may run as the Gluon ones on this device for a K of k
+    (SWAP_WS, a Triton with Gluon, a Hopper GPU, no interpreter, whole ring stages); _swap_ws
+    adds what the operands need."""
+    return bool(SWAP_WS and fp8_swap_gemm_ws is not None and not interpreting()
+                and is_hopper(device) and k % SWAP_BK == 0)
+
+
+def _swap_ws(plan: _GemmPlan, x, weight, out) -> bool:
+    """Whether the decode kernel's VALUES tiles run as gluon.fp8_swap_gemm_ws on these
+    operands: _swap_tiles, the weight and x's values readable by TMA, out bf16 or fp32."""
+    return bool(plan.swap and plan.prescaled and x.shape[0] >= SWAP_WS_MIN_M
+                and _swap_tiles(x.device, x.shape[1])
+                and weight.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16
+                and _swap_unsupported(x.shape[1], x.device, out) is None
+                and _tma_weight(weight) and x.is_contiguous() and x.data_ptr() % 16 == 0)
+
+
 def _gluon_tiles(device: torch.device) -> bool:
     """Whether the square tiles may run as the Gluon ones on this device (SQUARE_WS, a Triton
     with Gluon, a Hopper GPU, no interpreter); _square_ws adds what the operands need."""
@@ -1370,6 +1401,18 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
     n, kb = weight.shape[0], k // FP8_BLOCK
     s = plan.splits
     order = plan.order
+    if _swap_ws(plan, x_codes, weight, out):
+        assert not rope_d  # (_linear_from_quant turns the heads after)
+        # K's ranges as programs of their own where the tiles leave SMs idle
+        split = order.ranges > 1 and \
+            cdiv(n, SWAP_BN) * cdiv(m, swap_tile(m)[0]) < sm_count(out.device)
+        parts = torch.empty(order.ranges, m, n, dtype=torch.float32, device=out.device) \
+            if split else out
+        fp8_swap_gemm_ws(x_codes, weight, weight_scale, parts, order.chunks, order.ranges,
+                         order.granule, split=split)
+        if split:
+            _split_sum(parts, out)
+        return out
     partials = out if s == 1 else torch.empty(s, m, n, dtype=torch.float32, device=out.device)
     if plan.prescaled and not plan.swap and weight.dtype == torch.float8_e4m3fn:
         if _square_ws(plan, x_codes, weight, weight_scale, out):
@@ -1451,20 +1494,27 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 def _linear_plan(m: int, weight: torch.Tensor, num_splits, precise_dot, device) -> _GemmPlan:
     """The plan fp8_linear runs for M rows of ``weight`` (e4m3 codes): ``_linear_shape_plan``
     of its shape, the device's SM count and whether TMA can read it."""
+    device = torch.device(device)
+    tma = _tma_weight(weight)
     return _linear_shape_plan(m, weight.shape[0], weight.shape[1] // FP8_BLOCK,
-                              sm_count(device), num_splits, precise_dot, _tma_weight(weight),
-                              _square_min_m(torch.device(device)))
+                              sm_count(device), num_splits, precise_dot, tma,
+                              _square_min_m(device),
+                              narrow_values=tma and m >= SWAP_WS_MIN_M
+                              and _swap_tiles(device, weight.shape[1]))
 
 
 def _linear_shape_plan(m: int, n: int, kb: int, sms: int, num_splits, precise_dot,
-                       tma: bool, square_min_m: int = PRESCALE_MIN_M) -> _GemmPlan:
+                       tma: bool, square_min_m: int = PRESCALE_MIN_M,
+                       narrow_values: bool = False) -> _GemmPlan:
     """fp8_linear's plan for M rows of an [N, 32 KB] weight: act_quant's bf16 values past the
     16-row tiles (_gemm_plan's ``values``) wherever the plan reads them without a copy of the
     weight, i.e. in the decode kernel, or from square_min_m rows (where the square tiles'
-    bf16 weight copy costs ~1%, or the Gluon tiles fold it in their ring); else the e4m3
+    bf16 weight copy costs ~1%, or the Gluon tiles fold it in their ring); at 1-16 rows too
+    where narrow_values (the Gluon swapped tiles take them: _swap_tiles); else the e4m3
     codes (fp16 values at <= 16 rows: ``_x_form``)."""
     plan = _gemm_plan(m, n, kb, sms, num_splits, precise_dot,
-                      values=m > _FP8_DECODE_TILES[0][0], tma=tma, square_min_m=square_min_m)
+                      values=m > _FP8_DECODE_TILES[0][0] or narrow_values, tma=tma,
+                      square_min_m=square_min_m)
     if plan.prescaled and not plan.swap and m < square_min_m:
         plan = _gemm_plan(m, n, kb, sms, num_splits, precise_dot, tma=tma)
     return plan
@@ -1502,7 +1552,8 @@ def _linear_from_quant(x_q, s, plan, weight, weight_scale, num_splits, precise_d
         out = torch.empty(m, n, dtype=out_dtype if direct else torch.float32,
                           device=x_q.device)
         if rope is not None and plan.writes_out and \
-                not _square_ws(plan, x_q, weight, weight_scale, out):
+                not _square_ws(plan, x_q, weight, weight_scale, out) and \
+                not _swap_ws(plan, x_q, weight, out):
             return _run_fp8_gemm(plan, x_q, s, weight, weight_scale, out, cos_sin(rope[0]),
                                  rope[1])
         y = _run_fp8_gemm(plan, x_q, s, weight, weight_scale, out)
