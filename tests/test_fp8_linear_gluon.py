@@ -202,8 +202,13 @@ def test_gluon_tiles_with_rope_and_unfoldable_scales(monkeypatch):
     assert torch.equal(y.view(torch.int16), T.fp8_linear(x, w.weight, bad).view(torch.int16))
 
 
-def _compile_swap(bt: int, split: bool) -> dict:
-    """Compile _fp8_swap_ws_kernel for sm_90a at BT token rows a tile (as _compile)."""
+def _compile_swap(bt: int, ranges: str) -> dict:
+    """Compile _fp8_swap_ws_kernel for sm_90a at BT token rows a tile (as _compile), K in
+    ranges run as programs of their own (split), summed in the program (in-program) or one
+    range (one)."""
+    split = ranges == "split"
+    chunks, nr, granule = {"split": (256, 100, 1), "in-program": (32, 5, 8),
+                           "one": (32, 1, 8)}[ranges]
     import sm90_compile
     return sm90_compile.compile_probe(f"""
 from triton.experimental.gluon import language as gl
@@ -216,8 +221,8 @@ xd = TensorDescriptor(M(torch.bfloat16), [256, 8192], [8192, 1], [bt, g.SWAP_BK]
 wd = TensorDescriptor(M(torch.float8_e4m3fn), [5120, 8192], [8192, 1], [g.SWAP_BN, g.SWAP_BK],
                       wl)
 k = g._fp8_swap_ws_kernel.warmup(wd, xd, M(torch.bfloat16), M(torch.uint8), 256, 5120, 256,
-    160, 8192 // g.SWAP_BK, *((256, 100) if {split} else (32, 5)), GRANULE=1 if {split} else 8,
-    STAGES=stages, SPLIT={split}, OUT_BF16=not {split}, CONSUMER_REGS=g.CONSUMER_REGS,
+    160, 8192 // g.SWAP_BK, {chunks}, {nr}, GRANULE={granule}, STAGES=stages, SPLIT={split},
+    TOTALS={nr > 1 and not split}, OUT_BF16=not {split}, CONSUMER_REGS=g.CONSUMER_REGS,
     PRODUCER_REGS=g.PRODUCER_REGS, num_warps=4, grid=(1,))
 ptx = k.asm["ptx"]
 print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["cubin"], True),
@@ -227,15 +232,15 @@ print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["
 """)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["ranges-in-program", "split-ranges"])
+@pytest.mark.parametrize("ranges", ["in-program", "split", "one"])
 @pytest.mark.parametrize("bt", [16, 32, 64, 128])
-def test_swap_tiles_compile_warp_specialized_for_sm90(bt, split):
-    """The swapped decode tiles lower for an H100/H200 at each token-tile width, the ranges
-    summed in the program or one a program: four wgmmas a ring stage (the weight's codes as
-    the register operand), register budgets per partition, the ring within shared memory, no
-    spills, sums from -0."""
+def test_swap_tiles_compile_warp_specialized_for_sm90(bt, ranges):
+    """The swapped decode tiles lower for an H100/H200 at each token-tile width (each with its
+    dots in flight), the ranges summed in the program, one a program, or one range: four
+    wgmmas a ring stage (the weight's codes as the register operand), register budgets per
+    partition, the ring within shared memory, no spills, sums from -0."""
     pytest.importorskip("triton.experimental.gluon")
-    r = _compile_swap(bt, split)
+    r = _compile_swap(bt, ranges)
     assert r["wgmma"] > 0 and r["setmaxnreg"] > 0 and r["tma"] > 0, r
     assert r["shared"] <= 232448, r
     regs, stack, local, _ = r["res"]

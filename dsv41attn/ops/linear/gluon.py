@@ -58,6 +58,26 @@ def _neg_zeros(shape: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
+def _steps(KS, CHUNKS, RANGES, GRANULE: gl.constexpr, J: gl.constexpr, SPLIT: gl.constexpr):
+    """The program's K: SPLIT, range r = program_id(1)'s 32-blocks [b0, b1) in the ring steps
+    [ks0, ks1) that hold them (J blocks a step); else all KS steps. Returns (r, b0, b1, ks0,
+    ks1)."""
+    if SPLIT:
+        r = gl.program_id(1)
+        b0 = r * CHUNKS // RANGES * GRANULE
+        b1 = (r + 1) * CHUNKS // RANGES * GRANULE
+        ks0 = b0 // J
+        ks1 = (b1 + J - 1) // J
+    else:
+        r = 0
+        b0 = 0
+        b1 = KS * J
+        ks0 = 0
+        ks1 = KS
+    return r, b0, b1, ks0, ks1
+
+
+@gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, KS0, KS1,
               STAGES: gl.constexpr):
     """Fill ring stage (k - KS0) % STAGES with K step k's x tile [128, BK] and weight tile
@@ -180,18 +200,9 @@ def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CH
     rows = gl.minimum(tiles_m - first_m, GROUP)
     off_m = (first_m + (pid % width) % rows) * 128
     off_n = (pid % width) // rows * BN
-    if SPLIT:  # range r's 32-blocks [b0, b1), in the K steps that hold them
-        r = gl.program_id(1)
-        b0 = r * CHUNKS // RANGES * GRANULE
-        b1 = (r + 1) * CHUNKS // RANGES * GRANULE
-        ks0 = b0 // J
-        ks1 = (b1 + J - 1) // J
+    r, b0, b1, ks0, ks1 = _steps(KS, CHUNKS, RANGES, GRANULE, J, SPLIT)
+    if SPLIT:  # range r's partial
         c_ptr += r.to(gl.int64) * M * N
-    else:
-        b0 = 0
-        b1 = KS * J
-        ks0 = 0
-        ks1 = KS
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], B_LAYOUT)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -304,34 +315,18 @@ def _block_scale(ws_ptr, srow, KB, blk):
 
 
 @gluon.jit
-def _swap_producer(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_m, KS0, KS1,
-                   STAGES: gl.constexpr):
-    """Fill ring stage (k - KS0) % STAGES with K step k's weight codes [128, BK] and token
-    values [BT, BK] (rows past N or M read as 0), k in [KS0, KS1), once both consumers
-    released it."""
-    nbytes: gl.constexpr = w_desc.block_type.nbytes + x_desc.block_type.nbytes
-    BK: gl.constexpr = w_desc.block_type.shape[1]
-    for i in range(KS1 - KS0):
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), nbytes)
-        _tma_load(w_desc, [off_n, (KS0 + i) * BK], ready.index(s), w_bufs.index(s))
-        _tma_load(x_desc, [off_m, (KS0 + i) * BK], ready.index(s), x_bufs.index(s))
-
-
-@gluon.jit
 def _swap_add(acc, total, part, scale, blk, B0, B1, r, r_end, CHUNKS, RANGES,
-              GRANULE: gl.constexpr, SPLIT: gl.constexpr, EDGES: gl.constexpr):
+              GRANULE: gl.constexpr, TOTALS: gl.constexpr, EDGES: gl.constexpr):
     """32-block blk's dot times its rows' scale (a power of two: exact) added into the range's
-    accumulator (EDGES: only blocks in [B0, B1)); where range r ends there, the accumulator
-    goes into total and range r + 1 starts from -0 (ranges summed in the program)."""
+    accumulator (EDGES: only blocks in [B0, B1)); TOTALS (ranges summed in the program): where
+    range r ends there, the accumulator goes into total and range r + 1 starts from -0."""
     part = part * scale[:, None]
     if EDGES:
         if (blk >= B0) & (blk < B1):
             acc = acc + part
     else:
         acc = acc + part
-    if RANGES > 1 and not SPLIT:
+    if TOTALS:
         if blk + 1 == r_end:  # range r is complete: into total, r + 1 from -0
             total = total + acc
             acc = _neg_zeros(acc.shape, acc.type.layout)
@@ -341,17 +336,29 @@ def _swap_add(acc, total, part, scale, blk, B0, B1, r, r_end, CHUNKS, RANGES,
 
 
 @gluon.jit
+def _swap_dot(w_s, x_s, j: gl.constexpr, zero, AL: gl.constexpr):
+    """32-block j of the stage, issued: the weight rows' e4m3 codes [64, 32] into registers
+    as bf16 (exact), times the token rows' values [BT, 32]^T, from no accumulator."""
+    a = w_s.slice(32 * j, 32, dim=1).load(AL).to(gl.bfloat16)
+    return warpgroup_mma(a, x_s.slice(32 * j, 32, dim=1).permute((1, 0)), zero, use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
 def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, KS0, KS1, B0,
                    B1, CHUNKS, RANGES, off_n, off_m, half, GRANULE: gl.constexpr,
-                   STAGES: gl.constexpr, SPLIT: gl.constexpr, OUT_BF16: gl.constexpr):
+                   STAGES: gl.constexpr, SPLIT: gl.constexpr, TOTALS: gl.constexpr,
+                   OUT_BF16: gl.constexpr):
     """Weight rows [off_n + 64 half, +64) of the tile against its BT token rows: each
     32-block's dot (the weight's e4m3 values, exact in bf16, from the stage into the wgmma's
     register operand; the token rows' bf16 values from the stage) from no accumulator, times
     the rows' block scale, added in K order into its range's fp32 accumulator from -0; the
     ranges added in order; y^T's tile stored into c [M, N] as fp32 or rounded once to bf16.
     SPLIT: as _consumer's. Up to 32 token rows a stage's four dots are in flight together
-    (one wait), then added in K order; past 32 one at a time (four [64, 64] fp32 dots beside
-    the accumulators spill)."""
+    (one wait), then added in K order; at 64 two at a time (each added while the next runs:
+    four [64, 64] fp32 dots beside the accumulators spill), and so at 128 where no ranges'
+    total is kept (not TOTALS), else one at a time. TOTALS: K's ranges summed here (RANGES > 1,
+    not SPLIT)."""
     BT: gl.constexpr = x_bufs.type.shape[1]
     BK: gl.constexpr = x_bufs.type.shape[2]
     gl.static_assert(BK == 128)  # four blocks a stage: the scales s0..s3
@@ -363,7 +370,7 @@ def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS,
     rows = off_n + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, L))
     srow = gl.minimum(rows // 32, SROWS - 1)
     acc = _neg_zeros([64, BT], L)  # -0 + p == p for every p
-    total = _neg_zeros([64, BT], L)
+    total = _neg_zeros([64, BT], L)  # (not TOTALS: unused)
     zero = gl.zeros([64, BT], gl.float32, L)
     r_end = CHUNKS // RANGES * GRANULE  # the 32-block where range 0 ends
     r = 0
@@ -383,33 +390,41 @@ def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS,
         w_s = w_bufs.index(s).slice(half * 64, 64, dim=0)
         x_s = x_bufs.index(s)
         if BT <= 32:  # the stage's four dots in flight together
-            p0 = warpgroup_mma(w_s.slice(0, 32, dim=1).load(AL).to(gl.bfloat16),
-                               x_s.slice(0, 32, dim=1).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)
-            p1 = warpgroup_mma(w_s.slice(32, 32, dim=1).load(AL).to(gl.bfloat16),
-                               x_s.slice(32, 32, dim=1).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)
-            p2 = warpgroup_mma(w_s.slice(64, 32, dim=1).load(AL).to(gl.bfloat16),
-                               x_s.slice(64, 32, dim=1).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)
-            p3 = warpgroup_mma(w_s.slice(96, 32, dim=1).load(AL).to(gl.bfloat16),
-                               x_s.slice(96, 32, dim=1).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)
+            p0 = _swap_dot(w_s, x_s, 0, zero, AL)
+            p1 = _swap_dot(w_s, x_s, 1, zero, AL)
+            p2 = _swap_dot(w_s, x_s, 2, zero, AL)
+            p3 = _swap_dot(w_s, x_s, 3, zero, AL)
             p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=[p0, p1, p2, p3])
             mbarrier.arrive(empty.index(s), count=1)
             acc, total, r, r_end = _swap_add(acc, total, p0, s0, blk, B0, B1, r, r_end, CHUNKS,
-                                             RANGES, GRANULE, SPLIT, EDGES)
+                                             RANGES, GRANULE, TOTALS, EDGES)
             acc, total, r, r_end = _swap_add(acc, total, p1, s1, blk + 1, B0, B1, r, r_end,
-                                             CHUNKS, RANGES, GRANULE, SPLIT, EDGES)
+                                             CHUNKS, RANGES, GRANULE, TOTALS, EDGES)
             acc, total, r, r_end = _swap_add(acc, total, p2, s2, blk + 2, B0, B1, r, r_end,
-                                             CHUNKS, RANGES, GRANULE, SPLIT, EDGES)
+                                             CHUNKS, RANGES, GRANULE, TOTALS, EDGES)
             acc, total, r, r_end = _swap_add(acc, total, p3, s3, blk + 3, B0, B1, r, r_end,
-                                             CHUNKS, RANGES, GRANULE, SPLIT, EDGES)
+                                             CHUNKS, RANGES, GRANULE, TOTALS, EDGES)
+        elif BT <= 64 or not TOTALS:  # two dots in flight: each added while the next runs
+            p0 = _swap_dot(w_s, x_s, 0, zero, AL)
+            p1 = _swap_dot(w_s, x_s, 1, zero, AL)
+            p0 = warpgroup_mma_wait(num_outstanding=1, deps=[p0])
+            acc, total, r, r_end = _swap_add(acc, total, p0, s0, blk, B0, B1, r, r_end, CHUNKS,
+                                             RANGES, GRANULE, TOTALS, EDGES)
+            p2 = _swap_dot(w_s, x_s, 2, zero, AL)
+            p1 = warpgroup_mma_wait(num_outstanding=1, deps=[p1])
+            acc, total, r, r_end = _swap_add(acc, total, p1, s1, blk + 1, B0, B1, r, r_end,
+                                             CHUNKS, RANGES, GRANULE, TOTALS, EDGES)
+            p3 = _swap_dot(w_s, x_s, 3, zero, AL)
+            p2 = warpgroup_mma_wait(num_outstanding=1, deps=[p2])
+            acc, total, r, r_end = _swap_add(acc, total, p2, s2, blk + 2, B0, B1, r, r_end,
+                                             CHUNKS, RANGES, GRANULE, TOTALS, EDGES)
+            p3 = warpgroup_mma_wait(num_outstanding=0, deps=[p3])
+            mbarrier.arrive(empty.index(s), count=1)
+            acc, total, r, r_end = _swap_add(acc, total, p3, s3, blk + 3, B0, B1, r, r_end,
+                                             CHUNKS, RANGES, GRANULE, TOTALS, EDGES)
         else:
             for j in gl.static_range(J):
-                a = w_s.slice(32 * j, 32, dim=1).load(AL).to(gl.bfloat16)  # exact
-                part = warpgroup_mma(a, x_s.slice(32 * j, 32, dim=1).permute((1, 0)), zero,
-                                     use_acc=False, is_async=True)
+                part = _swap_dot(w_s, x_s, j, zero, AL)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=[part])
                 if j == J - 1:
                     mbarrier.arrive(empty.index(s), count=1)
@@ -422,13 +437,13 @@ def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS,
                 else:
                     sc = s3
                 acc, total, r, r_end = _swap_add(acc, total, part, sc, blk + j, B0, B1, r,
-                                                 r_end, CHUNKS, RANGES, GRANULE, SPLIT, EDGES)
+                                                 r_end, CHUNKS, RANGES, GRANULE, TOTALS, EDGES)
         s0 = n0
         s1 = n1
         s2 = n2
         s3 = n3
-    if RANGES == 1 or SPLIT:
-        total = acc  # (-0 + acc is acc)
+    if not TOTALS:
+        total = acc  # (one range: -0 + acc is acc)
     toks = off_m + gl.arange(0, BT, layout=gl.SliceLayout(0, L))
     ptrs = c_ptr + toks.to(gl.int64)[None, :] * N + rows[:, None]
     mask = (rows < N)[:, None] & (toks < M)[None, :]
@@ -441,14 +456,15 @@ def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS,
 @gluon.jit
 def _fp8_swap_ws_kernel(w_desc, x_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CHUNKS, RANGES,
                         GRANULE: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                        OUT_BF16: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr):
+                        TOTALS: gl.constexpr, OUT_BF16: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """One program a [128 weight rows, BT token rows] tile of y^T (the token tiles of one
     weight tile next to each other, sharing its bytes in L2): the weight's e4m3 codes through
     w_desc ([N, K], [128, BK] boxes), x's bf16 values (act_quant's, exact) through x_desc ([M,
     K], [BT, BK] boxes), ws [SROWS, KB] the weight's e8m0 block scales; c [M, N] fp32 or bf16.
     KS = K / BK steps; K cut as k_order's (CHUNKS chunks of GRANULE 32-blocks, RANGES ranges).
-    SPLIT: grid axis 1 is the range, written as an fp32 partial into c [RANGES, M, N]."""
+    SPLIT: grid axis 1 is the range, written as an fp32 partial into c [RANGES, M, N]; else
+    TOTALS: RANGES > 1, summed in the program."""
     BT: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     J: gl.constexpr = BK // 32
@@ -456,18 +472,9 @@ def _fp8_swap_ws_kernel(w_desc, x_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CHUN
     pid = gl.program_id(0)
     off_n = pid // tiles_m * 128
     off_m = pid % tiles_m * BT
-    if SPLIT:  # range r's 32-blocks [b0, b1), in the K steps that hold them
-        r = gl.program_id(1)
-        b0 = r * CHUNKS // RANGES * GRANULE
-        b1 = (r + 1) * CHUNKS // RANGES * GRANULE
-        ks0 = b0 // J
-        ks1 = (b1 + J - 1) // J
+    r, b0, b1, ks0, ks1 = _steps(KS, CHUNKS, RANGES, GRANULE, J, SPLIT)
+    if SPLIT:  # range r's partial
         c_ptr += r.to(gl.int64) * M * N
-    else:
-        b0 = 0
-        b1 = KS * J
-        ks0 = 0
-        ks1 = KS
     w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, BK], w_desc.layout)
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BK], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -479,12 +486,12 @@ def _fp8_swap_ws_kernel(w_desc, x_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CHUN
     gl.warp_specialize([
         (_swap_consumer, (w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, ks0,
                           ks1, b0, b1, CHUNKS, RANGES, off_n, off_m, 0, GRANULE, STAGES, SPLIT,
-                          OUT_BF16)),
+                          TOTALS, OUT_BF16)),
         (_swap_consumer, (w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, ks0,
                           ks1, b0, b1, CHUNKS, RANGES, off_n, off_m, 1, GRANULE, STAGES, SPLIT,
-                          OUT_BF16)),
-        (_swap_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_m, ks0, ks1,
-                          STAGES)),
+                          TOTALS, OUT_BF16)),
+        (_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_m, ks0, ks1,
+                     STAGES)),  # (the weight tile first: its rows are the MMA's)
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -534,7 +541,8 @@ def fp8_swap_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, w_scale: torch.Ten
     grid = (cdiv(n, SWAP_BN) * cdiv(m, bt), ranges if split else 1)
     _fp8_swap_ws_kernel[grid](w_desc, x_desc, out, ws, m, n, ws.shape[1], ws.shape[0],
                               k // SWAP_BK, chunks, ranges, GRANULE=granule, STAGES=stages,
-                              SPLIT=split, OUT_BF16=out.dtype == torch.bfloat16,
+                              SPLIT=split, TOTALS=ranges > 1 and not split,
+                              OUT_BF16=out.dtype == torch.bfloat16,
                               CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                               num_warps=4)
     return out
