@@ -269,13 +269,17 @@ SWAP_CASES = {
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
 @pytest.mark.parametrize("case", list(SWAP_CASES), ids=list(SWAP_CASES))
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_swap_tiles_equal_triton_tiles(case, out_dtype, monkeypatch):
+@pytest.mark.parametrize("narrow", [True, False], ids=["narrowed", "widest"])
+def test_swap_tiles_equal_triton_tiles(case, out_dtype, narrow, monkeypatch):
     """fp8_linear with the Gluon swapped tiles against the Triton decode kernel's tiles they
     replace (at 1-16 rows those read x's fp16 values, these its bf16 values): the same bits,
     every output written (NaN-poisoned buffers), on wide-range rows (a zero row, a zero
-    block), weight scales over a wide range."""
+    block), weight scales over a wide range. Token tiles narrowed where the widest would
+    leave SMs idle (the default), or the widest (then more cases split K's ranges)."""
+    from dsv41attn.ops.linear import gluon as G
     m, n, k, splits = SWAP_CASES[case]
     monkeypatch.setattr(T, "SWAP_WS_MIN_M", 1)  # every case on them, whatever the default
+    monkeypatch.setattr(G, "SWAP_NARROW", narrow)
     g = torch.Generator(device="cuda").manual_seed(m + n)
     w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g)
                      * torch.logspace(-8, 8, k, device="cuda") / k ** 0.5)

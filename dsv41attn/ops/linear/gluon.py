@@ -302,6 +302,7 @@ SWAP_BN = 128  # weight rows a tile: two consumer warp groups of 64
 SWAP_BK = 128  # four 32-blocks a ring stage (the weight's 128-byte rows)
 SWAP_MAX_BT = 128  # token rows a tile at most (the wgmma's N; [64, BT] fp32 accumulators)
 SWAP_SMEM = 200 * 1024  # the ring's shared memory at most (the H100/H200 block limit: 227 KB)
+SWAP_NARROW = True  # narrower token tiles where the tiles would leave SMs idle (swap_tile)
 
 
 @gluon.jit
@@ -495,13 +496,19 @@ def _fp8_swap_ws_kernel(w_desc, x_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CHUN
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def swap_tile(m: int) -> tuple[int, int]:
-    """(token rows a tile, ring stages) of fp8_swap_gemm_ws for M rows: the narrowest
-    power-of-two wgmma side from 16 that holds M, at most SWAP_MAX_BT; as many stages as
-    SWAP_SMEM holds (the weight's [128, 128] codes and the tokens' [BT, 128] values a stage)."""
+def swap_tile(m: int, n: int = 0, sms: int = 0) -> tuple[int, int]:
+    """(token rows a tile, ring stages) of fp8_swap_gemm_ws for M rows of an N-row weight: the
+    narrowest power-of-two wgmma side from 16 that holds M, at most SWAP_MAX_BT; given n and
+    the SM count (SWAP_NARROW), halved down to 32 while the tiles would leave SMs idle (more
+    token tiles, each reading the weight tile from L2, rather than K's ranges as programs
+    with their partials). As many stages as SWAP_SMEM holds (the weight's [128, 128] codes
+    and the tokens' [BT, 128] values a stage)."""
     bt = 16
     while bt < min(m, SWAP_MAX_BT):
         bt *= 2
+    if SWAP_NARROW and n and sms:
+        while bt > 32 and cdiv(n, SWAP_BN) * cdiv(m, bt) < sms:
+            bt //= 2
     return bt, min(8, SWAP_SMEM // (SWAP_BN * SWAP_BK + bt * SWAP_BK * 2))
 
 
@@ -518,18 +525,19 @@ def swap_unsupported(k: int, device: torch.device, out: torch.Tensor) -> str | N
 
 def fp8_swap_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      out: torch.Tensor, chunks: int, ranges: int, granule: int,
-                     split: bool = False) -> torch.Tensor:
+                     split: bool = False, bt: int = 0) -> torch.Tensor:
     """out [M, N] (fp32, or bf16: rounded once) = x's bf16 values [M, K] (act_quant's: codes
     times their power-of-two row scales, exact) times the weight's e4m3 codes w [N, K] with
     their block scales w_scale [ceil(N / 32), K / 32] (e8m0), K cut as k_order's (chunks,
     ranges, granule): the bits of ``_fp8_decode_kernel``'s VALUES tiles. split: the ranges run
     as separate programs, each writing its fp32 partial into out [ranges, M, N] (for
-    ``triton._split_sum_kernel``). The caller checked ``swap_unsupported``."""
+    ``triton._split_sum_kernel``). bt: the token rows a tile (swap_tile's; 0: swap_tile(M)).
+    The caller checked ``swap_unsupported``."""
     x_values = x_values.contiguous()
     w = w.contiguous()
     m, k = x_values.shape
     n = w.shape[0]
-    bt, stages = swap_tile(m)
+    bt, stages = swap_tile(m) if not bt else (bt, swap_tile(bt)[1])
     x_layout = gl.NVMMASharedLayout.get_default_for([bt, SWAP_BK], gl.bfloat16)
     w_layout = gl.NVMMASharedLayout.get_default_for([SWAP_BN, SWAP_BK], gl.float8e4nv)
     x_desc = TensorDescriptor.from_tensor(x_values, [bt, SWAP_BK], x_layout)

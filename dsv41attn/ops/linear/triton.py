@@ -1403,13 +1403,16 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
     order = plan.order
     if _swap_ws(plan, x_codes, weight, out):
         assert not rope_d  # (_linear_from_quant turns the heads after)
-        # K's ranges as programs of their own where the tiles leave SMs idle
-        split = order.ranges > 1 and \
-            cdiv(n, SWAP_BN) * cdiv(m, swap_tile(m)[0]) < sm_count(out.device)
+        # K's ranges as programs of their own where the tiles leave SMs idle and their
+        # partials' traffic stays small (as the square tiles')
+        sms = sm_count(out.device)
+        bt = swap_tile(m, n, sms)[0]
+        split = _use_workspace(order, cdiv(n, SWAP_BN) * cdiv(m, bt), m, n, n * k, sms,
+                               budget=SPLIT_PARTIAL_BYTES)
         parts = torch.empty(order.ranges, m, n, dtype=torch.float32, device=out.device) \
             if split else out
         fp8_swap_gemm_ws(x_codes, weight, weight_scale, parts, order.chunks, order.ranges,
-                         order.granule, split=split)
+                         order.granule, split=split, bt=bt)
         if split:
             _split_sum(parts, out)
         return out
