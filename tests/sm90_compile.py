@@ -56,6 +56,9 @@ from pathlib import Path
 
 SM90_SHARED_MAX = 232448  # bytes of shared memory one sm_90 block may use (227 KB)
 TESTS = Path(__file__).resolve().parent
+# the Tritons a compile probe runs under: this one (None), and the GPU image's where make has
+# put it beside the venv (its triton-X dirs)
+TRITONS = [None] + sorted(str(p) for p in Path(sys.prefix).glob("triton-*") if p.is_dir())
 
 
 # ---- recording (a pytest plugin: conftest calls record_launches under the interpreter) ----
@@ -303,7 +306,7 @@ def compile_probe(body: str, triton_dir: str | None = None) -> dict:
         if "stand-in" in r.stderr or "GPUTarget" in r.stderr:
             import pytest
             pytest.skip("this Triton's internals do not fit the stand-in driver")
-        raise AssertionError(r.stderr[-4000:])
+        raise AssertionError(r.stderr[-12000:])
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 

@@ -12,6 +12,7 @@ import pytest
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
+import sm90_compile  # noqa: E402
 from dsv41attn.ops.common.triton import neg, neg_zeros  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -163,11 +164,9 @@ def test_neg_zeros_and_neg_keep_the_sign_of_zero():
     assert torch.equal(o.view(torch.int32), (-v).view(torch.int32))
 
 
-# this Triton, and the GPU image's where make has put it beside the venv (its triton-X dirs)
-_TRITONS = [None] + sorted(str(p) for p in Path(sys.prefix).glob("triton-*") if p.is_dir())
 
 
-@pytest.mark.parametrize("triton_dir", _TRITONS, ids=lambda d: "this" if d is None else
+@pytest.mark.parametrize("triton_dir", sm90_compile.TRITONS, ids=lambda d: "this" if d is None else
                          Path(d).name)
 def test_neg_zeros_and_neg_for_sm90(triton_dir):
     """The start is a -0 constant in the sm_90a PTX (tl.full(-0.0) compiles to +0 under the

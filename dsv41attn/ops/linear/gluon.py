@@ -302,7 +302,10 @@ SWAP_BN = 128  # weight rows a tile: two consumer warp groups of 64
 SWAP_BK = 128  # four 32-blocks a ring stage (the weight's 128-byte rows)
 SWAP_MAX_BT = 128  # token rows a tile at most (the wgmma's N; [64, BT] fp32 accumulators)
 SWAP_SMEM = 200 * 1024  # the ring's shared memory at most (the H100/H200 block limit: 227 KB)
-SWAP_NARROW = True  # narrower token tiles where the tiles would leave SMs idle (swap_tile)
+# Two variants written and compiled for sm_90a (no spills) but not yet run on a GPU (the
+# fortieth session's device time ran out): off until a GPU run shows their bits and times.
+SWAP_NARROW = False  # narrower token tiles where the widest would leave SMs idle (swap_tile)
+SWAP_INFLIGHT = False  # several of a stage's block dots in flight per wait (_swap_consumer)
 
 
 @gluon.jit
@@ -317,20 +320,22 @@ def _block_scale(ws_ptr, srow, KB, blk):
 
 @gluon.jit
 def _swap_add(acc, total, part, scale, blk, B0, B1, r, r_end, CHUNKS, RANGES,
-              GRANULE: gl.constexpr, TOTALS: gl.constexpr, EDGES: gl.constexpr):
+              GRANULE: gl.constexpr, SPLIT: gl.constexpr, EDGES: gl.constexpr,
+              L: gl.constexpr):
     """32-block blk's dot times its rows' scale (a power of two: exact) added into the range's
-    accumulator (EDGES: only blocks in [B0, B1)); TOTALS (ranges summed in the program): where
-    range r ends there, the accumulator goes into total and range r + 1 starts from -0."""
+    accumulator (EDGES: only blocks in [B0, B1)); ranges summed in the program (RANGES > 1,
+    not SPLIT): where range r ends there, the accumulator goes into total and range r + 1
+    starts from -0."""
     part = part * scale[:, None]
     if EDGES:
         if (blk >= B0) & (blk < B1):
             acc = acc + part
     else:
         acc = acc + part
-    if TOTALS:
+    if RANGES > 1 and not SPLIT:
         if blk + 1 == r_end:  # range r is complete: into total, r + 1 from -0
             total = total + acc
-            acc = _neg_zeros(acc.shape, acc.type.layout)
+            acc = _neg_zeros(acc.shape, L)
             r += 1
             r_end = (r + 1) * CHUNKS // RANGES * GRANULE
     return acc, total, r, r_end
@@ -348,18 +353,17 @@ def _swap_dot(w_s, x_s, j: gl.constexpr, zero, AL: gl.constexpr):
 @gluon.jit
 def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, KS0, KS1, B0,
                    B1, CHUNKS, RANGES, off_n, off_m, half, GRANULE: gl.constexpr,
-                   STAGES: gl.constexpr, SPLIT: gl.constexpr, TOTALS: gl.constexpr,
+                   STAGES: gl.constexpr, SPLIT: gl.constexpr, INFLIGHT: gl.constexpr,
                    OUT_BF16: gl.constexpr):
     """Weight rows [off_n + 64 half, +64) of the tile against its BT token rows: each
     32-block's dot (the weight's e4m3 values, exact in bf16, from the stage into the wgmma's
     register operand; the token rows' bf16 values from the stage) from no accumulator, times
     the rows' block scale, added in K order into its range's fp32 accumulator from -0; the
     ranges added in order; y^T's tile stored into c [M, N] as fp32 or rounded once to bf16.
-    SPLIT: as _consumer's. Up to 32 token rows a stage's four dots are in flight together
-    (one wait), then added in K order; at 64 two at a time (each added while the next runs:
-    four [64, 64] fp32 dots beside the accumulators spill), and so at 128 where no ranges'
-    total is kept (not TOTALS), else one at a time. TOTALS: K's ranges summed here (RANGES > 1,
-    not SPLIT)."""
+    SPLIT: as _consumer's. One block dot at a time (issued, waited for, added); INFLIGHT
+    (SWAP_INFLIGHT): up to 32 token rows a stage's four dots in flight together (one wait),
+    then added in K order; at 64 two at a time (each added while the next runs: four [64, 64]
+    fp32 dots beside the accumulators spill); at 128 one at a time still."""
     BT: gl.constexpr = x_bufs.type.shape[1]
     BK: gl.constexpr = x_bufs.type.shape[2]
     gl.static_assert(BK == 128)  # four blocks a stage: the scales s0..s3
@@ -371,7 +375,7 @@ def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS,
     rows = off_n + half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, L))
     srow = gl.minimum(rows // 32, SROWS - 1)
     acc = _neg_zeros([64, BT], L)  # -0 + p == p for every p
-    total = _neg_zeros([64, BT], L)  # (not TOTALS: unused)
+    total = _neg_zeros([64, BT], L)
     zero = gl.zeros([64, BT], gl.float32, L)
     r_end = CHUNKS // RANGES * GRANULE  # the 32-block where range 0 ends
     r = 0
@@ -390,7 +394,7 @@ def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS,
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         w_s = w_bufs.index(s).slice(half * 64, 64, dim=0)
         x_s = x_bufs.index(s)
-        if BT <= 32:  # the stage's four dots in flight together
+        if INFLIGHT and BT <= 32:  # the stage's four dots in flight together
             p0 = _swap_dot(w_s, x_s, 0, zero, AL)
             p1 = _swap_dot(w_s, x_s, 1, zero, AL)
             p2 = _swap_dot(w_s, x_s, 2, zero, AL)
@@ -398,31 +402,31 @@ def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS,
             p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=[p0, p1, p2, p3])
             mbarrier.arrive(empty.index(s), count=1)
             acc, total, r, r_end = _swap_add(acc, total, p0, s0, blk, B0, B1, r, r_end, CHUNKS,
-                                             RANGES, GRANULE, TOTALS, EDGES)
+                                             RANGES, GRANULE, SPLIT, EDGES, L)
             acc, total, r, r_end = _swap_add(acc, total, p1, s1, blk + 1, B0, B1, r, r_end,
-                                             CHUNKS, RANGES, GRANULE, TOTALS, EDGES)
+                                             CHUNKS, RANGES, GRANULE, SPLIT, EDGES, L)
             acc, total, r, r_end = _swap_add(acc, total, p2, s2, blk + 2, B0, B1, r, r_end,
-                                             CHUNKS, RANGES, GRANULE, TOTALS, EDGES)
+                                             CHUNKS, RANGES, GRANULE, SPLIT, EDGES, L)
             acc, total, r, r_end = _swap_add(acc, total, p3, s3, blk + 3, B0, B1, r, r_end,
-                                             CHUNKS, RANGES, GRANULE, TOTALS, EDGES)
-        elif BT <= 64 or not TOTALS:  # two dots in flight: each added while the next runs
+                                             CHUNKS, RANGES, GRANULE, SPLIT, EDGES, L)
+        elif INFLIGHT and BT <= 64:  # two in flight, each added while the next runs
             p0 = _swap_dot(w_s, x_s, 0, zero, AL)
             p1 = _swap_dot(w_s, x_s, 1, zero, AL)
             p0 = warpgroup_mma_wait(num_outstanding=1, deps=[p0])
             acc, total, r, r_end = _swap_add(acc, total, p0, s0, blk, B0, B1, r, r_end, CHUNKS,
-                                             RANGES, GRANULE, TOTALS, EDGES)
+                                             RANGES, GRANULE, SPLIT, EDGES, L)
             p2 = _swap_dot(w_s, x_s, 2, zero, AL)
             p1 = warpgroup_mma_wait(num_outstanding=1, deps=[p1])
             acc, total, r, r_end = _swap_add(acc, total, p1, s1, blk + 1, B0, B1, r, r_end,
-                                             CHUNKS, RANGES, GRANULE, TOTALS, EDGES)
+                                             CHUNKS, RANGES, GRANULE, SPLIT, EDGES, L)
             p3 = _swap_dot(w_s, x_s, 3, zero, AL)
             p2 = warpgroup_mma_wait(num_outstanding=1, deps=[p2])
             acc, total, r, r_end = _swap_add(acc, total, p2, s2, blk + 2, B0, B1, r, r_end,
-                                             CHUNKS, RANGES, GRANULE, TOTALS, EDGES)
+                                             CHUNKS, RANGES, GRANULE, SPLIT, EDGES, L)
             p3 = warpgroup_mma_wait(num_outstanding=0, deps=[p3])
             mbarrier.arrive(empty.index(s), count=1)
             acc, total, r, r_end = _swap_add(acc, total, p3, s3, blk + 3, B0, B1, r, r_end,
-                                             CHUNKS, RANGES, GRANULE, TOTALS, EDGES)
+                                             CHUNKS, RANGES, GRANULE, SPLIT, EDGES, L)
         else:
             for j in gl.static_range(J):
                 part = _swap_dot(w_s, x_s, j, zero, AL)
@@ -438,15 +442,15 @@ def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS,
                 else:
                     sc = s3
                 acc, total, r, r_end = _swap_add(acc, total, part, sc, blk + j, B0, B1, r,
-                                                 r_end, CHUNKS, RANGES, GRANULE, TOTALS, EDGES)
+                                                 r_end, CHUNKS, RANGES, GRANULE, SPLIT, EDGES, L)
         s0 = n0
         s1 = n1
         s2 = n2
         s3 = n3
-    if not TOTALS:
-        total = acc  # (one range: -0 + acc is acc)
+    if RANGES == 1 or SPLIT:
+        total = acc  # (-0 + acc is acc)
     toks = off_m + gl.arange(0, BT, layout=gl.SliceLayout(0, L))
-    ptrs = c_ptr + toks.to(gl.int64)[None, :] * N + rows[:, None]
+    ptrs = c_ptr + (toks[None, :] * N + rows[:, None])  # (int32: M N < 2^31, checked)
     mask = (rows < N)[:, None] & (toks < M)[None, :]
     if OUT_BF16:
         gl.store(ptrs, total.to(gl.bfloat16), mask=mask)
@@ -457,15 +461,15 @@ def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS,
 @gluon.jit
 def _fp8_swap_ws_kernel(w_desc, x_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CHUNKS, RANGES,
                         GRANULE: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                        TOTALS: gl.constexpr, OUT_BF16: gl.constexpr,
+                        INFLIGHT: gl.constexpr, OUT_BF16: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """One program a [128 weight rows, BT token rows] tile of y^T (the token tiles of one
     weight tile next to each other, sharing its bytes in L2): the weight's e4m3 codes through
     w_desc ([N, K], [128, BK] boxes), x's bf16 values (act_quant's, exact) through x_desc ([M,
     K], [BT, BK] boxes), ws [SROWS, KB] the weight's e8m0 block scales; c [M, N] fp32 or bf16.
     KS = K / BK steps; K cut as k_order's (CHUNKS chunks of GRANULE 32-blocks, RANGES ranges).
-    SPLIT: grid axis 1 is the range, written as an fp32 partial into c [RANGES, M, N]; else
-    TOTALS: RANGES > 1, summed in the program."""
+    SPLIT: grid axis 1 is the range, written as an fp32 partial into c [RANGES, M, N].
+    INFLIGHT: see _swap_consumer."""
     BT: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     J: gl.constexpr = BK // 32
@@ -487,10 +491,10 @@ def _fp8_swap_ws_kernel(w_desc, x_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CHUN
     gl.warp_specialize([
         (_swap_consumer, (w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, ks0,
                           ks1, b0, b1, CHUNKS, RANGES, off_n, off_m, 0, GRANULE, STAGES, SPLIT,
-                          TOTALS, OUT_BF16)),
+                          INFLIGHT, OUT_BF16)),
         (_swap_consumer, (w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, ks0,
                           ks1, b0, b1, CHUNKS, RANGES, off_n, off_m, 1, GRANULE, STAGES, SPLIT,
-                          TOTALS, OUT_BF16)),
+                          INFLIGHT, OUT_BF16)),
         (_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_m, ks0, ks1,
                      STAGES)),  # (the weight tile first: its rows are the MMA's)
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -546,10 +550,11 @@ def fp8_swap_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, w_scale: torch.Ten
     split = bool(split and ranges > 1)
     assert out.shape == ((ranges, m, n) if split else (m, n))
     assert not split or out.dtype == torch.float32
+    assert m * n < 2 ** 31  # the tile's output offsets in int32
     grid = (cdiv(n, SWAP_BN) * cdiv(m, bt), ranges if split else 1)
     _fp8_swap_ws_kernel[grid](w_desc, x_desc, out, ws, m, n, ws.shape[1], ws.shape[0],
                               k // SWAP_BK, chunks, ranges, GRANULE=granule, STAGES=stages,
-                              SPLIT=split, TOTALS=ranges > 1 and not split,
+                              SPLIT=split, INFLIGHT=SWAP_INFLIGHT,
                               OUT_BF16=out.dtype == torch.bfloat16,
                               CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                               num_warps=4)

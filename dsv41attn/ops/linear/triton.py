@@ -953,12 +953,16 @@ SQUARE_WS_MIN_M = 128
 # The decode kernel's VALUES tiles (x's bf16 values: its wide tiles, and at SWAP_WS_MIN_M < 17
 # the 1-64-row ones too) on a Hopper GPU: gluon.fp8_swap_gemm_ws, warp-specialized (a TMA
 # producer warp group, two consumer warp groups each on 64 weight rows, the weight's e4m3
-# codes widened in registers as the wgmma's register operand), the same bits (H100, every
-# case of tests/test_fp8_linear_gluon.py's swapped tiles, 1-256 rows). fp8_linear in a CUDA
-# graph, H100, us, Triton -> Gluon: wq_b 51.4 -> 42.9 at 128 rows, 94.1 -> 78.1 at 256; wo_b
-# 69.3 -> 57.6, 132.2 -> 105.0; wq_a 83.3 -> 57.8 at 384. At 64 rows wq_b lost (30.2 ->
-# 36.4) and wo_b won (49.7 -> 45.3); at 1-32 rows, one wgmma wait a block, each lost 1.2-2x.
-SWAP_WS = True
+# codes widened in registers as the wgmma's register operand), the same bits. Its first form
+# (fortieth session, H100): every case of tests/test_fp8_linear_gluon.py's swapped tiles, 1-256
+# rows, 0 differing bits; fp8_linear in a CUDA graph, us, Triton -> Gluon: wq_b 51.4 -> 42.9
+# at 128 rows, 94.1 -> 78.1 at 256; wo_b 69.3 -> 57.6, 132.2 -> 105.0; wq_a 83.3 -> 57.8 at
+# 384; the layer at b = 256: SWA 387 -> 346 us, Full r=2 601 -> 573, Reuse 460 -> 413. At 64
+# rows wq_b lost (30.2 -> 36.4) and wo_b won (49.7 -> 45.3); at 1-32 rows, one wgmma wait a
+# block and a tile an SM, each lost 1.2-2x. Off by default until the form here (the same
+# arithmetic, its steps in helpers; Triton 3.6 needed the accumulator's layout passed as a
+# constant) has run tests/test_fp8_linear_gluon.py on a GPU: no device time was left.
+SWAP_WS = False
 SWAP_WS_MIN_M = 65  # the token rows from which they run
 
 
@@ -1403,12 +1407,10 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
     order = plan.order
     if _swap_ws(plan, x_codes, weight, out):
         assert not rope_d  # (_linear_from_quant turns the heads after)
-        # K's ranges as programs of their own where the tiles leave SMs idle and their
-        # partials' traffic stays small (as the square tiles')
+        # K's ranges as programs of their own where the tiles leave SMs idle
         sms = sm_count(out.device)
         bt = swap_tile(m, n, sms)[0]
-        split = _use_workspace(order, cdiv(n, SWAP_BN) * cdiv(m, bt), m, n, n * k, sms,
-                               budget=SPLIT_PARTIAL_BYTES)
+        split = order.ranges > 1 and cdiv(n, SWAP_BN) * cdiv(m, bt) < sms
         parts = torch.empty(order.ranges, m, n, dtype=torch.float32, device=out.device) \
             if split else out
         fp8_swap_gemm_ws(x_codes, weight, weight_scale, parts, order.chunks, order.ranges,
