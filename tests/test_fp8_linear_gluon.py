@@ -134,6 +134,19 @@ def test_compiles_warp_specialized_for_sm90(ring, split, triton_dir):
     assert r["neg_zero"] > 0, r  # the sums start from -0 (_neg_zeros)
 
 
+def _against_triton_tiles(monkeypatch, flag: str, x, w, splits, out_dtype):
+    """fp8_linear with the Gluon tiles (``flag`` on) against the Triton tiles (off), every
+    buffer the op makes starting NaN: the same bits in every output."""
+    poison_empty(monkeypatch, T)
+    got = T.fp8_linear(x, w.weight, w.scale, num_splits=splits, out_dtype=out_dtype)
+    monkeypatch.setattr(T, flag, False)
+    want = T.fp8_linear(x, w.weight, w.scale, num_splits=splits, out_dtype=out_dtype)
+    assert not want.isnan().any()
+    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    diff = (got.view(bits) != want.view(bits)).sum().item()
+    assert diff == 0, f"{diff} of {got.numel()} outputs differ"
+
+
 # (M, N, K, num_splits, split): the square tiles' rows; N off the 128-wide tile; ranges as
 # k_order cuts them, run as separate programs (split) or summed in each tile's program
 WS_CASES = {
@@ -171,13 +184,7 @@ def test_gluon_tiles_equal_triton_tiles(case, out_dtype, codes, monkeypatch):
     plan = T._linear_plan(m, w.weight, splits, True, x.device)
     assert plan.workspace == split
     assert T._square_ws(plan, x, w.weight, w.scale, torch.empty(1, 1, device="cuda"))
-    poison_empty(monkeypatch, T)  # every buffer the op makes starts NaN
-    got = T.fp8_linear(x, w.weight, w.scale, num_splits=splits, out_dtype=out_dtype)
-    monkeypatch.setattr(T, "SQUARE_WS", False)
-    want = T.fp8_linear(x, w.weight, w.scale, num_splits=splits, out_dtype=out_dtype)
-    assert not want.isnan().any()
-    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
-    assert torch.equal(got.view(bits), want.view(bits))
+    _against_triton_tiles(monkeypatch, "SQUARE_WS", x, w, splits, out_dtype)
 
 
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
@@ -310,14 +317,7 @@ def test_swap_tiles_equal_triton_tiles(case, out_dtype, variant, monkeypatch):
     plan = T._linear_plan(m, w.weight, splits, True, x.device)
     assert plan.swap and plan.prescaled, plan
     assert T._swap_ws(plan, x, w.weight, torch.empty(1, 1, device="cuda"))
-    poison_empty(monkeypatch, T)  # every buffer the op makes starts NaN
-    got = T.fp8_linear(x, w.weight, w.scale, num_splits=splits, out_dtype=out_dtype)
-    monkeypatch.setattr(T, "SWAP_WS", False)
-    want = T.fp8_linear(x, w.weight, w.scale, num_splits=splits, out_dtype=out_dtype)
-    assert not want.isnan().any()
-    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
-    diff = (got.view(bits) != want.view(bits)).sum().item()
-    assert diff == 0, f"{diff} of {got.numel()} outputs differ"
+    _against_triton_tiles(monkeypatch, "SWAP_WS", x, w, splits, out_dtype)
 
 
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")

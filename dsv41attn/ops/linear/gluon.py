@@ -242,12 +242,14 @@ def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CH
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def unsupported(k: int, device: torch.device, out: torch.Tensor) -> str | None:
-    """Why fp8_values_gemm_ws cannot run a K of k on this device into out, or None."""
+def unsupported(k: int, device: torch.device, out: torch.Tensor,
+                stage_k: int = BLOCK_K) -> str | None:
+    """Why fp8_values_gemm_ws (or, stage_k SWAP_BK, fp8_swap_gemm_ws) cannot run a K of k on
+    this device into out, or None."""
     if not is_hopper(device):
         return f"device {device}: the kernel's wgmma needs an sm_90 GPU"
-    if k % BLOCK_K:
-        return f"K {k}: a multiple of {BLOCK_K} wanted (whole ring stages)"
+    if k % stage_k:
+        return f"K {k}: a multiple of {stage_k} wanted (whole ring stages)"
     if out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous():
         return f"out {out.dtype}: a contiguous bf16 or fp32 tensor wanted"
     return None
@@ -516,17 +518,6 @@ def swap_tile(m: int, n: int = 0, sms: int = 0) -> tuple[int, int]:
     return bt, min(8, SWAP_SMEM // (SWAP_BN * SWAP_BK + bt * SWAP_BK * 2))
 
 
-def swap_unsupported(k: int, device: torch.device, out: torch.Tensor) -> str | None:
-    """Why fp8_swap_gemm_ws cannot run a K of k on this device into out, or None."""
-    if not is_hopper(device):
-        return f"device {device}: the kernel's wgmma needs an sm_90 GPU"
-    if k % SWAP_BK:
-        return f"K {k}: a multiple of {SWAP_BK} wanted (whole ring stages)"
-    if out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous():
-        return f"out {out.dtype}: a contiguous bf16 or fp32 tensor wanted"
-    return None
-
-
 def fp8_swap_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      out: torch.Tensor, chunks: int, ranges: int, granule: int,
                      split: bool = False, bt: int = 0) -> torch.Tensor:
@@ -536,7 +527,7 @@ def fp8_swap_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, w_scale: torch.Ten
     ranges, granule): the bits of ``_fp8_decode_kernel``'s VALUES tiles. split: the ranges run
     as separate programs, each writing its fp32 partial into out [ranges, M, N] (for
     ``triton._split_sum_kernel``). bt: the token rows a tile (swap_tile's; 0: swap_tile(M)).
-    The caller checked ``swap_unsupported``."""
+    The caller checked ``unsupported(K, device, out, SWAP_BK)``."""
     x_values = x_values.contiguous()
     w = w.contiguous()
     m, k = x_values.shape

@@ -61,7 +61,7 @@ except ImportError:  # pragma: no cover - older Triton: plain loads
 from .reference import check_rope
 try:  # the Gluon square and swapped tiles (Hopper): a Triton with Gluon
     from .gluon import (SWAP_BK, SWAP_BN, fp8_swap_gemm_ws, fp8_values_gemm_ws, swap_tile,
-                        swap_unsupported as _swap_unsupported, unsupported as _ws_unsupported)
+                        unsupported as _ws_unsupported)
 except (ImportError, AttributeError):  # pragma: no cover - no usable Gluon
     fp8_values_gemm_ws = fp8_swap_gemm_ws = None
 from ..common.buffers import out_buffer
@@ -980,7 +980,7 @@ def _swap_ws(plan: _GemmPlan, x, weight, out) -> bool:
     return bool(plan.swap and plan.prescaled and x.shape[0] >= SWAP_WS_MIN_M
                 and _swap_tiles(x.device, x.shape[1])
                 and weight.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16
-                and _swap_unsupported(x.shape[1], x.device, out) is None
+                and _ws_unsupported(x.shape[1], x.device, out, SWAP_BK) is None
                 and _tma_weight(weight) and x.is_contiguous() and x.data_ptr() % 16 == 0)
 
 
