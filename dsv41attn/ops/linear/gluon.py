@@ -59,9 +59,9 @@ def _neg_zeros(shape: gl.constexpr, layout: gl.constexpr):
 
 @gluon.jit
 def _steps(KS, CHUNKS, RANGES, GRANULE: gl.constexpr, J: gl.constexpr, SPLIT: gl.constexpr):
-    """The program's K: SPLIT, range r = program_id(1)'s 32-blocks [b0, b1) in the ring steps
-    [ks0, ks1) that hold them (J blocks a step); else all KS steps. Returns (r, b0, b1, ks0,
-    ks1)."""
+    """The swapped tiles' K: SPLIT, range r = program_id(1)'s 32-blocks [b0, b1) in the ring
+    steps [ks0, ks1) that hold them (J blocks a step); else all KS steps. Returns (r, b0, b1,
+    ks0, ks1). (The square tiles keep the same lines inline: their GPU-tested form.)"""
     if SPLIT:
         r = gl.program_id(1)
         b0 = r * CHUNKS // RANGES * GRANULE
@@ -200,9 +200,18 @@ def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CH
     rows = gl.minimum(tiles_m - first_m, GROUP)
     off_m = (first_m + (pid % width) % rows) * 128
     off_n = (pid % width) // rows * BN
-    r, b0, b1, ks0, ks1 = _steps(KS, CHUNKS, RANGES, GRANULE, J, SPLIT)
-    if SPLIT:  # range r's partial
+    if SPLIT:  # range r's 32-blocks [b0, b1), in the K steps that hold them
+        r = gl.program_id(1)
+        b0 = r * CHUNKS // RANGES * GRANULE
+        b1 = (r + 1) * CHUNKS // RANGES * GRANULE
+        ks0 = b0 // J
+        ks1 = (b1 + J - 1) // J
         c_ptr += r.to(gl.int64) * M * N
+    else:
+        b0 = 0
+        b1 = KS * J
+        ks0 = 0
+        ks1 = KS
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], B_LAYOUT)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
