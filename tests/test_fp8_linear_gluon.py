@@ -147,6 +147,25 @@ def _against_triton_tiles(monkeypatch, flag: str, x, w, splits, out_dtype):
     assert diff == 0, f"{diff} of {got.numel()} outputs differ"
 
 
+def _rope_case(m: int, n: int, k: int, seed: int):
+    """(generator, weight, x [m, k] bf16, rot [m, 32]) on the GPU for the RoPE'd-output tests
+    (heads of 512 columns, 64 of them turned)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    ang = torch.rand(m, 32, device="cuda", generator=g) * 50
+    return g, w, x, torch.polar(torch.ones_like(ang), ang)
+
+
+def _rope_against_triton_tiles(monkeypatch, flag: str, w, x, rot):
+    """fp8_linear with the query's RoPE, the Gluon tiles (``flag`` on: rope_heads after them)
+    against the Triton tiles (off: turned as they store): the same bits."""
+    got = T.fp8_linear(x, w.weight, w.scale, rope=(rot, 512))
+    monkeypatch.setattr(T, flag, False)
+    want = T.fp8_linear(x, w.weight, w.scale, rope=(rot, 512))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 # (M, N, K, num_splits, split): the square tiles' rows; N off the 128-wide tile; ranges as
 # k_order cuts them, run as separate programs (split) or summed in each tile's program
 WS_CASES = {
@@ -193,16 +212,9 @@ def test_gluon_tiles_with_rope_and_unfoldable_scales(monkeypatch):
     tiles rope_heads does): the same bits. A weight with one scale byte outside the foldable
     range runs the Triton tiles (and gives their bits)."""
     monkeypatch.setattr(T, "SQUARE_WS", True)
-    m, n, k, hd = 600, 1024, 1280, 512
-    g = torch.Generator(device="cuda").manual_seed(9)
-    w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5)
-    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-    ang = torch.rand(m, 32, device="cuda", generator=g) * 50
-    rot = torch.polar(torch.ones_like(ang), ang)
-    got = T.fp8_linear(x, w.weight, w.scale, rope=(rot, hd))
-    monkeypatch.setattr(T, "SQUARE_WS", False)
-    want = T.fp8_linear(x, w.weight, w.scale, rope=(rot, hd))
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    m = 600
+    _, w, x, rot = _rope_case(m, 1024, 1280, 9)
+    _rope_against_triton_tiles(monkeypatch, "SQUARE_WS", w, x, rot)
     monkeypatch.setattr(T, "SQUARE_WS", True)
     bad = w.scale.clone()
     bad.view(torch.uint8)[0, 0] = T.FOLD_MAX_E + 1
@@ -325,18 +337,11 @@ def test_swap_tiles_with_rope_and_in_a_graph(monkeypatch):
     """The query's RoPE on the swapped tiles' output (rope_heads after them; the Triton tiles
     turn it as they store): the same bits; and the same call captured in a CUDA graph replays
     new inputs to the bits of an eager call."""
-    m, n, k, hd = 48, 4096, 1280, 512
-    g = torch.Generator(device="cuda").manual_seed(11)
-    w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5)
-    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-    ang = torch.rand(m, 32, device="cuda", generator=g) * 50
-    rot = torch.polar(torch.ones_like(ang), ang)
+    m, k = 48, 1280
+    g, w, x, rot = _rope_case(m, 4096, k, 11)
     monkeypatch.setattr(T, "SWAP_WS", True)
     monkeypatch.setattr(T, "SWAP_WS_MIN_M", 1)
-    got = T.fp8_linear(x, w.weight, w.scale, rope=(rot, hd))
-    monkeypatch.setattr(T, "SWAP_WS", False)
-    want = T.fp8_linear(x, w.weight, w.scale, rope=(rot, hd))
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    _rope_against_triton_tiles(monkeypatch, "SWAP_WS", w, x, rot)
     monkeypatch.setattr(T, "SWAP_WS", True)
     xs = x.clone()
     graph = torch.cuda.CUDAGraph()

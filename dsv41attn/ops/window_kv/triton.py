@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.triton import (next_pow2, FP8_BLOCK, INV_FP8_MAX, any_nan, check_device, check_rot,
-                             cos_sin, e4m3_code, interpreting, require, rms_scale, rope_heads,
+from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, any_nan, check_device, check_rot, cos_sin,
+                             e4m3_code, interpreting, next_pow2, require, rms_scale, rope_heads,
                              rope_rotate, round_bf16, ue8m0_exponent)
 
 __all__ = ["norm_rope_pack", "rope_heads"]  # rope_heads lives in common.triton (output uses it)
