@@ -38,6 +38,15 @@ if TYPE_CHECKING:
     from .stack import Step
 
 
+# The L2 prefetch of the output path's weights (ops.l2_prefetch): calls of at most this many
+# rows (where wo_a and wo_b stream their weights: decode; 0 until a GPU run has timed it), at
+# most this many bytes (wo_a's codes, then the head of wo_b's, within the H100's and H200's 50
+# MB of L2), on this branch stream (the layer's fork uses 0 and 1).
+PREFETCH_MAX_ROWS = 0
+PREFETCH_BYTES = 40 << 20
+PREFETCH_BRANCH = 2
+
+
 class AttentionLayer:
     """Layer ``weights.layer`` of ``cfg`` with its weights; stateless between calls.
     ``backend``: "reference" (plain torch) or "triton" (Triton kernels where they exist).
@@ -208,39 +217,55 @@ class AttentionLayer:
             q = q.view(t, self.heads, cfg.head_dim)  # [T, H, D], RoPE'd
         # joined: the indexer and the attention read the rows the branch wrote
 
-        # The selection of compressed rows (step 4).
-        pool = None
-        selected = torch.empty(t, 0, dtype=torch.int32, device=x.device)
-        if facts is not None:
-            selected = self._index(x, q_index, head_weights, state, plan, facts, board) \
-                if spec.is_index_source else board.topk(spec.index_source)
-            pool = state.sources[spec.kv_source].rows
+        # The output path's weights into L2 while the indexer and the attention run (a decode
+        # step's memory bus idles there): a hint on a branch stream, joined after wo_b.
+        ahead = self._output_weights() if t <= PREFETCH_MAX_ROWS else []
+        with Fork(x.device, ops.capturable and bool(ahead), first=PREFETCH_BRANCH) as side:
+            with side.branch():
+                ops.l2_prefetch(ahead, PREFETCH_BYTES)
 
-        # Sparse attention with sink (step 5, §6), the ring read in place. Its output comes
-        # with step 6's inverse RoPE applied (on the GPU by the split merge where there is
-        # one: no launch of its own), unless a trace hook reads the output before it.
-        layer_state = state.layers[spec.layer]
-        turned = trace is None
-        o = ops.sparse_attn_paged(q, w.attn_sink, cfg.softmax_scale, layer_state.window,
-                                  new_rows, plan.window_ids, pool, state.block_table,
-                                  plan.token_row, selected,
-                                  out_rot=rot if turned else None)  # [T, H, D]
+            # The selection of compressed rows (step 4).
+            pool = None
+            selected = torch.empty(t, 0, dtype=torch.int32, device=x.device)
+            if facts is not None:
+                selected = self._index(x, q_index, head_weights, state, plan, facts, board) \
+                    if spec.is_index_source else board.topk(spec.index_source)
+                pool = state.sources[spec.kv_source].rows
 
-        # Inverse RoPE (unless done above) and the grouped output projection (step 6).
-        if trace is not None:
-            trace(self, {"plan": plan, "board": board, "q": q, "new_rows": new_rows,
-                         "window_ring": layer_state.window, "pool": pool, "selected": selected,
-                         "block_table": state.block_table, "o": o})
-        u = ops.inverse_rope_wo_a(o, None if turned else rot, w.wo_a, self.groups,
-                                  **self.wo_a_kw)  # [T, G * Rk]
-        if self.tp is None:
-            y = ops.fp8_linear(u, w.wo_b.weight, w.wo_b.scale)
-        else:  # this rank's fp32 partial, all-reduced in fp32, then bf16
-            y = self.tp.wo_b(ops, u, w.wo_b)
+            # Sparse attention with sink (step 5, §6), the ring read in place. Its output comes
+            # with step 6's inverse RoPE applied (on the GPU by the split merge where there is
+            # one: no launch of its own), unless a trace hook reads the output before it.
+            layer_state = state.layers[spec.layer]
+            turned = trace is None
+            o = ops.sparse_attn_paged(q, w.attn_sink, cfg.softmax_scale, layer_state.window,
+                                      new_rows, plan.window_ids, pool, state.block_table,
+                                      plan.token_row, selected,
+                                      out_rot=rot if turned else None)  # [T, H, D]
+
+            # Inverse RoPE (unless done above) and the grouped output projection (step 6).
+            if trace is not None:
+                trace(self, {"plan": plan, "board": board, "q": q, "new_rows": new_rows,
+                             "window_ring": layer_state.window, "pool": pool,
+                             "selected": selected, "block_table": state.block_table, "o": o})
+            u = ops.inverse_rope_wo_a(o, None if turned else rot, w.wo_a, self.groups,
+                                      **self.wo_a_kw)  # [T, G * Rk]
+            if self.tp is None:
+                y = ops.fp8_linear(u, w.wo_b.weight, w.wo_b.scale)
+            else:  # this rank's fp32 partial, all-reduced in fp32, then bf16
+                y = self.tp.wo_b(ops, u, w.wo_b)
 
         if not decode:
             state.write_window(spec.layer, plan, new_rows, undo)
         return y
+
+    def _output_weights(self) -> list[torch.Tensor]:
+        """The weights a call of at most PREFETCH_MAX_ROWS rows streams after its attention,
+        in order: wo_a's (its prepared e4m3 codes where they serve it) and wo_b's e4m3 codes."""
+        w = self.weights
+        codes = self.wo_a_kw.get("codes")
+        wo_a = codes.fp8.weight if codes is not None and codes.serves(w.wo_a) else \
+            getattr(w.wo_a, "weight", w.wo_a)
+        return [wo_a, w.wo_b.weight]
 
     def _compress(self, x: torch.Tensor, state: AttentionState, facts: RatioFacts,
                   undo: UndoLog, semantics: str, decode: bool) -> None:

@@ -48,7 +48,8 @@ def _both_ways(monkeypatch, run):
     got = {"branch": run()}
     with monkeypatch.context() as m:
         m.setattr(layer_module, "Fork",
-                  lambda device, enabled=True, branches=1: Fork(device, False, branches))
+                  lambda device, enabled=True, branches=1, first=0:
+                  Fork(device, False, branches, first))
         got["one stream"] = run()
     return got
 
