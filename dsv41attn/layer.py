@@ -38,13 +38,16 @@ if TYPE_CHECKING:
     from .stack import Step
 
 
-# The L2 prefetch of the output path's weights (ops.l2_prefetch): calls of at most this many
-# rows (where wo_a and wo_b stream their weights: decode; 0 until a GPU run has timed it), at
-# most this many bytes (wo_a's codes, then the head of wo_b's, within the H100's and H200's 50
-# MB of L2), on this branch stream (the layer's fork uses 0 and 1).
+# The L2 prefetch (ops.l2_prefetch) in calls of at most PREFETCH_MAX_ROWS rows (where the
+# GEMMs stream their weights: decode; 0 until a GPU run has timed it): the output path's
+# weights while the attention runs, at most PREFETCH_BYTES (wo_a's codes, then the head of
+# wo_b's, within the H100's and H200's 50 MB of L2) on branch stream PREFETCH_BRANCH (the
+# layer's fork uses 0 and 1 at most by then), and the head of wq_b's, QUERY_PREFETCH_BYTES,
+# while wq_a runs.
 PREFETCH_MAX_ROWS = 0
 PREFETCH_BYTES = 40 << 20
 PREFETCH_BRANCH = 2
+QUERY_PREFETCH_BYTES = 0
 
 
 class AttentionLayer:
@@ -180,7 +183,14 @@ class AttentionLayer:
         scoring = facts is not None and spec.is_index_source and facts.scan > 0
         compresses = facts is not None and spec.is_kv_source
         head_weights = None
-        with Fork(x.device, ops.capturable, branches=2 if compresses else 1) as fork:
+        prefetching = t <= PREFETCH_MAX_ROWS  # (ops.l2_prefetch: see PREFETCH_MAX_ROWS)
+        # the window K/V branch, the compressor's, then the query prefetch's
+        branches = 1 + compresses + (prefetching and QUERY_PREFETCH_BYTES > 0)
+        with Fork(x.device, ops.capturable, branches=branches) as fork:
+            if branches > 1 + compresses:
+                # wq_b's head into L2 while wq_a runs (wq_a's few MB leave the bus idle)
+                with fork.branch(branches - 1):
+                    ops.l2_prefetch([w.wq_b.weight], QUERY_PREFETCH_BYTES)
             # Window K/V (step 2) and the compressed rows (step 3) read only x and the state:
             # on a CUDA device each runs on a branch stream of its own beside the query path
             # (streams.py).
@@ -219,7 +229,7 @@ class AttentionLayer:
 
         # The output path's weights into L2 while the indexer and the attention run (a decode
         # step's memory bus idles there): a hint on a branch stream, joined after wo_b.
-        ahead = self._output_weights() if t <= PREFETCH_MAX_ROWS else []
+        ahead = self._output_weights() if prefetching else []
         with Fork(x.device, ops.capturable and bool(ahead), first=PREFETCH_BRANCH) as side:
             with side.branch():
                 ops.l2_prefetch(ahead, PREFETCH_BYTES)
