@@ -31,6 +31,7 @@ from .ops.common.packing import (compressed_row_bytes, index_key_bytes, pack_com
 from .plan import UndoLog
 from .stack import AttentionStack
 from .tp import shard_layer_weights, shard_slices, tp_shape
+from .tuning import tuned
 
 BF16_FLOPS = 790e12
 ROLES = {"SWA": 0, "Full r=2": 2, "Full r=1 cand": 20, "Reindex": 24, "Reuse": 21}
@@ -327,13 +328,25 @@ class RoleBench:
         role's sources, then its layer under ``measure`` (given the call; its result is
         returned)."""
         state = self.stack.new_state(1, capacity=tokens, rollback=0)
-        x = torch.randn(1, tokens, self.cfg.dim, device="cuda").bfloat16()
+        g = torch.Generator(device="cuda").manual_seed(2)
+        x = torch.randn(1, tokens, self.cfg.dim, device="cuda", generator=g).bfloat16()
         step = self.stack.step(state, tokens)
         for L in self.layers:
             call = lambda f=self.stack.layers[L]: f(x, state, step)
             if L == self.target:
                 return measure(call)
             call()
+
+    def decode_output(self, batch: int, ctx: int) -> torch.Tensor:
+        """The role's layer's output [batch, dim] in one eager decode step from position ``ctx``
+        (the state and input ``decode_graph_us`` starts from: the same for every call)."""
+        state, xs = self._decode_state(batch, ctx, 1)
+        return self.stack.plan_decode(state, steps=1, layers=self.layers).run(xs[0])[self.target]
+
+    def prefill_output(self, tokens: int) -> torch.Tensor:
+        """The role's layer's output [1, tokens, dim] in the prefill ``prefill_us`` times (the
+        same input for every call)."""
+        return self._prefill(tokens, lambda call: call())
 
     def prefill_us(self, tokens: int, reps: int, queued: bool = True,
                    hold_ms: float = 10.0) -> float:
@@ -492,9 +505,41 @@ def _weights(cfg: AttentionConfig, layers, tp=None) -> dict:
                                    1 if tp is None else tp.world).to("cuda") for L in layers}
 
 
+def _differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements of ``a`` and ``b`` (same shape and dtype) whose bits differ."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return int((a.view(bits) != b.view(bits)).sum())
+
+
+def _timed(row: dict, key: str, fn, fn_args, log, label: str, keep_min: bool = False) -> None:
+    """row[key] = fn(*fn_args) in us (a decode's (layer, facts) pair also sets the facts'
+    key); nan where it failed (the reason in row["failed"] unless out of memory, and logged).
+    keep_min: the lesser of this time and one already there (rounds of a variant)."""
+    t0 = time.time()
+    try:
+        value = fn(*fn_args)
+        if isinstance(value, tuple):  # decode: (the layer, the step's shared facts)
+            value, facts = value
+            row[key[:-3] + "_facts_us"] = min(facts, row.get(key[:-3] + "_facts_us", facts)) \
+                if keep_min else facts
+    except torch.cuda.OutOfMemoryError:
+        value = float("nan")
+    except Exception as e:  # noqa: BLE001 - reported, the other cases still run
+        value = float("nan")
+        msg = f"{type(e).__name__}: {e}"
+        row.setdefault("failed", []).append(f"{key}: {msg[:200]}")
+        log(f"  {label} {key}: failed: {msg[:200]} ... {msg[-600:]}")
+    torch.cuda.empty_cache()
+    if keep_min and key in row and not row[key] != row[key]:  # a number there already
+        value = row[key] if value != value else min(value, row[key])
+    row[key] = value
+    log(f"  {label} {key}: {value:.1f} us ({time.time() - t0:.1f} s)")
+
+
 def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
                  reference_cases=((1, 4096), (64, 4096)), compile_cases=(), log=print, tp=None,
-                 invariant: bool = False, queued: bool = True):
+                 invariant: bool = False, queued: bool = True,
+                 variants=(("default", ()),), rounds: int = 1):
     """Rows of the per-role table: triton under CUDA-graph replay (the serving path), and for
     ``reference_cases`` the reference path eager and the triton path eager (host launches
     included); ``compile_cases``: the reference path under torch.compile as well;
@@ -502,7 +547,14 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
     decode graphs timed back to back and prefill calls queued behind a hold of the GPU (else
     both from an idle GPU, see ``RoleBench.decode_graph_us`` and ``prefill_us``). ``tp``: the
     ranks of ``--tp`` (every rank runs the same cases on its shard; the floor is one rank's,
-    ``layer_floor`` with the all-reduce bandwidth measured here over the ranks)."""
+    ``layer_floor`` with the all-reduce bandwidth measured here over the ranks).
+
+    ``variants``: (name, settings) pairs (``tuning.parse_variant``), a row per case and
+    variant, each variant's layer built and run under its settings (``tuning.tuned``). Their
+    triton times alternate over ``rounds`` rounds (the least kept), so drift on the GPU falls
+    on all alike; every other time is the first variant's only. Each later variant's row also
+    counts the output elements (``diff``) that differ from the first's on the same state and
+    input: a setting that changes an order of summation shows there."""
     cfg = preset("v41-flash")
     copy_bw = measure_copy_bandwidth()
     world = 1 if tp is None else tp.world
@@ -510,9 +562,14 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
     layers = sorted({L for r in roles for L in role_layers(cfg, r)})
     weights = _weights(cfg, layers, tp)
     group = None if tp is None else tp.group
+    compare = len(variants) > 1
     rows = []
     for role in roles:
-        tri = RoleBench(cfg, role, "triton", weights, group)
+        tris = []
+        for _, settings in variants:
+            with tuned(settings):
+                tris.append(RoleBench(cfg, role, "triton", weights, group))
+        tri = tris[0]
         ref = RoleBench(cfg, role, "reference", weights, group)
         inv = RoleBench(cfg, role, "triton", weights, group, batch_invariant=True) \
             if invariant else None
@@ -521,13 +578,38 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
             start, tokens = (n, 1) if kind == "decode" else (0, n)
             flops, nbytes, floor = layer_floor(cfg, ROLES[role], batch, start, tokens, copy_bw,
                                                world, allreduce_bw)
-            row = {"role": role, "kind": kind, "batch": batch, "context": n,
-                   "floor_us": floor * 1e6, "flops": flops, "bytes": nbytes, "tp": world}
+            base = {"role": role, "kind": kind, "batch": batch, "context": n,
+                    "floor_us": floor * 1e6, "flops": flops, "bytes": nbytes, "tp": world}
             if world > 1:
-                row["allreduce_bytes"] = allreduce_bytes(cfg, ROLES[role], batch, start, tokens)
-                row["allreduce_GB/s"] = allreduce_bw / 1e9
-            runs = [("triton_us", (tri.decode_graph_us, (batch, n, 20, queued)) if kind == "decode"
-                     else (tri.prefill_us, (n, 2, queued)))]
+                base["allreduce_bytes"] = allreduce_bytes(cfg, ROLES[role], batch, start, tokens)
+                base["allreduce_GB/s"] = allreduce_bw / 1e9
+            case_rows = [dict(base, variant=name) for name, _ in variants]
+            label = f"{role} {kind} b={batch} n={n}"
+            for _ in range(rounds):
+                for row, bench, (name, settings) in zip(case_rows, tris, variants):
+                    fn = (bench.decode_graph_us, (batch, n, 20, queued)) if kind == "decode" \
+                        else (bench.prefill_us, (n, 2, queued))
+                    with tuned(settings):
+                        _timed(row, "triton_us", *fn, log,
+                               label + (f" [{name}]" if compare else ""), keep_min=True)
+            if compare:
+                outputs = []
+                for row, bench, (name, settings) in zip(case_rows, tris, variants):
+                    with tuned(settings):
+                        try:
+                            outputs.append(bench.decode_output(batch, n) if kind == "decode"
+                                           else bench.prefill_output(n))
+                        except Exception as e:  # noqa: BLE001 - reported with the row
+                            outputs.append(None)
+                            row.setdefault("failed", []).append(
+                                f"output: {type(e).__name__}: {e}"[:200])
+                for row, out in zip(case_rows[1:], outputs[1:]):
+                    if out is not None and outputs[0] is not None:
+                        row["diff"] = _differing(out, outputs[0])
+                del outputs
+                torch.cuda.empty_cache()
+            row = case_rows[0]
+            runs = []
             if inv is not None:
                 runs += [("invariant_us", (inv.decode_graph_us, (batch, n, 20, queued))
                           if kind == "decode" else (inv.prefill_us, (n, 2, queued)))]
@@ -536,32 +618,21 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
                          ("reference_us", (ref.decode_eager_us, (batch, n, 3)))]
             if kind == "decode" and (batch, n) in compile_cases:
                 runs += [("compiled_us", (ref.decode_eager_us, (batch, n, 3, True)))]
-            for key, (fn, fn_args) in runs:
-                t0 = time.time()
-                try:
-                    value = fn(*fn_args)
-                    if isinstance(value, tuple):  # decode: (the layer, the step's shared facts)
-                        value, row[key[:-3] + "_facts_us"] = value
-                    row[key] = value
-                except torch.cuda.OutOfMemoryError:
-                    row[key] = float("nan")
-                except Exception as e:  # noqa: BLE001 - reported, the other cases still run
-                    row[key] = float("nan")
-                    msg = f"{type(e).__name__}: {e}"
-                    row.setdefault("failed", []).append(f"{key}: {msg[:200]}")
-                    log(f"  {role} {kind} b={batch} n={n} {key}: failed: {msg[:200]} ... {msg[-600:]}")
-                torch.cuda.empty_cache()
-                log(f"  {role} {kind} b={batch} n={n} {key}: {row[key]:.1f} us ({time.time() - t0:.1f} s)")
-            us = row["triton_us"]
-            row["ratio"] = us * 1e-6 / floor
-            row["TFLOP/s"] = flops / (us * 1e-6) / 1e12
-            row["GB/s"] = nbytes / (us * 1e-6) / 1e9
-            for key in ("reference_us", "compiled_us"):
-                if key in row:
-                    row["speedup_" + key[:-3]] = row[key] / us
-            if "invariant_us" in row:
-                row["invariant_cost%"] = 100 * (row["invariant_us"] / us - 1)
-            rows.append(row)
+            with tuned(variants[0][1]):
+                for key, (fn, fn_args) in runs:
+                    _timed(row, key, fn, fn_args, log, label)
+            for row in case_rows:
+                us = row["triton_us"]
+                row["ratio"] = us * 1e-6 / floor
+                row["TFLOP/s"] = flops / (us * 1e-6) / 1e12
+                row["GB/s"] = nbytes / (us * 1e-6) / 1e9
+                row["vs_first%"] = 100 * (us / case_rows[0]["triton_us"] - 1)
+                for key in ("reference_us", "compiled_us"):
+                    if key in row:
+                        row["speedup_" + key[:-3]] = row[key] / us
+                if "invariant_us" in row:
+                    row["invariant_cost%"] = 100 * (row["invariant_us"] / us - 1)
+            rows += case_rows
     return rows, copy_bw
 
 
@@ -1119,10 +1190,14 @@ def main(args) -> int:
         prefill = [int(v) for v in args.prefill.split(",") if v]
     compile_cases = ((64, 4096),) if args.compile else ()
     tp = getattr(args, "tp_run", None)
+    variants = getattr(args, "variant", None) or [("default", ())]
+    rounds = getattr(args, "variant_rounds", 2) if len(variants) > 1 else 1
     rows, copy_bw = bench_layers(decode=decode, prefill=prefill, roles=roles,
                                  compile_cases=compile_cases, tp=tp,
-                                 invariant=args.batch_invariant, queued=not args.idle_replays)
-    fields = ["role", "kind", "batch", "context", "triton_us", "triton_facts_us", "invariant_us",
+                                 invariant=args.batch_invariant, queued=not args.idle_replays,
+                                 variants=variants, rounds=rounds)
+    fields = ["role", "kind", "variant", "vs_first%", "diff", "batch", "context", "triton_us",
+              "triton_facts_us", "invariant_us",
               "invariant_cost%",
               "triton_eager_us", "reference_us", "compiled_us", "floor_us", "ratio", "TFLOP/s", "GB/s", "speedup_reference",
               "speedup_compiled", "flops", "bytes", "tp", "allreduce_bytes", "allreduce_GB/s"]
@@ -1141,8 +1216,18 @@ def main(args) -> int:
               "heads; every cache row and index key read whole) plus its all-reduce bytes at "
               f"{rows[0]['allreduce_GB/s']:.0f} GB/s, an fp32 all-reduce of 256 MB measured "
               "over the ranks")
-    print(f"{'role':<14}{'kind':<8}{'batch':>6}{'context':>9}{'triton':>9}{'facts':>7}"
-          f"{'floor':>8}{'ratio':>7}"
+    compare = len(variants) > 1
+    if compare:
+        print(f"variants (the triton times the least of {rounds} alternating rounds; vs = "
+              "against the first variant; diff = output elements whose bits differ from the "
+              "first's, same state and input):")
+        for name, settings in variants:
+            print(f"  {name}: {', '.join(map(str, settings)) or 'the defaults'}")
+    width = max(len(name) for name, _ in variants) + 2
+    print(f"{'role':<14}{'kind':<8}" + (f"{'variant':<{width}}" if compare else "") +
+          f"{'batch':>6}{'context':>9}{'triton':>9}"
+          + (f"{'vs':>8}{'diff':>9}" if compare else "") +
+          f"{'facts':>7}{'floor':>8}{'ratio':>7}"
           f"{'TFLOP/s':>8}{'GB/s':>7}{'eager':>8}{'ref':>8}{'compile':>8}{'speedup':>8}"
           f"{'invariant':>10}{'cost':>7}")
 
@@ -1151,15 +1236,19 @@ def main(args) -> int:
         return "-" if v is None else format(v, spec)
 
     for r in rows:
-        print(f"{r['role']:<14}{r['kind']:<8}{r['batch']:>6}{r['context']:>9}"
-              f"{fmt(r, 'triton_us'):>9}{fmt(r, 'triton_facts_us'):>7}{r['floor_us']:>8.1f}"
-              f"{fmt(r, 'ratio', '.1f'):>7}"
+        vs = f"{fmt(r, 'vs_first%', '+.1f')}%" if r["variant"] != variants[0][0] else "-"
+        print(f"{r['role']:<14}{r['kind']:<8}" + (f"{r['variant']:<{width}}" if compare else "") +
+              f"{r['batch']:>6}{r['context']:>9}{fmt(r, 'triton_us'):>9}" +
+              (f"{vs:>8}{fmt(r, 'diff', 'd'):>9}" if compare else "") +
+              f"{fmt(r, 'triton_facts_us'):>7}{r['floor_us']:>8.1f}"
+              f"{fmt(r, 'ratio', '.2f' if compare else '.1f'):>7}"
               f"{fmt(r, 'TFLOP/s', '.1f'):>8}{fmt(r, 'GB/s'):>7}{fmt(r, 'triton_eager_us'):>8}"
               f"{fmt(r, 'reference_us'):>8}{fmt(r, 'compiled_us'):>8}"
               f"{fmt(r, 'speedup_reference', '.0f'):>7}x"
               f"{fmt(r, 'invariant_us'):>10}{fmt(r, 'invariant_cost%', '+.0f'):>6}%")
     # an out-of-memory case is a nan in the table; any other failure fails the command
-    failed = [f"{r['role']} {r['kind']} b={r['batch']} n={r['context']} {m}"
+    failed = [f"{r['role']} {r['kind']} b={r['batch']} n={r['context']} "
+              + (f"[{r['variant']}] " if compare else "") + m
               for r in rows for m in r.get("failed", ())]
     benches = {}
     if args.profile or args.timeline:  # one set of weights and a bench per role for both
@@ -1229,16 +1318,19 @@ def plot_csv(csv_path: str, png_path: str) -> None:
         rows = [r for r in csv.DictReader(f) if r.get("ratio") not in (None, "", "nan")]
     if not rows:
         raise SystemExit(f"{csv_path}: no rows with a ratio")
-    roles = list(dict.fromkeys(r["role"] for r in rows))
+    # a bar series per role, and per variant where the file has several (bench --variant)
+    series = list(dict.fromkeys((r["role"], r.get("variant") or "default") for r in rows))
+    several = len({v for _, v in series}) > 1
     cases = list(dict.fromkeys(
         (r["kind"], int(r["batch"]), int(r["context"])) for r in rows))
-    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(cases) * len(roles) / 3), 4.5))
-    width = 0.8 / len(roles)
-    for i, role in enumerate(roles):
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(cases) * len(series) / 3), 4.5))
+    width = 0.8 / len(series)
+    for i, (role, variant) in enumerate(series):
         ratio = {(r["kind"], int(r["batch"]), int(r["context"])): float(r["ratio"])
-                 for r in rows if r["role"] == role}
+                 for r in rows if (r["role"], r.get("variant") or "default") == (role, variant)}
         xs = [k + i * width for k, c in enumerate(cases) if c in ratio]
-        ax.bar(xs, [ratio[c] for c in cases if c in ratio], width, label=role)
+        ax.bar(xs, [ratio[c] for c in cases if c in ratio], width,
+               label=f"{role} [{variant}]" if several else role)
     labels = [f"{'dec' if k == 'decode' else 'pre'}\nb={b}\n"
               f"{f'{n >> 20}M' if n >= 1 << 20 else f'{n >> 10}K'}" for k, b, n in cases]
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(cases))], labels, fontsize=8)

@@ -90,6 +90,17 @@ def _int_at_least(lo: int):
     return parse
 
 
+def _variant(text: str):
+    from .tuning import parse_variant
+    try:
+        return parse_variant(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+_variant.__name__ = "variant"
+
+
 def _device(text: str) -> torch.device:
     try:
         dev = torch.device(text)
@@ -718,6 +729,13 @@ def env_cmd(args: argparse.Namespace) -> int:
 
 def bench_cmd(args: argparse.Namespace) -> int:
     """GPU timings of the Triton kernels against the reference path (needs CUDA + triton)."""
+    if args.variant:
+        if args.part != "layers":
+            raise CliError(f"--variant times the layers part only; got --part {args.part}: "
+                           f"pass --part layers")
+        names = [name for name, _ in args.variant]
+        if len(set(names)) < len(names):
+            raise CliError(f"--variant: each variant needs a name of its own, got {names}")
     if not torch.cuda.is_available():
         raise CliError(f"bench needs a CUDA GPU; this torch ({torch.__version__}) sees none")
     if importlib.util.find_spec("triton") is None:
@@ -953,6 +971,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "decode steps queued back to back, as a serving loop, and each "
                          "prefill call queued while a spin kernel holds the GPU, as behind "
                          "a model's previous layer")
+    bn.add_argument("--variant", type=_variant, action="append", default=[],
+                    metavar="NAME[:PATH.NAME=VALUE,...]",
+                    help="with --part layers: time every layer case under each variant "
+                         "(repeat the option), a variant being the defaults with some of "
+                         "the package's module constants set, e.g. --variant base --variant "
+                         "pf:layer.PREFETCH_MAX_ROWS=16,layer.QUERY_PREFETCH_BYTES=16M; "
+                         "the variants' times alternate over --variant-rounds rounds (the "
+                         "least kept); columns vs and diff: each variant's time against the "
+                         "first's and its output elements whose bits differ from the first's")
+    bn.add_argument("--variant-rounds", type=_int_at_least(1), default=2, metavar="N",
+                    help="rounds over the variants (default: 2)")
     tp_opt(bn, "NCCL, one GPU per rank; times are rank 0's")
     bn.set_defaults(func=bench_cmd, parser=bn)
 

@@ -73,6 +73,12 @@ ERRORS = [  # (argv, strings the message must contain); {tmp} is a fresh directo
     (["replay", TINY_ROLES, "--out", "{tmp}/o.safetensors", "--batch-invariant"],
      ["--batch-invariant", "--backend triton"]),
     (["plot", "{tmp}/nope.csv", "{tmp}/x.png"], ["nope.csv"]),
+    (["bench", "--variant", "x:layer.NOPE=1"], ["--variant", "NOPE", "dsv41attn.layer"]),
+    (["bench", "--variant", "x:layer.PREFETCH_MAX_ROWS=lots"], ["--variant", "'lots'", "int"]),
+    (["bench", "--variant", "a", "--part", "gemm"], ["--variant", "--part layers"]),
+    (["bench", "--part", "layers", "--variant", "a", "--variant", "a:layer.PREFETCH_MAX_ROWS=1"],
+     ["--variant", "['a', 'a']"]),
+    (["bench", "--variant", "a", "--variant-rounds", "0"], ["--variant-rounds", "'0'"]),
     (["frob"], ["'frob'"]),
     ([], ["COMMAND"]),
 ]
@@ -302,6 +308,15 @@ def _readme_commands() -> list[list[str]]:
 
 
 README_COMMANDS = [c for c in _readme_commands() if c[0] not in ("bench", "plot")]
+
+
+def test_readme_bench_commands_parse():
+    """The README's bench lines (they need a GPU to run) are valid options, variants and all."""
+    benches = [c for c in _readme_commands() if c[0] == "bench"]
+    assert any("--variant" in c for c in benches)
+    for argv in benches:
+        args = build_parser().parse_args(argv)
+        assert all(isinstance(name, str) for name, _ in args.variant), argv
 
 
 def test_readme_has_commands():

@@ -1,0 +1,152 @@
+"""The fast path's module-level switches and sizes, set for a while.
+
+The Triton backend's choices (which tiles a GEMM runs, from how many rows the L2 prefetch
+runs, how many programs a kernel takes...) are module constants, each documented where it is
+defined (``dsv41attn/layer.py``'s ``PREFETCH_MAX_ROWS``, ``dsv41attn/ops/linear/triton.py``'s
+``SWAP_WS``...). ``tuned`` sets some of them for the length of a ``with`` block and puts them
+back after, which is how ``bench --variant`` times one configuration against another in one
+process (alternating, on the same GPU and weights). A setting reads ``PATH.NAME=VALUE``:
+``PATH`` a module of this package (``layer``, ``ops.linear.triton``), ``NAME`` an upper-case
+bool, int or float constant it defines, ``VALUE`` of the same type (bools: 1/0, true/false,
+on/off, yes/no; ints: decimal or 0x hex, with an optional K, M or G suffix for 2**10, 2**20,
+2**30).
+
+What a setting can change is what the code reads at the time: a layer built, a plan made or
+a CUDA graph captured under a setting keeps what it chose then. Some constants decide the
+order of a sum (a GEMM's K ranges): such a setting changes output bits, which the bench's
+``diff`` column shows. Constants another module imports by name (``from .quant import
+FP8_BLOCK``) are refused: setting one binding would leave the other as it was.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import re
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+PACKAGE = __name__.rsplit(".", 1)[0]  # "dsv41attn"
+_NAME = re.compile(r"[A-Z][A-Z0-9_]*\Z")
+_TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One constant's value: ``module`` (the full dotted name) . ``name`` = ``value``."""
+    module: str
+    name: str
+    value: bool | int | float
+
+    def __str__(self) -> str:
+        return f"{self.module[len(PACKAGE) + 1:]}.{self.name}={self.value}"
+
+
+@functools.cache
+def _imported_names() -> frozenset[str]:
+    """Every name some module of the package imports from another by name."""
+    names = set()
+    for path in Path(__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                names.update(a.asname or a.name for a in node.names)
+    return frozenset(names)
+
+
+def _parse_value(text: str, current, where: str):
+    """``text`` as a value of ``current``'s type (see the module doc)."""
+    s = text.strip()
+    if isinstance(current, bool):
+        if s.lower() in _TRUE:
+            return True
+        if s.lower() in _FALSE:
+            return False
+        raise ValueError(f"{where}: {text!r} is not a bool (expected one of "
+                         f"{', '.join(_TRUE + _FALSE)})")
+    if isinstance(current, int):
+        scale = _SUFFIX.get(s[-1:].upper(), 1) if s else 1
+        digits = s[:-1] if scale > 1 else s
+        try:
+            return int(digits, 0) * scale
+        except ValueError:
+            raise ValueError(f"{where}: {text!r} is not an int (expected e.g. 16, 0x10, "
+                             f"40M)") from None
+    try:
+        return float(s)
+    except ValueError:
+        raise ValueError(f"{where}: {text!r} is not a float") from None
+
+
+def parse_setting(text: str) -> Setting:
+    """``PATH.NAME=VALUE`` (see the module doc) as a Setting; ValueError naming what is wrong
+    (no module, no such constant, not a bool/int/float, imported elsewhere, a bad value)."""
+    target, eq, value = text.partition("=")
+    path, dot, name = target.strip().rpartition(".")
+    if not eq or not dot or not path or not name:
+        raise ValueError(f"setting {text!r}: expected PATH.NAME=VALUE, e.g. "
+                         f"layer.PREFETCH_MAX_ROWS=16")
+    module = path if path == PACKAGE or path.startswith(PACKAGE + ".") else f"{PACKAGE}.{path}"
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"setting {text!r}: no module {module} ({e})") from None
+    if not _NAME.match(name) or not hasattr(mod, name):
+        raise ValueError(f"setting {text!r}: {module} has no upper-case constant {name!r}")
+    current = getattr(mod, name)
+    if not isinstance(current, (bool, int, float)):
+        raise ValueError(f"setting {text!r}: {module}.{name} is a "
+                         f"{type(current).__name__}, expected a bool, int or float constant")
+    if name in _imported_names():
+        raise ValueError(f"setting {text!r}: {name} is imported by name in some module of "
+                         f"{PACKAGE}, so setting {module}.{name} would not reach that copy")
+    return Setting(module, name, _parse_value(value, current, f"setting {text!r}"))
+
+
+def parse_variant(text: str) -> tuple[str, tuple[Setting, ...]]:
+    """``NAME`` (the defaults) or ``NAME:SETTING,SETTING...`` as (name, settings)."""
+    name, _, rest = text.partition(":")
+    name = name.strip()
+    if not name or not re.fullmatch(r"[\w.+=-]+", name):
+        raise ValueError(f"variant {text!r}: expected NAME or NAME:PATH.NAME=VALUE,... with "
+                         f"a NAME of letters, digits, _ . + = -")
+    settings = tuple(parse_setting(s) for s in rest.split(",") if s.strip())
+    if len({(s.module, s.name) for s in settings}) < len(settings):
+        raise ValueError(f"variant {text!r}: a constant is set twice")
+    return name, settings
+
+
+def _clear_caches() -> None:
+    """Forget what the package's cached functions computed from the constants."""
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not (mod_name == PACKAGE or mod_name.startswith(PACKAGE + ".")):
+            continue
+        for value in list(vars(mod).values()):
+            if callable(getattr(value, "cache_clear", None)) and \
+                    getattr(value, "__module__", None) == mod_name and value is not _imported_names:
+                value.cache_clear()
+
+
+@contextmanager
+def tuned(settings: Iterable[Setting]) -> Iterator[None]:
+    """Within the block each setting's constant has its value; after it (error or not) every
+    one has the value it had before."""
+    settings = tuple(settings)
+    saved = []
+    try:
+        for s in settings:
+            mod = sys.modules[s.module]
+            saved.append((mod, s.name, getattr(mod, s.name)))
+            setattr(mod, s.name, s.value)
+        if settings:
+            _clear_caches()
+        yield
+    finally:
+        for mod, name, value in reversed(saved):
+            setattr(mod, name, value)
+        if settings:
+            _clear_caches()

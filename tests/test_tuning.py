@@ -1,0 +1,214 @@
+"""tuning: settings of the package's module constants parsed, refused with a message naming
+what is wrong, set for a block and put back; and bench --variant's alternation of variants
+(the layer timings faked: the GPU half is in test_bench_gpu.py)."""
+import math
+
+import pytest
+import torch
+
+import dsv41attn.layer as layer_mod
+from dsv41attn.ops.common import triton as common_triton
+from dsv41attn.tuning import Setting, parse_setting, parse_variant, tuned
+
+
+@pytest.mark.parametrize("text,value", [
+    ("layer.PREFETCH_MAX_ROWS=16", 16),
+    ("dsv41attn.layer.PREFETCH_MAX_ROWS=16", 16),
+    ("layer.PREFETCH_BYTES=40M", 40 << 20),
+    ("layer.PREFETCH_BYTES=3k", 3 << 10),
+    ("layer.PREFETCH_BYTES=1G", 1 << 30),
+    ("layer.PREFETCH_BYTES=0x100", 256),
+    ("layer.PREFETCH_BYTES= 12 ", 12),
+    ("ops.linear.triton.SWAP_WS=on", True),
+    ("ops.linear.triton.SWAP_WS=1", True),
+    ("ops.linear.triton.SWAP_WS=False", False),
+    ("ops.linear.triton.SWAP_WS=no", False),
+])
+def test_values_parse_as_the_constants_type(text, value):
+    s = parse_setting(text)
+    assert s.value == value and type(s.value) is type(value), (text, s)
+    assert s.module.startswith("dsv41attn.") and s.name in text
+    assert str(s) == f"{s.module[len('dsv41attn.'):]}.{s.name}={value}"
+
+
+@pytest.mark.parametrize("text,names", [
+    ("layer.PREFETCH_MAX_ROWS", ["PATH.NAME=VALUE"]),
+    ("PREFETCH_MAX_ROWS=16", ["PATH.NAME=VALUE"]),
+    ("nowhere.X=1", ["dsv41attn.nowhere"]),
+    ("layer.NOPE=1", ["NOPE", "dsv41attn.layer"]),
+    ("layer.prefetch_max_rows=1", ["prefetch_max_rows", "upper-case"]),
+    ("layer.PREFETCH_MAX_ROWS=many", ["'many'", "int"]),
+    ("layer.PREFETCH_MAX_ROWS=1.5", ["'1.5'", "int"]),
+    ("layer.PREFETCH_MAX_ROWS=", ["''", "int"]),
+    ("ops.linear.triton.SWAP_WS=maybe", ["'maybe'", "bool", "on"]),
+    ("ops.common.quant.FP8_BLOCK=16", ["FP8_BLOCK", "imported"]),
+    ("config.PRESETS=1", ["PRESETS", "dict"]),
+])
+def test_bad_settings_are_refused_naming_what_is_wrong(text, names):
+    with pytest.raises(ValueError) as e:
+        parse_setting(text)
+    for name in names:
+        assert name in str(e.value), (name, str(e.value))
+
+
+def test_variants():
+    assert parse_variant("base") == ("base", ())
+    name, settings = parse_variant("pf:layer.PREFETCH_MAX_ROWS=16, layer.PREFETCH_BYTES=8M")
+    assert name == "pf" and [(s.name, s.value) for s in settings] == [
+        ("PREFETCH_MAX_ROWS", 16), ("PREFETCH_BYTES", 8 << 20)]
+    for bad, word in ((":layer.PREFETCH_MAX_ROWS=1", "NAME"), ("a b", "NAME"),
+                      ("x:layer.PREFETCH_MAX_ROWS=1,layer.PREFETCH_MAX_ROWS=2", "twice"),
+                      ("x:layer.NOPE=1", "NOPE")):
+        with pytest.raises(ValueError, match=word):
+            parse_variant(bad)
+
+
+def test_tuned_sets_for_the_block_and_restores_after_an_error():
+    before = (layer_mod.PREFETCH_MAX_ROWS, layer_mod.PREFETCH_BYTES)
+    settings = [parse_setting("layer.PREFETCH_MAX_ROWS=7"), parse_setting("layer.PREFETCH_BYTES=5")]
+    with tuned(settings):
+        assert (layer_mod.PREFETCH_MAX_ROWS, layer_mod.PREFETCH_BYTES) == (7, 5)
+    assert (layer_mod.PREFETCH_MAX_ROWS, layer_mod.PREFETCH_BYTES) == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with tuned(settings):
+            raise RuntimeError("inside")
+    assert (layer_mod.PREFETCH_MAX_ROWS, layer_mod.PREFETCH_BYTES) == before
+    with tuned([]):  # no settings: nothing set
+        assert (layer_mod.PREFETCH_MAX_ROWS, layer_mod.PREFETCH_BYTES) == before
+
+
+def test_tuned_forgets_cached_results_on_entry_and_exit():
+    """A cached function of the package may have read a constant: its cache is emptied."""
+    common_triton.is_hopper(torch.device("cpu"))
+    assert common_triton.is_hopper.cache_info().currsize > 0
+    with tuned([parse_setting("layer.PREFETCH_MAX_ROWS=3")]):
+        assert common_triton.is_hopper.cache_info().currsize == 0
+        common_triton.is_hopper(torch.device("cpu"))
+    assert common_triton.is_hopper.cache_info().currsize == 0
+
+
+# ---- bench --variant, the layer timings faked ----------------------------------------------
+
+class _FakeBench:
+    """Stands in for RoleBench: its times and outputs read the prefetch constant as it is when
+    it is built and when it is called (as the real layer reads it)."""
+    calls: list = []
+
+    def __init__(self, cfg, role, backend, weights, group=None, batch_invariant=False):
+        self.built = layer_mod.PREFETCH_MAX_ROWS
+        self.role, self.backend, self.invariant = role, backend, batch_invariant
+        self.round = 0
+
+    def _now(self):
+        assert layer_mod.PREFETCH_MAX_ROWS == self.built, "called under another variant's settings"
+        return layer_mod.PREFETCH_MAX_ROWS
+
+    def decode_graph_us(self, batch, ctx, reps, queued=True):
+        v = self._now()
+        self.calls.append(("graph", self.backend, self.invariant, v))
+        self.round += 1
+        return 100.0 - v + (5.0 if self.round == 1 else 0.0), 3.0  # the second round is faster
+
+    def decode_eager_us(self, batch, ctx, reps, compile_target=False):
+        self.calls.append(("eager", self.backend, self.invariant, self._now()))
+        return 500.0
+
+    def prefill_us(self, tokens, reps, queued=True):
+        v = self._now()
+        self.calls.append(("prefill", self.backend, self.invariant, v))
+        if v == 9:
+            raise RuntimeError("boom")
+        return 1000.0 + v
+
+    def decode_output(self, batch, ctx):
+        out = torch.zeros(batch, 4, dtype=torch.bfloat16)
+        out[0, : self._now() % 4] = 1  # variants with PREFETCH_MAX_ROWS % 4 != 0 differ
+        return out
+
+    def prefill_output(self, tokens):
+        return torch.zeros(1, tokens, 4, dtype=torch.bfloat16) + (self._now() == 5)
+
+
+@pytest.fixture
+def fake_bench(monkeypatch):
+    import dsv41attn.bench as bench
+    monkeypatch.setattr(bench, "RoleBench", _FakeBench)
+    monkeypatch.setattr(bench, "measure_copy_bandwidth", lambda *a, **k: 3e12)
+    monkeypatch.setattr(bench, "_weights", lambda *a, **k: {})
+    _FakeBench.calls = []
+    return bench
+
+
+def test_variants_alternate_and_each_runs_under_its_settings(fake_bench):
+    variants = [parse_variant("base"), parse_variant("pf:layer.PREFETCH_MAX_ROWS=16"),
+                parse_variant("odd:layer.PREFETCH_MAX_ROWS=5")]
+    before = layer_mod.PREFETCH_MAX_ROWS
+    rows, _ = fake_bench.bench_layers(decode=[(1, 4096)], prefill=[64], roles=("SWA",),
+                                      reference_cases=((1, 4096),), log=lambda *a: None,
+                                      variants=variants, rounds=2)
+    assert layer_mod.PREFETCH_MAX_ROWS == before
+    assert [(r["kind"], r["variant"]) for r in rows] == [
+        ("decode", "base"), ("decode", "pf"), ("decode", "odd"),
+        ("prefill", "base"), ("prefill", "pf"), ("prefill", "odd")]
+    graphs = [c[3] for c in _FakeBench.calls if c[0] == "graph"]
+    assert graphs == [before, 16, 5] * 2  # rounds alternate over the variants
+    dec = {r["variant"]: r for r in rows if r["kind"] == "decode"}
+    assert dec["base"]["triton_us"] == 100.0 - before  # the least of the rounds
+    assert dec["pf"]["triton_us"] == 84.0 and dec["odd"]["triton_us"] == 95.0
+    assert dec["pf"]["vs_first%"] == pytest.approx(100 * (84 / (100 - before) - 1))
+    assert "diff" not in dec["base"] and dec["pf"]["diff"] == 0 and dec["odd"]["diff"] == 1
+    # the eager and reference times: the first variant's only, under its settings
+    assert "triton_eager_us" in dec["base"] and "reference_us" in dec["base"]
+    assert not any(k in dec[v] for v in ("pf", "odd") for k in ("triton_eager_us", "reference_us"))
+    assert {c[3] for c in _FakeBench.calls if c[0] == "eager"} == {before}
+    pre = {r["variant"]: r for r in rows if r["kind"] == "prefill"}
+    assert pre["pf"]["triton_us"] == 1016.0 and pre["odd"]["diff"] == 64 * 4
+    assert pre["pf"]["diff"] == 0
+
+
+def test_a_failing_variant_is_reported_and_the_others_still_run(fake_bench):
+    variants = [parse_variant("base"), parse_variant("bad:layer.PREFETCH_MAX_ROWS=9")]
+    logged = []
+    rows, _ = fake_bench.bench_layers(decode=[], prefill=[64], roles=("SWA",),
+                                      reference_cases=(), log=logged.append,
+                                      variants=variants, rounds=2)
+    base, bad = rows
+    assert base["triton_us"] == 1000.0 + layer_mod.PREFETCH_MAX_ROWS and "failed" not in base
+    assert math.isnan(bad["triton_us"]) and len(bad["failed"]) == 2
+    assert "boom" in bad["failed"][0] and any("[bad]" in line and "boom" in line for line in logged)
+
+
+def test_without_variants_one_row_a_case_as_before(fake_bench):
+    rows, _ = fake_bench.bench_layers(decode=[(8, 4096)], prefill=[], roles=("SWA", "Reuse"),
+                                      reference_cases=(), log=lambda *a: None)
+    assert [(r["role"], r["variant"]) for r in rows] == [("SWA", "default"), ("Reuse", "default")]
+    assert all("diff" not in r and r["triton_us"] == 105.0 - layer_mod.PREFETCH_MAX_ROWS
+               for r in rows)
+    assert all(r["triton_facts_us"] == 3.0 for r in rows)
+    assert [c[0] for c in _FakeBench.calls] == ["graph", "graph"]
+    assert isinstance(rows[0]["floor_us"], float) and rows[0]["ratio"] > 0
+
+
+def test_setting_dataclass_is_frozen():
+    s = Setting("dsv41attn.layer", "PREFETCH_MAX_ROWS", 1)
+    with pytest.raises(Exception):
+        s.value = 2
+
+
+def test_plot_draws_a_series_per_role_and_variant(tmp_path):
+    """plot of a bench --csv file written with variants: each (role, variant) its own bars
+    (one series per role would draw the variants over each other)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from dsv41attn.bench import plot_csv
+    path = tmp_path / "v.csv"
+    path.write_text("role,kind,variant,batch,context,ratio\n"
+                    "SWA,decode,base,1,4096,2.2\nSWA,decode,pf,1,4096,1.9\n"
+                    "Reuse,decode,base,1,4096,2.3\nReuse,decode,pf,1,4096,2.0\n")
+    plot_csv(str(path), str(tmp_path / "v.png"))
+    _, labels = plt.gcf().axes[0].get_legend_handles_labels()
+    plt.close("all")
+    assert [x for x in labels if "[" in x] == ["SWA [base]", "SWA [pf]", "Reuse [base]",
+                                              "Reuse [pf]"], labels
+    assert (tmp_path / "v.png").stat().st_size > 0
