@@ -730,12 +730,16 @@ def env_cmd(args: argparse.Namespace) -> int:
 def bench_cmd(args: argparse.Namespace) -> int:
     """GPU timings of the Triton kernels against the reference path (needs CUDA + triton)."""
     if args.variant:
-        if args.part != "layers":
-            raise CliError(f"--variant times the layers part only; got --part {args.part}: "
-                           f"pass --part layers")
+        if args.part not in ("layers", "gemm"):
+            raise CliError(f"--variant times the layers and gemm parts only; got --part "
+                           f"{args.part}: pass --part layers or --part gemm")
         names = [name for name, _ in args.variant]
         if len(set(names)) < len(names):
             raise CliError(f"--variant: each variant needs a name of its own, got {names}")
+    if args.rows and args.part not in ("gemm", "all"):
+        raise CliError(f"--rows sets the gemm part's row counts; got --part {args.part}")
+    if args.rows and not re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*,?", args.rows):
+        raise CliError(f"--rows {args.rows!r}: expected token row counts >= 1 like 1,64,256")
     if not torch.cuda.is_available():
         raise CliError(f"bench needs a CUDA GPU; this torch ({torch.__version__}) sees none")
     if importlib.util.find_spec("triton") is None:
@@ -971,9 +975,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "decode steps queued back to back, as a serving loop, and each "
                          "prefill call queued while a spin kernel holds the GPU, as behind "
                          "a model's previous layer")
+    bn.add_argument("--rows", metavar="LIST",
+                    help="--part gemm: the token rows of each fp8 linear, e.g. 32,64,128,256 "
+                         "(default: 1,8,64,256,4096,8192)")
     bn.add_argument("--variant", type=_variant, action="append", default=[],
                     metavar="NAME[:PATH.NAME=VALUE,...]",
-                    help="with --part layers: time every layer case under each variant "
+                    help="with --part layers or gemm: time every layer case (every fp8 "
+                         "linear; wo_a under the first only) under each variant "
                          "(repeat the option), a variant being the defaults with some of "
                          "the package's module constants set, e.g. --variant base --variant "
                          "pf:layer.PREFETCH_MAX_ROWS=16,layer.QUERY_PREFETCH_BYTES=16M; "

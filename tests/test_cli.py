@@ -75,10 +75,12 @@ ERRORS = [  # (argv, strings the message must contain); {tmp} is a fresh directo
     (["plot", "{tmp}/nope.csv", "{tmp}/x.png"], ["nope.csv"]),
     (["bench", "--variant", "x:layer.NOPE=1"], ["--variant", "NOPE", "dsv41attn.layer"]),
     (["bench", "--variant", "x:layer.PREFETCH_MAX_ROWS=lots"], ["--variant", "'lots'", "int"]),
-    (["bench", "--variant", "a", "--part", "gemm"], ["--variant", "--part layers"]),
     (["bench", "--part", "layers", "--variant", "a", "--variant", "a:layer.PREFETCH_MAX_ROWS=1"],
      ["--variant", "['a', 'a']"]),
     (["bench", "--variant", "a", "--variant-rounds", "0"], ["--variant-rounds", "'0'"]),
+    (["bench", "--variant", "a", "--part", "sparse_attn"], ["--variant", "--part gemm"]),
+    (["bench", "--part", "layers", "--rows", "64"], ["--rows", "layers"]),
+    (["bench", "--part", "gemm", "--rows", "1,0"], ["--rows", "'1,0'"]),
     (["frob"], ["'frob'"]),
     ([], ["COMMAND"]),
 ]

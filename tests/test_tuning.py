@@ -212,3 +212,63 @@ def test_plot_draws_a_series_per_role_and_variant(tmp_path):
     assert [x for x in labels if "[" in x] == ["SWA [base]", "SWA [pf]", "Reuse [base]",
                                               "Reuse [pf]"], labels
     assert (tmp_path / "v.png").stat().st_size > 0
+
+
+def _bench_args(**kw):
+    from dsv41attn.cli import build_parser
+    argv = ["bench"] + [a for k, v in kw.items() for a in (f"--{k.replace('_', '-')}", v)]
+    return build_parser().parse_args(argv)
+
+
+def test_bench_main_prints_the_variants_of_the_gemm_part(fake_bench, monkeypatch, capsys):
+    """bench --part gemm --variant ...: a row per weight, rows and variant with its vs and
+    diff; a failed variant fails the command (the GPU parts faked)."""
+    bench = fake_bench
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    seen = {}
+
+    def fake_gemm(copy_bw, rows, variants, rounds):
+        seen.update(rows=rows, variants=[v for v, _ in variants], rounds=rounds)
+        out = []
+        for m in rows:
+            for i, (v, _) in enumerate(variants):
+                r = {"weight": "wq_b", "N": 32768, "K": 1280, "rows": m, "variant": v,
+                     "us": 20.0 - i, "floor_us": 10.0, "ratio": 2.0 - i / 10, "GB/s": 1.0,
+                     "copy%": 50.0, "TFLOP/s": 1.0, "vs_first%": -5.0 * i}
+                if i:
+                    r["diff"] = 3 * i
+                if v == "bad":
+                    r.update(us=float("nan"), failed=["RuntimeError: no"])
+                out.append(r)
+        return out
+
+    monkeypatch.setattr(bench, "bench_gemm", fake_gemm)
+    monkeypatch.setattr(bench, "bench_wo_a", lambda copy_bw: [])
+    args = _bench_args(part="gemm", rows="32,64", variant="swap:ops.linear.triton.SWAP_WS=1")
+    args.variant.insert(0, parse_variant("base"))
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    assert seen == {"rows": [32, 64], "variants": ["base", "swap"], "rounds": 2}
+    assert "swap: ops.linear.triton.SWAP_WS=True" in out and "base: the defaults" in out
+    lines = [line.split() for line in out.splitlines() if line.startswith("wq_b")]
+    assert [(w[2], w[3], w[5], w[6]) for w in lines] == [
+        ("32", "base", "-", "-"), ("32", "swap", "-5.0%", "3"),
+        ("64", "base", "-", "-"), ("64", "swap", "-5.0%", "3")]
+    args.variant.append(parse_variant("bad"))
+    assert bench.main(args) == 1
+    out = capsys.readouterr().out
+    assert "2 case(s) failed" in out and "gemm wq_b rows=64 [bad] RuntimeError: no" in out
+
+
+def test_bench_main_prints_the_variants_of_the_layers_part(fake_bench, monkeypatch, capsys):
+    bench = fake_bench
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    args = _bench_args(part="layers", roles="SWA", decode="1x4096", prefill="")
+    args.variant = [parse_variant("base"), parse_variant("odd:layer.PREFETCH_MAX_ROWS=5")]
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("SWA ")]
+    assert [(r[1], r[2], r[6], r[7]) for r in rows] == [
+        ("decode", "base", "-", "-"), ("decode", "odd", f"{100 * (95 / 100 - 1):+.1f}%", "1")], out
