@@ -14,8 +14,10 @@ on/off, yes/no; ints: decimal or 0x hex, with an optional K, M or G suffix for 2
 What a setting can change is what the code reads at the time: a layer built, a plan made or
 a CUDA graph captured under a setting keeps what it chose then. Some constants decide the
 order of a sum (a GEMM's K ranges): such a setting changes output bits, which the bench's
-``diff`` column shows. Constants another module imports by name (``from .quant import
-FP8_BLOCK``) are refused: setting one binding would leave the other as it was.
+``diff`` column shows. Constants bound elsewhere when a module is imported are refused, as
+setting the module's own name would leave that binding as it was: those another module
+imports by name (``from .quant import FP8_BLOCK``) and those a function takes as a default
+argument value (``def _pick_splits(n, split_blocks=SPLIT_BLOCKS)``).
 """
 
 from __future__ import annotations
@@ -48,14 +50,27 @@ class Setting:
 
 
 @functools.cache
-def _imported_names() -> frozenset[str]:
-    """Every name some module of the package imports from another by name."""
-    names = set()
-    for path in Path(__file__).parent.rglob("*.py"):
+def _bound_at_import() -> dict[str, str]:
+    """Names the package binds when a module is imported, so that setting the constant later
+    would not reach them: name -> where (the first place found). Those some module imports by
+    name (``from .quant import FP8_BLOCK``), and those a function takes as a default argument
+    value (``def f(n=SPLIT_BLOCKS)``: the value at import)."""
+    root = Path(__file__).parent
+    bound: dict[str, str] = {}
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root.parent).as_posix()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom):
-                names.update(a.asname or a.name for a in node.names)
-    return frozenset(names)
+                for alias in node.names:
+                    bound.setdefault(alias.asname or alias.name, f"imported by name in {where}")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                fn = getattr(node, "name", "a lambda")
+                for d in node.args.defaults + [d for d in node.args.kw_defaults if d]:
+                    for name in ast.walk(d):
+                        if isinstance(name, ast.Name):
+                            bound.setdefault(name.id, f"a default argument value of {fn} in "
+                                                      f"{where}")
+    return bound
 
 
 def _parse_value(text: str, current, where: str):
@@ -101,9 +116,9 @@ def parse_setting(text: str) -> Setting:
     if not isinstance(current, (bool, int, float)):
         raise ValueError(f"setting {text!r}: {module}.{name} is a "
                          f"{type(current).__name__}, expected a bool, int or float constant")
-    if name in _imported_names():
-        raise ValueError(f"setting {text!r}: {name} is imported by name in some module of "
-                         f"{PACKAGE}, so setting {module}.{name} would not reach that copy")
+    if name in _bound_at_import():
+        raise ValueError(f"setting {text!r}: {name} is {_bound_at_import()[name]}, fixed when "
+                         f"that module was imported: setting {module}.{name} would not reach it")
     return Setting(module, name, _parse_value(value, current, f"setting {text!r}"))
 
 
@@ -127,7 +142,7 @@ def _clear_caches() -> None:
             continue
         for value in list(vars(mod).values()):
             if callable(getattr(value, "cache_clear", None)) and \
-                    getattr(value, "__module__", None) == mod_name and value is not _imported_names:
+                    getattr(value, "__module__", None) == mod_name and value is not _bound_at_import:
                 value.cache_clear()
 
 

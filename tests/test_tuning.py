@@ -23,6 +23,8 @@ from dsv41attn.tuning import Setting, parse_setting, parse_variant, tuned
     ("ops.linear.triton.SWAP_WS=1", True),
     ("ops.linear.triton.SWAP_WS=False", False),
     ("ops.linear.triton.SWAP_WS=no", False),
+    ("ops.linear.triton.PRESCALE_MIN_M=64", 64),  # read when called, not as a default value
+    ("ops.sparse_attn.triton.SPLIT_BLOCKS=4", 4),
 ])
 def test_values_parse_as_the_constants_type(text, value):
     s = parse_setting(text)
@@ -42,6 +44,7 @@ def test_values_parse_as_the_constants_type(text, value):
     ("layer.PREFETCH_MAX_ROWS=", ["''", "int"]),
     ("ops.linear.triton.SWAP_WS=maybe", ["'maybe'", "bool", "on"]),
     ("ops.common.quant.FP8_BLOCK=16", ["FP8_BLOCK", "imported"]),
+    ("ops.linear.gluon.BLOCK_K=32", ["BLOCK_K", "default argument", "unsupported"]),
     ("config.PRESETS=1", ["PRESETS", "dict"]),
 ])
 def test_bad_settings_are_refused_naming_what_is_wrong(text, names):
@@ -272,3 +275,18 @@ def test_bench_main_prints_the_variants_of_the_layers_part(fake_bench, monkeypat
     rows = [line.split() for line in out.splitlines() if line.startswith("SWA ")]
     assert [(r[1], r[2], r[6], r[7]) for r in rows] == [
         ("decode", "base", "-", "-"), ("decode", "odd", f"{100 * (95 / 100 - 1):+.1f}%", "1")], out
+
+
+def test_a_setting_reaches_the_planners():
+    """Settings act where the code reads them: the fp8 GEMM's plan follows PRESCALE_MIN_M
+    (its square tiles on bf16 values from that many rows) and the attention's list cut
+    follows SPLIT_BLOCKS."""
+    from dsv41attn.ops.linear import triton as lin
+    from dsv41attn.ops.sparse_attn import triton as attn
+    plan = lambda: lin._linear_shape_plan(256, 1280, 160, 132, None, True, False)  # noqa: E731
+    assert not plan().prescaled or plan().swap
+    with tuned([parse_setting("ops.linear.triton.PRESCALE_MIN_M=256")]):
+        assert plan().prescaled and not plan().swap  # the square tiles, on bf16 values
+    assert attn._pick_splits(10) == (-(-10 // attn.SPLIT_BLOCKS), attn.SPLIT_BLOCKS)
+    with tuned([parse_setting("ops.sparse_attn.triton.SPLIT_BLOCKS=3")]):
+        assert attn._pick_splits(10) == (4, 3)

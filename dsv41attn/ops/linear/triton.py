@@ -1086,7 +1086,7 @@ def _use_workspace(order: KOrder, tiles: int, m: int, n: int, weight_bytes: int,
 def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
                precise_dot: bool = True, workspace: bool | None = None,
                values: bool = False, tma: bool = False,
-               square_min_m: int = PRESCALE_MIN_M) -> _GemmPlan:
+               square_min_m: int | None = None) -> _GemmPlan:
     """The K order from (N, KB, SM count) (``k_order``; num_splits, 1 <= it <= KB, forces the
     range count), then the kernel and tiles by M: decode (M <= SPLIT_MAX_M) is
     weight-bandwidth bound: _fp8_decode_kernel, BLOCK_N weight rows by 16-64 token rows,
@@ -1103,7 +1103,9 @@ def _gemm_plan(m: int, n: int, kb: int, sms: int, num_splits: int | None = None,
     _square_min_m) where the square tiles would idle most SMs unsplit (``_wide_swap``), run
     the wide tiles through TMA. tma: the weight may be
     read through a TMA descriptor (``_tma_weight``): the 16-row decode tiles then do, and so do
-    the wide tiles, which need it. Every choice gives the same bits."""
+    the wide tiles, which need it. Every choice gives the same bits. square_min_m None:
+    PRESCALE_MIN_M."""
+    square_min_m = PRESCALE_MIN_M if square_min_m is None else square_min_m
     order = k_order(cdiv(n, 64), kb, sms, ranges=num_splits)
     prescaled = bool(values and precise_dot)
     large = n * kb * FP8_BLOCK >= WIDE_MIN_BYTES
@@ -1509,14 +1511,15 @@ def _linear_plan(m: int, weight: torch.Tensor, num_splits, precise_dot, device) 
 
 
 def _linear_shape_plan(m: int, n: int, kb: int, sms: int, num_splits, precise_dot,
-                       tma: bool, square_min_m: int = PRESCALE_MIN_M,
+                       tma: bool, square_min_m: int | None = None,
                        narrow_values: bool = False) -> _GemmPlan:
     """fp8_linear's plan for M rows of an [N, 32 KB] weight: act_quant's bf16 values past the
     16-row tiles (_gemm_plan's ``values``) wherever the plan reads them without a copy of the
     weight, i.e. in the decode kernel, or from square_min_m rows (where the square tiles'
     bf16 weight copy costs ~1%, or the Gluon tiles fold it in their ring); at 1-16 rows too
     where narrow_values (the Gluon swapped tiles take them: _swap_tiles); else the e4m3
-    codes (fp16 values at <= 16 rows: ``_x_form``)."""
+    codes (fp16 values at <= 16 rows: ``_x_form``). square_min_m None: PRESCALE_MIN_M."""
+    square_min_m = PRESCALE_MIN_M if square_min_m is None else square_min_m
     plan = _gemm_plan(m, n, kb, sms, num_splits, precise_dot,
                       values=m > _FP8_DECODE_TILES[0][0] or narrow_values, tma=tma,
                       square_min_m=square_min_m)

@@ -597,12 +597,14 @@ def _combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, cs_ptr, H, S, D: tl.conste
                  o.to(tl.bfloat16), mask=h_mask[:, None])
 
 
-def _pick_splits(n_blocks: int, split_blocks: int = SPLIT_BLOCKS) -> tuple[int, int]:
+def _pick_splits(n_blocks: int, split_blocks: int | None = None) -> tuple[int, int]:
     """(splits, list blocks per split) of a list of ``n_blocks`` 64-blocks: splits of a fixed
     ``split_blocks`` blocks (the last one shorter), whatever the step's token count. A token's
     list is cut at the same entries alone, in any batch and in any chunk, and its partials are
     merged in the same order, so its bits do not depend on the call; trailing splits of pads
-    only (a batch-mate's longer list) merge as exact identities (m = -1e30, l = 0, acc = 0)."""
+    only (a batch-mate's longer list) merge as exact identities (m = -1e30, l = 0, acc = 0).
+    None: SPLIT_BLOCKS."""
+    split_blocks = SPLIT_BLOCKS if split_blocks is None else split_blocks
     return cdiv(n_blocks, split_blocks), split_blocks
 
 
