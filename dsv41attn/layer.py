@@ -183,7 +183,7 @@ class AttentionLayer:
         scoring = facts is not None and spec.is_index_source and facts.scan > 0
         compresses = facts is not None and spec.is_kv_source
         head_weights = None
-        prefetching = t <= PREFETCH_MAX_ROWS  # (ops.l2_prefetch: see PREFETCH_MAX_ROWS)
+        prefetching = 0 < t <= PREFETCH_MAX_ROWS  # (ops.l2_prefetch: see PREFETCH_MAX_ROWS)
         # the window K/V branch, the compressor's, then the query prefetch's
         branches = 1 + compresses + (prefetching and QUERY_PREFETCH_BYTES > 0)
         with Fork(x.device, ops.capturable, branches=branches) as fork:
