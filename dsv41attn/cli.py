@@ -729,6 +729,8 @@ def env_cmd(args: argparse.Namespace) -> int:
 
 def bench_cmd(args: argparse.Namespace) -> int:
     """GPU timings of the Triton kernels against the reference path (needs CUDA + triton)."""
+    if args.settings:
+        return _print_settings()
     if args.variant:
         if args.part not in ("layers", "gemm"):
             raise CliError(f"--variant times the layers and gemm parts only; got --part "
@@ -760,6 +762,24 @@ def bench_cmd(args: argparse.Namespace) -> int:
     check_world_size(load_config("v41-flash"), world)
     args.tp_run, _ = _tp_start(args, world, torch.device("cuda"))
     return bench_main(args)
+
+
+def _print_settings() -> int:
+    """bench --settings: what --variant may set, with each constant's value and comment."""
+    from .tuning import settable
+
+    rows = settable()
+    print(f"{len(rows)} constants --variant may set (PATH.NAME=VALUE, the current value shown; "
+          "the comment is the one beside it in the source, shortened):")
+    width = max(len(str(s)) for s, _ in rows) + 2
+    previous = None
+    for setting, comment in rows:
+        short = comment if len(comment) <= 96 else comment[:93].rstrip() + "..."
+        if comment and comment == previous:  # constants under one comment
+            short = "(the comment above)"
+        previous = comment
+        print(f"  {str(setting):<{width}}{short}")
+    return 0
 
 
 def plot_cmd(args: argparse.Namespace) -> int:
@@ -988,6 +1008,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "the variants' times alternate over --variant-rounds rounds (the "
                          "least kept); columns vs and diff: each variant's time against the "
                          "first's and its output elements whose bits differ from the first's")
+    bn.add_argument("--settings", action="store_true",
+                    help="list the constants --variant may set, with their values and "
+                         "comments, and exit (no GPU needed)")
     bn.add_argument("--variant-rounds", type=_int_at_least(1), default=2, metavar="N",
                     help="rounds over the variants (default: 2)")
     tp_opt(bn, "NCCL, one GPU per rank; times are rank 0's")

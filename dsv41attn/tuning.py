@@ -5,8 +5,9 @@ runs, how many programs a kernel takes...) are module constants, each documented
 defined (``dsv41attn/layer.py``'s ``PREFETCH_MAX_ROWS``, ``dsv41attn/ops/linear/triton.py``'s
 ``SWAP_WS``...). ``tuned`` sets some of them for the length of a ``with`` block and puts them
 back after, which is how ``bench --variant`` times one configuration against another in one
-process (alternating, on the same GPU and weights). A setting reads ``PATH.NAME=VALUE``:
-``PATH`` a module of this package (``layer``, ``ops.linear.triton``), ``NAME`` an upper-case
+process (alternating, on the same GPU and weights); ``settable`` lists them (``bench
+--settings``). A setting reads ``PATH.NAME=VALUE``: ``PATH`` a module of the fast path
+(``layer``, ``ops.linear.triton``: see FAST_PATH), ``NAME`` an upper-case
 bool, int or float constant it defines, ``VALUE`` of the same type (bools: 1/0, true/false,
 on/off, yes/no; ints: decimal or 0x hex, with an optional K, M or G suffix for 2**10, 2**20,
 2**30).
@@ -17,7 +18,7 @@ order of a sum (a GEMM's K ranges): such a setting changes output bits, which th
 ``diff`` column shows. Constants bound elsewhere when a module is imported are refused, as
 setting the module's own name would leave that binding as it was: those another module
 imports by name (``from .quant import FP8_BLOCK``) and those a function takes as a default
-argument value (``def _pick_splits(n, split_blocks=SPLIT_BLOCKS)``).
+argument value (``ops.linear.gluon.unsupported(..., stage_k=BLOCK_K)``).
 """
 
 from __future__ import annotations
@@ -106,6 +107,11 @@ def parse_setting(text: str) -> Setting:
         raise ValueError(f"setting {text!r}: expected PATH.NAME=VALUE, e.g. "
                          f"layer.PREFETCH_MAX_ROWS=16")
     module = path if path == PACKAGE or path.startswith(PACKAGE + ".") else f"{PACKAGE}.{path}"
+    rel = module[len(PACKAGE) + 1:]
+    if not _settable_module(rel):
+        raise ValueError(f"setting {text!r}: {module} holds no settable constants (settings "
+                         f"reach {', '.join(FAST_PATH)} and their modules, except the reference "
+                         f"ops and the shared formats {', '.join(NOT_SETTABLE)})")
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
@@ -133,6 +139,68 @@ def parse_variant(text: str) -> tuple[str, tuple[Setting, ...]]:
     if len({(s.module, s.name) for s in settings}) < len(settings):
         raise ValueError(f"variant {text!r}: a constant is set twice")
     return name, settings
+
+
+# Where the fast path's constants live: the layer and the ops' kernel modules. Not the
+# reference ops, nor the formats every backend shares (the quantisation's and the packed
+# rows'): those define the numerics, which no setting may change.
+FAST_PATH = ("layer", "streams", "ops")
+NOT_SETTABLE = ("ops.common.quant", "ops.common.packing", "ops.common.cpu_kernels")
+
+
+def _settable_module(rel: str) -> bool:
+    """Whether ``rel`` (a module path under the package, as settings write it) holds settable
+    constants: under FAST_PATH, not a reference module, not in NOT_SETTABLE."""
+    return any(rel == p or rel.startswith(p + ".") for p in FAST_PATH) and \
+        rel not in NOT_SETTABLE and not rel.endswith(".reference") and \
+        not rel.endswith("__init__")
+
+
+def _comment(lines: list[str], lineno: int) -> str:
+    """The comment of the assignment on line ``lineno`` (1-based): its inline comment, else the
+    comment lines right above it, joined."""
+    line = lines[lineno - 1]
+    if "#" in line:
+        return line.split("#", 1)[1].strip()
+    above = []
+    i = lineno - 2
+    while i >= 0 and re.match(r"[A-Z][A-Z0-9_]* = ", lines[i]):  # one comment for the group
+        i -= 1
+    while i >= 0 and lines[i].lstrip().startswith("#"):
+        above.insert(0, lines[i].lstrip()[1:].strip())
+        i -= 1
+    return " ".join(above)
+
+
+def settable(prefixes: Iterable[str] = FAST_PATH) -> list[tuple[Setting, str]]:
+    """Every constant a setting may name in the package's modules under ``prefixes`` (paths
+    as settings write them; a module that cannot be imported here, e.g. without Triton, is
+    left out), with its current value and its comment, in source order: what ``bench
+    --settings`` lists."""
+    root = Path(__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("").as_posix().replace("/", ".")
+        if not _settable_module(rel) or \
+                not any(rel == p or rel.startswith(p + ".") for p in prefixes):
+            continue
+        try:
+            mod = importlib.import_module(f"{PACKAGE}.{rel}")
+        except ImportError:
+            continue
+        lines = path.read_text().splitlines()
+        for node in ast.parse("\n".join(lines)).body:
+            if not (isinstance(node, (ast.Assign, ast.AnnAssign))):
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if not (isinstance(t, ast.Name) and _NAME.match(t.id)):
+                    continue
+                value = getattr(mod, t.id, None)
+                if isinstance(value, (bool, int, float)) and t.id not in _bound_at_import():
+                    found.append((Setting(mod.__name__, t.id, value),
+                                  _comment(lines, node.lineno)))
+    return found
 
 
 def _clear_caches() -> None:

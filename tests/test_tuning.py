@@ -8,7 +8,7 @@ import torch
 
 import dsv41attn.layer as layer_mod
 from dsv41attn.ops.common import triton as common_triton
-from dsv41attn.tuning import Setting, parse_setting, parse_variant, tuned
+from dsv41attn.tuning import Setting, parse_setting, parse_variant, settable, tuned
 
 
 @pytest.mark.parametrize("text,value", [
@@ -43,9 +43,12 @@ def test_values_parse_as_the_constants_type(text, value):
     ("layer.PREFETCH_MAX_ROWS=1.5", ["'1.5'", "int"]),
     ("layer.PREFETCH_MAX_ROWS=", ["''", "int"]),
     ("ops.linear.triton.SWAP_WS=maybe", ["'maybe'", "bool", "on"]),
-    ("ops.common.quant.FP8_BLOCK=16", ["FP8_BLOCK", "imported"]),
+    ("ops.linear.gluon.SWAP_BK=64", ["SWAP_BK", "imported by name"]),
+    ("ops.common.quant.FP4_MAX=5", ["dsv41attn.ops.common.quant", "no settable", "formats"]),
+    ("ops.linear.reference.FP8_BLOCK=16", ["reference"]),
+    ("cli.TP_ERROR_GRACE_S=1", ["dsv41attn.cli", "no settable"]),
     ("ops.linear.gluon.BLOCK_K=32", ["BLOCK_K", "default argument", "unsupported"]),
-    ("config.PRESETS=1", ["PRESETS", "dict"]),
+    ("ops.linear.triton.DENSE_BLOCK_K=1", ["DENSE_BLOCK_K", "dict"]),
 ])
 def test_bad_settings_are_refused_naming_what_is_wrong(text, names):
     with pytest.raises(ValueError) as e:
@@ -290,3 +293,27 @@ def test_a_setting_reaches_the_planners():
     assert attn._pick_splits(10) == (-(-10 // attn.SPLIT_BLOCKS), attn.SPLIT_BLOCKS)
     with tuned([parse_setting("ops.sparse_attn.triton.SPLIT_BLOCKS=3")]):
         assert attn._pick_splits(10) == (4, 3)
+
+
+def test_settable_lists_what_a_setting_may_name_with_its_comment():
+    """bench --settings' list: every entry parses as a setting of its own value, the fast
+    path's switches are there with their comments (a group of constants under one comment
+    shares it), and no reference or shared-format constant is."""
+    listed = {str(s).split("=")[0]: (s, c) for s, c in settable()}
+    for key, (s, _) in listed.items():
+        assert parse_setting(f"{key}={s.value}") == s
+    assert "layer.PREFETCH_MAX_ROWS" in listed and "ops.linear.triton.SWAP_WS" in listed
+    assert listed["ops.common.prefetch.CHUNK"][1] == "bytes a prefetch instruction asks for"
+    assert listed["layer.QUERY_PREFETCH_BYTES"][1].startswith("The L2 prefetch")
+    assert not any(k.startswith(("ops.common.quant.", "ops.common.packing.")) or ".reference." in k
+                   for k in listed)
+    assert "ops.common.quant.FP4_MAX" not in listed and "ops.linear.gluon.SWAP_BK" not in listed
+    assert all(k.startswith("layer.") for k in (str(s) for s, _ in settable(["layer"])))
+
+
+def test_bench_settings_lists_them_without_a_gpu(capsys):
+    from dsv41attn.cli import main
+    assert main(["bench", "--settings"]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(settable())} constants --variant may set" in out
+    assert "  layer.PREFETCH_MAX_ROWS=0 " in out and "ops.linear.triton.SWAP_WS=False" in out
