@@ -1172,7 +1172,8 @@ def main(args) -> int:
               f"{'floor':>8}{'ratio':>7}{'GB/s':>7}{'copy%':>7}{'TFLOP/s':>9}")
         rows = [int(v) for v in args.rows.split(",") if v] if getattr(args, "rows", None) \
             else GEMM_ROWS
-        for r in bench_gemm(copy_bw, rows=rows, variants=variants, rounds=rounds):
+        gemm_rows = bench_gemm(copy_bw, rows=rows, variants=variants, rounds=rounds)
+        for r in gemm_rows:
             first = r["variant"] == variants[0][0]
             vs = "-" if first else f"{r['vs_first%']:+.1f}%"
             diff = "-" if "diff" not in r else str(r["diff"])
@@ -1195,6 +1196,8 @@ def main(args) -> int:
             print(f"{r['form']:<15}{r['rows']:>6}{r['us']:>9.1f}{r['floor_us']:>8.1f}"
                   f"{r['ratio']:>7.2f}  {same}")
         if args.part == "gemm":
+            if args.csv:
+                _write_csv(args.csv, gemm_rows, GEMM_FIELDS)
             if failed:
                 print(f"{len(failed)} case(s) failed:", *failed, sep="\n  ")
             return 1 if failed else 0
@@ -1253,10 +1256,7 @@ def main(args) -> int:
               "triton_eager_us", "reference_us", "compiled_us", "floor_us", "ratio", "TFLOP/s", "GB/s", "speedup_reference",
               "speedup_compiled", "flops", "bytes", "tp", "allreduce_bytes", "allreduce_GB/s"]
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-            w.writeheader()
-            w.writerows(rows)
+        _write_csv(args.csv, rows, fields)
     replays = "one by one from an idle GPU" if args.idle_replays else \
         "steps queued back to back; a prefill call queued while the GPU is held"
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s; times in us (median); triton = CUDA-graph "
@@ -1331,6 +1331,17 @@ def main(args) -> int:
         print(f"{len(failed)} case(s) failed:", *failed, sep="\n  ")
         return 1
     return 0
+
+
+GEMM_FIELDS = ["weight", "N", "K", "rows", "variant", "us", "vs_first%", "diff", "floor_us",
+               "ratio", "GB/s", "copy%", "TFLOP/s"]
+
+
+def _write_csv(path: str, rows: list[dict], fields: list[str]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
 
 
 def _print_variants(variants, rounds: int) -> None:

@@ -731,6 +731,9 @@ def bench_cmd(args: argparse.Namespace) -> int:
     """GPU timings of the Triton kernels against the reference path (needs CUDA + triton)."""
     if args.settings:
         return _print_settings()
+    if args.csv and args.part not in ("layers", "gemm", "all"):
+        raise CliError(f"--csv writes the layers part's rows (--part layers or all) or the "
+                       f"gemm part's (--part gemm); --part {args.part} has none to write")
     if args.variant:
         if args.part not in ("layers", "gemm"):
             raise CliError(f"--variant times the layers and gemm parts only; got --part "
@@ -951,7 +954,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Time one V4.1-Flash layer per role and the sparse-attention "
                                     "kernel alone on a CUDA GPU, against the reference path "
                                     "and the floor (FLOPs and bytes moved).")
-    bn.add_argument("--csv", metavar="FILE", help="also write the layer rows as CSV")
+    bn.add_argument("--csv", metavar="FILE",
+                    help="also write the layer rows as CSV (--part layers or all; with "
+                         "--part gemm the fp8 linears' rows)")
     bn.add_argument("--part", choices=("layers", "sparse_attn", "indexer", "gemm", "all",
                                        "attn_variants", "attn_kernels"),
                     default="all",

@@ -81,6 +81,7 @@ ERRORS = [  # (argv, strings the message must contain); {tmp} is a fresh directo
     (["bench", "--variant", "a", "--part", "sparse_attn"], ["--variant", "--part gemm"]),
     (["bench", "--part", "layers", "--rows", "64"], ["--rows", "layers"]),
     (["bench", "--part", "gemm", "--rows", "1,0"], ["--rows", "'1,0'"]),
+    (["bench", "--part", "indexer", "--csv", "{tmp}/x.csv"], ["--csv", "indexer"]),
     (["frob"], ["'frob'"]),
     ([], ["COMMAND"]),
 ]

@@ -317,3 +317,22 @@ def test_bench_settings_lists_them_without_a_gpu(capsys):
     out = capsys.readouterr().out
     assert f"{len(settable())} constants --variant may set" in out
     assert "  layer.PREFETCH_MAX_ROWS=0 " in out and "ops.linear.triton.SWAP_WS=False" in out
+
+
+def test_bench_gemm_csv(fake_bench, monkeypatch, tmp_path):
+    """bench --part gemm --csv writes the fp8 linears' rows (it wrote nothing before)."""
+    import csv
+    bench = fake_bench
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    monkeypatch.setattr(bench, "bench_gemm", lambda copy_bw, rows, variants, rounds: [
+        {"weight": "wo_b", "N": 5120, "K": 8192, "rows": m, "variant": "default", "us": 20.0,
+         "floor_us": 14.0, "ratio": 20 / 14, "GB/s": 2000.0, "copy%": 66.0, "TFLOP/s": 1.0,
+         "vs_first%": 0.0} for m in rows])
+    monkeypatch.setattr(bench, "bench_wo_a", lambda copy_bw: [])
+    path = tmp_path / "g.csv"
+    assert bench.main(_bench_args(part="gemm", rows="1,8", csv=str(path))) == 0
+    got = list(csv.DictReader(path.open()))
+    assert [(r["weight"], r["rows"], r["us"]) for r in got] == [("wo_b", "1", "20.0"),
+                                                                ("wo_b", "8", "20.0")]
+    assert list(got[0]) == bench.GEMM_FIELDS
