@@ -1377,7 +1377,12 @@ def plot_csv(csv_path: str, png_path: str) -> None:
     except ImportError as e:
         raise SystemExit(f"plot needs matplotlib (pip install 'dsv41attn[plot]'): {e}") from e
     with open(csv_path, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("ratio") not in (None, "", "nan")]
+        reader = csv.DictReader(f)
+        missing = {"role", "kind", "batch", "context", "ratio"} - set(reader.fieldnames or ())
+        if missing:
+            raise SystemExit(f"{csv_path}: not a layers CSV of bench --csv (plot draws the "
+                             f"layer rows; missing columns {sorted(missing)})")
+        rows = [r for r in reader if r.get("ratio") not in (None, "", "nan")]
     if not rows:
         raise SystemExit(f"{csv_path}: no rows with a ratio")
     # a bar series per role, and per variant where the file has several (bench --variant)

@@ -336,3 +336,11 @@ def test_bench_gemm_csv(fake_bench, monkeypatch, tmp_path):
     assert [(r["weight"], r["rows"], r["us"]) for r in got] == [("wo_b", "1", "20.0"),
                                                                 ("wo_b", "8", "20.0")]
     assert list(got[0]) == bench.GEMM_FIELDS
+
+
+def test_plot_refuses_a_csv_that_is_not_the_layers(tmp_path):
+    from dsv41attn.bench import GEMM_FIELDS, plot_csv
+    path = tmp_path / "g.csv"
+    path.write_text(",".join(GEMM_FIELDS) + "\nwo_b,5120,8192,1,default,20,0,,14,1.4,2000,66,1\n")
+    with pytest.raises(SystemExit, match="not a layers CSV.*'batch'.*'role'"):
+        plot_csv(str(path), str(tmp_path / "g.png"))
