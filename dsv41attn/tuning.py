@@ -50,6 +50,21 @@ class Setting:
         return f"{self.module[len(PACKAGE) + 1:]}.{self.name}={self.value}"
 
 
+# Where the fast path's constants live: the layer and the ops' kernel modules. Not the
+# reference ops, nor the formats every backend shares (the quantisation's and the packed
+# rows'): those define the numerics, which no setting may change.
+FAST_PATH = ("layer", "streams", "ops")
+NOT_SETTABLE = ("ops.common.quant", "ops.common.packing", "ops.common.cpu_kernels")
+
+
+def _settable_module(rel: str) -> bool:
+    """Whether ``rel`` (a module path under the package, as settings write it) holds settable
+    constants: under FAST_PATH, not a reference module, not in NOT_SETTABLE."""
+    return any(rel == p or rel.startswith(p + ".") for p in FAST_PATH) and \
+        rel not in NOT_SETTABLE and not rel.endswith(".reference") and \
+        not rel.endswith("__init__")
+
+
 @functools.cache
 def _bound_at_import() -> dict[str, str]:
     """Names the package binds when a module is imported, so that setting the constant later
@@ -141,21 +156,6 @@ def parse_variant(text: str) -> tuple[str, tuple[Setting, ...]]:
     return name, settings
 
 
-# Where the fast path's constants live: the layer and the ops' kernel modules. Not the
-# reference ops, nor the formats every backend shares (the quantisation's and the packed
-# rows'): those define the numerics, which no setting may change.
-FAST_PATH = ("layer", "streams", "ops")
-NOT_SETTABLE = ("ops.common.quant", "ops.common.packing", "ops.common.cpu_kernels")
-
-
-def _settable_module(rel: str) -> bool:
-    """Whether ``rel`` (a module path under the package, as settings write it) holds settable
-    constants: under FAST_PATH, not a reference module, not in NOT_SETTABLE."""
-    return any(rel == p or rel.startswith(p + ".") for p in FAST_PATH) and \
-        rel not in NOT_SETTABLE and not rel.endswith(".reference") and \
-        not rel.endswith("__init__")
-
-
 def _comment(lines: list[str], lineno: int) -> str:
     """The comment of the assignment on line ``lineno`` (1-based): its inline comment, else the
     comment lines right above it, joined."""
@@ -209,8 +209,8 @@ def _clear_caches() -> None:
         if mod is None or not (mod_name == PACKAGE or mod_name.startswith(PACKAGE + ".")):
             continue
         for value in list(vars(mod).values()):
-            if callable(getattr(value, "cache_clear", None)) and \
-                    getattr(value, "__module__", None) == mod_name and value is not _bound_at_import:
+            if callable(getattr(value, "cache_clear", None)) and value is not _bound_at_import \
+                    and getattr(value, "__module__", None) == mod_name:
                 value.cache_clear()
 
 
