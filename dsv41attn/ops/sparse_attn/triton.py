@@ -675,14 +675,16 @@ def _check(name: str, t, shape: tuple, dtype: torch.dtype) -> None:
     """Raise unless t is a tensor of ``dtype`` shaped ``shape`` (a str entry: any size), naming
     the argument, its shape and dtype and what is wanted: ValueError for a rank or size,
     TypeError for a dtype."""
-    want = "[" + ", ".join(map(str, shape)) + "] " + str(dtype).removeprefix("torch.")
+    def want() -> str:  # the message's parts, made only for a message (host time per call)
+        return "[" + ", ".join(map(str, shape)) + "] " + str(dtype).removeprefix("torch.")
+
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a {want} tensor, got {type(t).__name__}")
-    got = f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
-    if t.dim() != len(shape) or any(isinstance(w, int) and n != w for n, w in zip(t.shape, shape)):
-        raise ValueError(f"{name} must be {want}, got {got}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must be {want}, got {got}")
+        raise ValueError(f"{name} must be a {want()} tensor, got {type(t).__name__}")
+    bad_shape = t.dim() != len(shape) or \
+        any(isinstance(w, int) and n != w for n, w in zip(t.shape, shape))
+    if bad_shape or t.dtype != dtype:
+        got = f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+        raise (ValueError if bad_shape else TypeError)(f"{name} must be {want()}, got {got}")
 
 
 def check_paged_inputs(q, sink, window_ring, new_rows, window_ids, compressed_pool,
