@@ -735,9 +735,9 @@ def bench_cmd(args: argparse.Namespace) -> int:
         raise CliError(f"--csv writes the layers part's rows (--part layers or all) or the "
                        f"gemm part's (--part gemm); --part {args.part} has none to write")
     if args.variant:
-        if args.part not in ("layers", "gemm"):
-            raise CliError(f"--variant times the layers and gemm parts only; got --part "
-                           f"{args.part}: pass --part layers or --part gemm")
+        if args.part not in ("layers", "gemm", "sparse_attn"):
+            raise CliError(f"--variant times the layers, gemm and sparse_attn parts only; got "
+                           f"--part {args.part}: pass one of those")
         names = [name for name, _ in args.variant]
         if len(set(names)) < len(names):
             raise CliError(f"--variant: each variant needs a name of its own, got {names}")
@@ -1005,8 +1005,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: 1,8,64,256,4096,8192)")
     bn.add_argument("--variant", type=_variant, action="append", default=[],
                     metavar="NAME[:PATH.NAME=VALUE,...]",
-                    help="with --part layers or gemm: time every layer case (every fp8 "
-                         "linear; wo_a under the first only) under each variant "
+                    help="with --part layers, gemm or sparse_attn: time every layer case "
+                         "(every fp8 linear, wo_a under the first only; the attention's "
+                         "decode cases, its prefill under the first only) under each variant "
                          "(repeat the option), a variant being the defaults with some of "
                          "the fast path's module constants set (--settings lists them), "
                          "e.g. --variant base --variant "

@@ -209,3 +209,22 @@ def test_gemm_variants_time_each_setting_and_count_differing_bits():
     for r in rows:
         assert "failed" not in r and math.isfinite(r["us"]) and r["ratio"] >= 0.9, r
     assert [r["diff"] for r in rows if r["variant"] == "swap"] == [0, 0, 0, 0]
+
+
+def test_sparse_attn_variants_time_each_and_count_differing_bits():
+    """bench --part sparse_attn --variant: a row per batch and variant; the same settings
+    twice give the same bits (the kernel is deterministic), and a split of 4 blocks instead
+    of the default is timed and its bits counted."""
+    from dsv41attn.bench import bench_sparse_attn, measure_copy_bandwidth
+    from dsv41attn.tuning import parse_variant
+    variants = [parse_variant("base"), parse_variant("again"),
+                parse_variant("split4:ops.sparse_attn.triton.SPLIT_BLOCKS=4")]
+    rows = bench_sparse_attn(measure_copy_bandwidth(256 << 20), batches=(1, 64),
+                             variants=variants, rounds=2)
+    assert [(r["batch"], r["variant"]) for r in rows] == [
+        (b, v) for b in (1, 64) for v in ("base", "again", "split4")]
+    for r in rows:
+        assert "failed" not in r and math.isfinite(r["us"]) and r["us"] > 0, r
+        assert r["rel_err"] < 1e-2, r
+    assert [r["diff"] for r in rows if r["variant"] == "again"] == [0, 0]
+    assert all(isinstance(r["diff"], int) for r in rows if r["variant"] == "split4")

@@ -78,7 +78,7 @@ ERRORS = [  # (argv, strings the message must contain); {tmp} is a fresh directo
     (["bench", "--part", "layers", "--variant", "a", "--variant", "a:layer.PREFETCH_MAX_ROWS=1"],
      ["--variant", "['a', 'a']"]),
     (["bench", "--variant", "a", "--variant-rounds", "0"], ["--variant-rounds", "'0'"]),
-    (["bench", "--variant", "a", "--part", "sparse_attn"], ["--variant", "--part gemm"]),
+    (["bench", "--variant", "a", "--part", "indexer"], ["--variant", "sparse_attn"]),
     (["bench", "--part", "layers", "--rows", "64"], ["--rows", "layers"]),
     (["bench", "--part", "gemm", "--rows", "1,0"], ["--rows", "'1,0'"]),
     (["bench", "--part", "indexer", "--csv", "{tmp}/x.csv"], ["--csv", "indexer"]),

@@ -344,3 +344,42 @@ def test_plot_refuses_a_csv_that_is_not_the_layers(tmp_path):
     path.write_text(",".join(GEMM_FIELDS) + "\nwo_b,5120,8192,1,default,20,0,,14,1.4,2000,66,1\n")
     with pytest.raises(SystemExit, match="not a layers CSV.*'batch'.*'role'"):
         plot_csv(str(path), str(tmp_path / "g.png"))
+
+
+def test_bench_main_prints_the_variants_of_the_sparse_attn_part(fake_bench, monkeypatch,
+                                                                capsys):
+    bench = fake_bench
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    seen = {}
+
+    def fake_attn(copy_bw, variants, rounds):
+        seen.update(variants=[v for v, _ in variants], rounds=rounds)
+        rows = []
+        for i, (v, _) in enumerate(variants):
+            r = {"batch": 8, "variant": v, "us": 30.0 - i, "invariant_us": 31.0, "floor_us": 10.0,
+                 "ratio": 3.0, "GB/s": 1.0, "copy%": 30.0, "vs_first%": -10.0 * i}
+            if v != "bad":
+                r.update(rel_err=1e-3, launch_us=40.0)
+            else:
+                r["failed"] = ["ValueError: no"]
+            if i:
+                r["diff"] = 0
+            rows.append(r)
+        return rows
+
+    prefill_settings = []
+    monkeypatch.setattr(bench, "bench_sparse_attn", fake_attn)
+    monkeypatch.setattr(bench, "bench_sparse_attn_prefill", lambda copy_bw: prefill_settings.append(
+        layer_mod.PREFETCH_MAX_ROWS) or [])
+    args = _bench_args(part="sparse_attn")
+    args.variant = [parse_variant("a:layer.PREFETCH_MAX_ROWS=3"), parse_variant("b")]
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    assert seen == {"variants": ["a", "b"], "rounds": 2} and prefill_settings == [3]
+    lines = [line.split() for line in out.splitlines() if line.startswith("     8")]
+    assert [(w[1], w[3], w[4], w[9]) for w in lines] == [("a", "-", "-", "1.0e-03"),
+                                                         ("b", "-10.0%", "0", "1.0e-03")], out
+    args.variant.append(parse_variant("bad"))
+    assert bench.main(args) == 1
+    assert "sparse_attn b=8 [bad] ValueError: no" in capsys.readouterr().out
