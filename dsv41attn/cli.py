@@ -1002,7 +1002,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "a model's previous layer")
     bn.add_argument("--rows", metavar="LIST",
                     help="--part gemm: the token rows of each fp8 linear, e.g. 32,64,128,256 "
-                         "(default: 1,8,64,256,4096,8192)")
+                         "(default: bench.GEMM_ROWS, decode batches to an 8K prefill)")
     bn.add_argument("--variant", type=_variant, action="append", default=[],
                     metavar="NAME[:PATH.NAME=VALUE,...]",
                     help="with --part layers, gemm or sparse_attn: time every layer case "
