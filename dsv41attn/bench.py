@@ -355,7 +355,7 @@ class RoleBench:
         (``_held_ms``; the hold doubles until the host is ahead), as a model's layers follow
         one another; else from an idle GPU, the host's time to each launch included (the
         tables before the twenty-fifth session)."""
-        self._prefill(tokens, lambda call: call())
+        self.prefill_output(tokens)  # the warm-up
         times = []
         for _ in range(reps):
             if not queued:
@@ -509,6 +509,28 @@ def _differing(a: torch.Tensor, b: torch.Tensor) -> int:
     """Elements of ``a`` and ``b`` (same shape and dtype) whose bits differ."""
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return int((a.view(bits) != b.view(bits)).sum())
+
+
+def _rate(case: list[dict], floor: float, nbytes: float, copy_bw: float,
+          flops: float | None = None) -> None:
+    """A part's rows of one case (a row per variant, "us" set): the floor (seconds) and each
+    row's ratio to it, bandwidth, share of copy_bw, TFLOP/s (given flops) and time against
+    the first variant's."""
+    for row in case:
+        us = row["us"]
+        row.update({"floor_us": floor * 1e6, "ratio": us * 1e-6 / floor,
+                    "GB/s": nbytes / (us * 1e-6) / 1e9,
+                    "copy%": 100 * nbytes / (us * 1e-6) / copy_bw,
+                    "vs_first%": 100 * (us / case[0]["us"] - 1)})
+        if flops is not None:
+            row["TFLOP/s"] = flops / (us * 1e-6) / 1e12
+
+
+def _failed(row: dict, e: Exception) -> None:
+    """A variant's case that raised: no time, its reason kept (the GPU's queue drained)."""
+    row["us"] = float("nan")
+    row.setdefault("failed", []).append(f"{type(e).__name__}: {e}"[:300])
+    torch.cuda.synchronize()
 
 
 def _timed(row: dict, key: str, fn, fn_args, log, label: str, keep_min: bool = False) -> None:
@@ -709,15 +731,8 @@ def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128
                             ms = _graph_ms(lambda f=f: [f(*args) for args in sets], len(sets))
                             row[key] = min(row[key], ms * 1e3)
                 except Exception as e:  # noqa: BLE001 - reported, the other variants run
-                    row["us"] = float("nan")
-                    row.setdefault("failed", []).append(f"{type(e).__name__}: {e}"[:300])
-                    torch.cuda.synchronize()
-        for row in case:
-            us = row["us"]
-            row.update({"floor_us": floor * 1e6, "ratio": us * 1e-6 / floor,
-                        "GB/s": nbytes / (us * 1e-6) / 1e9,
-                        "copy%": 100 * nbytes / (us * 1e-6) / copy_bw,
-                        "vs_first%": 100 * (us / case[0]["us"] - 1)})
+                    _failed(row, e)
+        _rate(case, floor, nbytes, copy_bw)
         rows += case
     return rows
 
@@ -965,9 +980,7 @@ def bench_gemm(copy_bw: float, rows=GEMM_ROWS, names=GEMM_WEIGHTS, layer: int = 
                         with tuned(settings):
                             row["us"] = min(row["us"], _graph_ms(call, calls=len(copies)) * 1e3)
                     except Exception as e:  # noqa: BLE001 - reported, the other variants run
-                        row["us"] = float("nan")
-                        row.setdefault("failed", []).append(f"{type(e).__name__}: {e}"[:300])
-                        torch.cuda.synchronize()
+                        _failed(row, e)
             if len(variants) > 1:
                 first = None
                 for i, (row, (_, settings)) in enumerate(zip(case, variants)):
@@ -981,13 +994,7 @@ def bench_gemm(copy_bw: float, rows=GEMM_ROWS, names=GEMM_WEIGHTS, layer: int = 
                         first = y
                     elif first is not None:
                         row["diff"] = _differing(y, first)
-            for row in case:
-                us = row["us"]
-                row.update({"floor_us": floor * 1e6, "ratio": us * 1e-6 / floor,
-                            "GB/s": nbytes / (us * 1e-6) / 1e9,
-                            "copy%": 100 * nbytes / (us * 1e-6) / copy_bw,
-                            "TFLOP/s": flops / (us * 1e-6) / 1e12,
-                            "vs_first%": 100 * (us / case[0]["us"] - 1)})
+            _rate(case, floor, nbytes, copy_bw, flops)
             out += case
         copies.clear()  # this weight's copies go before the next weight's are made
         torch.cuda.empty_cache()
@@ -1187,13 +1194,13 @@ def main(args) -> int:
     compare = len(variants) > 1
     if compare:
         _print_variants(variants, rounds)
+    vwidth = max(9, 2 + max(len(v) for v, _ in variants))  # the variant column
     failed = []
     if args.part in ("gemm", "all"):
         copy_bw = measure_copy_bandwidth()
         print(f"fp8 linears alone (act_quant + GEMM, bf16 out), V4.1-Flash; copy "
               f"{copy_bw / 1e12:.2f} TB/s; us = CUDA-graph replay, weights streamed from HBM")
-        width = max(9, 2 + max(len(v) for v, _ in variants))
-        print(f"{'weight':<14}{'N x K':>13}{'rows':>6}" + (f"  {'variant':<{width}}" if compare
+        print(f"{'weight':<14}{'N x K':>13}{'rows':>6}" + (f"  {'variant':<{vwidth}}" if compare
                                                            else "") +
               f"{'us':>9}" + (f"{'vs':>8}{'diff':>9}" if compare else "") +
               f"{'floor':>8}{'ratio':>7}{'GB/s':>7}{'copy%':>7}{'TFLOP/s':>9}")
@@ -1205,7 +1212,7 @@ def main(args) -> int:
             vs = "-" if first else f"{r['vs_first%']:+.1f}%"
             diff = "-" if "diff" not in r else str(r["diff"])
             print(f"{r['weight']:<14}{r['N']:>7}x{r['K']:<5}{r['rows']:>6}" +
-                  (f"  {r['variant']:<{width}}" if compare else "") + f"{r['us']:>9.1f}" +
+                  (f"  {r['variant']:<{vwidth}}" if compare else "") + f"{r['us']:>9.1f}" +
                   (f"{vs:>8}{diff:>9}" if compare else "") +
                   f"{r['floor_us']:>8.1f}{r['ratio']:>7.2f}{r['GB/s']:>7.0f}{r['copy%']:>6.0f}%"
                   f"{r['TFLOP/s']:>9.0f}")
@@ -1247,8 +1254,7 @@ def main(args) -> int:
         print(f"sparse attention alone, decode, 640 packed rows per query; copy {copy_bw / 1e12:.2f} "
               "TB/s; us = CUDA-graph replay (default mode), invariant = batch_invariant=True, "
               "launch = one eager call")
-        width = max(9, 2 + max(len(v) for v, _ in variants))
-        print(f"{'batch':>6}" + (f"  {'variant':<{width}}" if compare else "") + f"{'us':>9}"
+        print(f"{'batch':>6}" + (f"  {'variant':<{vwidth}}" if compare else "") + f"{'us':>9}"
               + (f"{'vs':>8}{'diff':>9}" if compare else "") +
               f"{'floor':>9}{'ratio':>7}{'GB/s':>7}{'copy%':>7}{'rel err':>9}"
               f"{'invariant':>10}{'launch':>8}")
@@ -1257,7 +1263,7 @@ def main(args) -> int:
             diff = str(r["diff"]) if "diff" in r else "-"
             err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
             launch = f"{r['launch_us']:.1f}" if "launch_us" in r else "-"
-            print(f"{r['batch']:>6}" + (f"  {r['variant']:<{width}}" if compare else "") +
+            print(f"{r['batch']:>6}" + (f"  {r['variant']:<{vwidth}}" if compare else "") +
                   f"{r['us']:>9.1f}" + (f"{vs:>8}{diff:>9}" if compare else "") +
                   f"{r['floor_us']:>9.1f}{r['ratio']:>7.1f}"
                   f"{r['GB/s']:>7.0f}{r['copy%']:>6.0f}%{err:>9}"
@@ -1309,8 +1315,7 @@ def main(args) -> int:
               "heads; every cache row and index key read whole) plus its all-reduce bytes at "
               f"{rows[0]['allreduce_GB/s']:.0f} GB/s, an fp32 all-reduce of 256 MB measured "
               "over the ranks")
-    width = max(9, 2 + max(len(name) for name, _ in variants))
-    print(f"{'role':<14}{'kind':<8}" + (f"{'variant':<{width}}" if compare else "") +
+    print(f"{'role':<14}{'kind':<8}" + (f"{'variant':<{vwidth}}" if compare else "") +
           f"{'batch':>6}{'context':>9}{'triton':>9}"
           + (f"{'vs':>8}{'diff':>9}" if compare else "") +
           f"{'facts':>7}{'floor':>8}{'ratio':>7}"
@@ -1323,7 +1328,7 @@ def main(args) -> int:
 
     for r in rows:
         vs = f"{fmt(r, 'vs_first%', '+.1f')}%" if r["variant"] != variants[0][0] else "-"
-        print(f"{r['role']:<14}{r['kind']:<8}" + (f"{r['variant']:<{width}}" if compare else "") +
+        print(f"{r['role']:<14}{r['kind']:<8}" + (f"{r['variant']:<{vwidth}}" if compare else "") +
               f"{r['batch']:>6}{r['context']:>9}{fmt(r, 'triton_us'):>9}" +
               (f"{vs:>8}{fmt(r, 'diff', 'd'):>9}" if compare else "") +
               f"{fmt(r, 'triton_facts_us'):>7}{r['floor_us']:>8.1f}"

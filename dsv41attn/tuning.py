@@ -57,12 +57,30 @@ FAST_PATH = ("layer", "streams", "ops")
 NOT_SETTABLE = ("ops.common.quant", "ops.common.packing", "ops.common.cpu_kernels")
 
 
+def _under(rel: str, prefixes: Iterable[str]) -> bool:
+    """Whether module path ``rel`` is one of ``prefixes`` or inside one."""
+    return any(rel == p or rel.startswith(p + ".") for p in prefixes)
+
+
 def _settable_module(rel: str) -> bool:
     """Whether ``rel`` (a module path under the package, as settings write it) holds settable
     constants: under FAST_PATH, not a reference module, not in NOT_SETTABLE."""
-    return any(rel == p or rel.startswith(p + ".") for p in FAST_PATH) and \
-        rel not in NOT_SETTABLE and not rel.endswith(".reference") and \
-        not rel.endswith("__init__")
+    return _under(rel, FAST_PATH) and rel not in NOT_SETTABLE and \
+        not rel.endswith(".reference") and not rel.endswith("__init__")
+
+
+@functools.cache
+def _sources() -> tuple[tuple[str, str, list[str], ast.Module], ...]:
+    """The package's modules, read and parsed once: (module path as settings write it, file
+    path from the package's parent, source lines, syntax tree)."""
+    root = Path(__file__).parent
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        out.append((path.relative_to(root).with_suffix("").as_posix().replace("/", "."),
+                    path.relative_to(root.parent).as_posix(), text.splitlines(),
+                    ast.parse(text, str(path))))
+    return tuple(out)
 
 
 @functools.cache
@@ -71,11 +89,9 @@ def _bound_at_import() -> dict[str, str]:
     would not reach them: name -> where (the first place found). Those some module imports by
     name (``from .quant import FP8_BLOCK``), and those a function takes as a default argument
     value (``def f(n=SPLIT_BLOCKS)``: the value at import)."""
-    root = Path(__file__).parent
     bound: dict[str, str] = {}
-    for path in sorted(root.rglob("*.py")):
-        where = path.relative_to(root.parent).as_posix()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for _, where, _, tree in _sources():
+        for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 for alias in node.names:
                     bound.setdefault(alias.asname or alias.name, f"imported by name in {where}")
@@ -177,19 +193,15 @@ def settable(prefixes: Iterable[str] = FAST_PATH) -> list[tuple[Setting, str]]:
     as settings write them; a module that cannot be imported here, e.g. without Triton, is
     left out), with its current value and its comment, in source order: what ``bench
     --settings`` lists."""
-    root = Path(__file__).parent
     found = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).with_suffix("").as_posix().replace("/", ".")
-        if not _settable_module(rel) or \
-                not any(rel == p or rel.startswith(p + ".") for p in prefixes):
+    for rel, _, lines, tree in _sources():
+        if not _settable_module(rel) or not _under(rel, prefixes):
             continue
         try:
             mod = importlib.import_module(f"{PACKAGE}.{rel}")
         except ImportError:
             continue
-        lines = path.read_text().splitlines()
-        for node in ast.parse("\n".join(lines)).body:
+        for node in tree.body:
             if not (isinstance(node, (ast.Assign, ast.AnnAssign))):
                 continue
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -203,13 +215,16 @@ def settable(prefixes: Iterable[str] = FAST_PATH) -> list[tuple[Setting, str]]:
     return found
 
 
+_THIS = sys.modules[__name__]  # its caches read the source files, not the constants
+
+
 def _clear_caches() -> None:
     """Forget what the package's cached functions computed from the constants."""
     for mod_name, mod in list(sys.modules.items()):
         if mod is None or not (mod_name == PACKAGE or mod_name.startswith(PACKAGE + ".")):
             continue
         for value in list(vars(mod).values()):
-            if callable(getattr(value, "cache_clear", None)) and value is not _bound_at_import \
+            if callable(getattr(value, "cache_clear", None)) and mod is not _THIS \
                     and getattr(value, "__module__", None) == mod_name:
                 value.cache_clear()
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton import interpreting, is_hopper
+from .triton import cdiv, interpreting, is_hopper
 
 CHUNK = 64 * 1024  # bytes a prefetch instruction asks for
 LANES = 128  # prefetches a program issues (one a thread)
@@ -72,7 +72,7 @@ def l2_prefetch(tensors, max_bytes: int | None = None) -> int:
         base, nbytes = prefetch_span(t, budget)
         if nbytes == 0:
             continue
-        grid = (triton.cdiv(nbytes, CHUNK * LANES),)
+        grid = (cdiv(nbytes, CHUNK * LANES),)
         _l2_prefetch_kernel[grid](base, nbytes, CHUNK=CHUNK, LANES=LANES, num_warps=LANES // 32)
         asked += nbytes
         if budget is not None:
