@@ -197,18 +197,18 @@ def test_variants_time_each_setting_and_count_differing_bits():
 
 def test_gemm_variants_time_each_setting_and_count_differing_bits():
     """bench --part gemm --variant: fp8_linear timed under each variant in graphs captured
-    under its settings; the swapped Gluon tiles (SWAP_WS) promise the Triton tiles' bits, so
-    the diff column is 0 at every row count (1 row: the same plan either way)."""
+    under its settings; the swapped Gluon tiles (SWAP_WS, the default) promise the Triton
+    tiles' bits, so the diff column is 0 at every row count (1 row: the same plan either way)."""
     from dsv41attn.bench import bench_gemm, measure_copy_bandwidth
     from dsv41attn.tuning import parse_variant
-    variants = [parse_variant("base"), parse_variant("swap:ops.linear.triton.SWAP_WS=1")]
+    variants = [parse_variant("base"), parse_variant("triton:ops.linear.triton.SWAP_WS=0")]
     rows = bench_gemm(measure_copy_bandwidth(256 << 20), rows=(1, 128), names=("wq_b", "wo_b"),
                       min_bytes=128 << 20, variants=variants, rounds=2)
     assert [(r["weight"], r["rows"], r["variant"]) for r in rows] == [
-        (w, m, v) for w in ("wq_b", "wo_b") for m in (1, 128) for v in ("base", "swap")]
+        (w, m, v) for w in ("wq_b", "wo_b") for m in (1, 128) for v in ("base", "triton")]
     for r in rows:
         assert "failed" not in r and math.isfinite(r["us"]) and r["ratio"] >= 0.9, r
-    assert [r["diff"] for r in rows if r["variant"] == "swap"] == [0, 0, 0, 0]
+    assert [r["diff"] for r in rows if r["variant"] == "triton"] == [0, 0, 0, 0]
 
 
 def test_sparse_attn_variants_time_each_and_count_differing_bits():

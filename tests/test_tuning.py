@@ -316,7 +316,7 @@ def test_bench_settings_lists_them_without_a_gpu(capsys):
     assert main(["bench", "--settings"]) == 0
     out = capsys.readouterr().out
     assert f"{len(settable())} constants --variant may set" in out
-    assert "  layer.PREFETCH_MAX_ROWS=0 " in out and "ops.linear.triton.SWAP_WS=False" in out
+    assert "  layer.PREFETCH_MAX_ROWS=0 " in out and "ops.linear.triton.SWAP_WS=True" in out
 
 
 def test_bench_gemm_csv(fake_bench, monkeypatch, tmp_path):

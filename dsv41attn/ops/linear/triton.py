@@ -953,32 +953,34 @@ SQUARE_WS_MIN_M = 128
 # The decode kernel's VALUES tiles (x's bf16 values: its wide tiles, and at SWAP_WS_MIN_M < 17
 # the 1-64-row ones too) on a Hopper GPU: gluon.fp8_swap_gemm_ws, warp-specialized (a TMA
 # producer warp group, two consumer warp groups each on 64 weight rows, the weight's e4m3
-# codes widened in registers as the wgmma's register operand), the same bits. Its first form
-# (fortieth session, H100): every case of tests/test_fp8_linear_gluon.py's swapped tiles, 1-256
-# rows, 0 differing bits; fp8_linear in a CUDA graph, us, Triton -> Gluon: wq_b 51.4 -> 42.9
-# at 128 rows, 94.1 -> 78.1 at 256; wo_b 69.3 -> 57.6, 132.2 -> 105.0; wq_a 83.3 -> 57.8 at
-# 384; the layer at b = 256: SWA 387 -> 346 us, Full r=2 601 -> 573, Reuse 460 -> 413. At 64
-# rows wq_b lost (30.2 -> 36.4) and wo_b won (49.7 -> 45.3); at 1-32 rows, one wgmma wait a
-# block and a tile an SM, each lost 1.2-2x. Off by default until the form here (the same
-# arithmetic, its steps in helpers; Triton 3.6 needed the accumulator's layout passed as a
-# constant) has run tests/test_fp8_linear_gluon.py on a GPU: no device time was left.
-SWAP_WS = False
+# codes widened in registers as the wgmma's register operand), the same bits. Timed at
+# 322bbca (forty-third session, H100, fp8_linear in a CUDA graph, Triton -> Gluon, 0
+# differing bits in every case; `bench --part gemm --variant`): wq_b 48.6 -> 42.1 us at 96
+# rows, 52.0 -> 43.5 at 128, 94.2 -> 80.0 at 256; wo_b 64.8 -> 55.0, 69.0 -> 56.1, 131.9 ->
+# 102.1, level at 384 (132.8 -> 134.9); the layer at b = 256: SWA 387 -> 345 us, Full r=2
+# 599 -> 564, Reuse 453 -> 413, at b = 128 -5 to -10%. On the small weights it lost where
+# the Triton wide tiles fill the SMs unsplit (indexer.wq_b, 4096 x 1280: 20.4 -> 30.0-33.6
+# us at 192-256 rows) and won on wq_a at 384 rows (82.2 -> 55.4): they run for weights of at
+# least SWAP_WS_MIN_BYTES only (wq_b, wo_b). SWAP_NARROW and SWAP_INFLIGHT (gluon.py) lost
+# 5-98% in the same runs: off.
+SWAP_WS = True
 SWAP_WS_MIN_M = 65  # the token rows from which they run
+SWAP_WS_MIN_BYTES = 16 << 20  # the weights (e4m3 bytes) they run for
 
 
-def _swap_tiles(device: torch.device, k: int) -> bool:
-    """Whether the swapped tiles may run as the Gluon ones on this device for a K of k
-    (SWAP_WS, a Triton with Gluon, a Hopper GPU, no interpreter, whole ring stages); _swap_ws
-    adds what the operands need."""
-    return bool(SWAP_WS and fp8_swap_gemm_ws is not None and not interpreting()
-                and is_hopper(device) and k % SWAP_BK == 0)
+def _swap_tiles(device: torch.device, n: int, k: int) -> bool:
+    """Whether the swapped tiles may run as the Gluon ones on this device for an [n, k] weight
+    (SWAP_WS, at least SWAP_WS_MIN_BYTES, a Triton with Gluon, a Hopper GPU, no interpreter,
+    whole ring stages); _swap_ws adds what the operands need."""
+    return bool(SWAP_WS and n * k >= SWAP_WS_MIN_BYTES and fp8_swap_gemm_ws is not None
+                and not interpreting() and is_hopper(device) and k % SWAP_BK == 0)
 
 
 def _swap_ws(plan: _GemmPlan, x, weight, out) -> bool:
     """Whether the decode kernel's VALUES tiles run as gluon.fp8_swap_gemm_ws on these
     operands: _swap_tiles, the weight and x's values readable by TMA, out bf16 or fp32."""
     return bool(plan.swap and plan.prescaled and x.shape[0] >= SWAP_WS_MIN_M
-                and _swap_tiles(x.device, x.shape[1])
+                and _swap_tiles(x.device, *weight.shape)
                 and weight.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16
                 and _ws_unsupported(x.shape[1], x.device, out, SWAP_BK) is None
                 and _tma_weight(weight) and x.is_contiguous() and x.data_ptr() % 16 == 0)
@@ -1507,7 +1509,7 @@ def _linear_plan(m: int, weight: torch.Tensor, num_splits, precise_dot, device) 
                               sm_count(device), num_splits, precise_dot, tma,
                               _square_min_m(device),
                               narrow_values=tma and m >= SWAP_WS_MIN_M
-                              and _swap_tiles(device, weight.shape[1]))
+                              and _swap_tiles(device, *weight.shape))
 
 
 def _linear_shape_plan(m: int, n: int, kb: int, sms: int, num_splits, precise_dot,
