@@ -1011,7 +1011,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(repeat the option), a variant being the defaults with some of "
                          "the fast path's module constants set (--settings lists them), "
                          "e.g. --variant base --variant "
-                         "pf:layer.PREFETCH_MAX_ROWS=16,layer.QUERY_PREFETCH_BYTES=16M; "
+                         "r4:ops.linear.triton.SPLIT_PROGRAMS_PER_SM=4; "
                          "the variants' times alternate over --variant-rounds rounds (the "
                          "least kept); columns vs and diff: each variant's time against the "
                          "first's and its output elements whose bits differ from the first's")

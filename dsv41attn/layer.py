@@ -38,18 +38,6 @@ if TYPE_CHECKING:
     from .stack import Step
 
 
-# The L2 prefetch (ops.l2_prefetch) in calls of at most PREFETCH_MAX_ROWS rows (where the
-# GEMMs stream their weights: decode; 0 until a GPU run has timed it): the output path's
-# weights while the attention runs, at most PREFETCH_BYTES (wo_a's codes, then the head of
-# wo_b's, within the H100's and H200's 50 MB of L2) on branch stream PREFETCH_BRANCH (the
-# layer's fork uses 0 and 1 at most by then), and the head of wq_b's, QUERY_PREFETCH_BYTES,
-# while wq_a runs.
-PREFETCH_MAX_ROWS = 0
-PREFETCH_BYTES = 40 << 20
-PREFETCH_BRANCH = 2
-QUERY_PREFETCH_BYTES = 0
-
-
 class AttentionLayer:
     """Layer ``weights.layer`` of ``cfg`` with its weights; stateless between calls.
     ``backend``: "reference" (plain torch) or "triton" (Triton kernels where they exist).
@@ -183,14 +171,7 @@ class AttentionLayer:
         scoring = facts is not None and spec.is_index_source and facts.scan > 0
         compresses = facts is not None and spec.is_kv_source
         head_weights = None
-        prefetching = 0 < t <= PREFETCH_MAX_ROWS  # (ops.l2_prefetch: see PREFETCH_MAX_ROWS)
-        # the window K/V branch, the compressor's, then the query prefetch's
-        branches = 1 + compresses + (prefetching and QUERY_PREFETCH_BYTES > 0)
-        with Fork(x.device, ops.capturable, branches=branches) as fork:
-            if branches > 1 + compresses:
-                # wq_b's head into L2 while wq_a runs (wq_a's few MB leave the bus idle)
-                with fork.branch(branches - 1):
-                    ops.l2_prefetch([w.wq_b.weight], QUERY_PREFETCH_BYTES)
+        with Fork(x.device, ops.capturable, branches=2 if compresses else 1) as fork:
             # Window K/V (step 2) and the compressed rows (step 3) read only x and the state:
             # on a CUDA device each runs on a branch stream of its own beside the query path
             # (streams.py).
@@ -227,55 +208,39 @@ class AttentionLayer:
             q = q.view(t, self.heads, cfg.head_dim)  # [T, H, D], RoPE'd
         # joined: the indexer and the attention read the rows the branch wrote
 
-        # The output path's weights into L2 while the indexer and the attention run (a decode
-        # step's memory bus idles there): a hint on a branch stream, joined after wo_b.
-        ahead = self._output_weights() if prefetching else []
-        with Fork(x.device, ops.capturable and bool(ahead), first=PREFETCH_BRANCH) as side:
-            with side.branch():
-                ops.l2_prefetch(ahead, PREFETCH_BYTES)
+        # The selection of compressed rows (step 4).
+        pool = None
+        selected = torch.empty(t, 0, dtype=torch.int32, device=x.device)
+        if facts is not None:
+            selected = self._index(x, q_index, head_weights, state, plan, facts, board) \
+                if spec.is_index_source else board.topk(spec.index_source)
+            pool = state.sources[spec.kv_source].rows
 
-            # The selection of compressed rows (step 4).
-            pool = None
-            selected = torch.empty(t, 0, dtype=torch.int32, device=x.device)
-            if facts is not None:
-                selected = self._index(x, q_index, head_weights, state, plan, facts, board) \
-                    if spec.is_index_source else board.topk(spec.index_source)
-                pool = state.sources[spec.kv_source].rows
+        # Sparse attention with sink (step 5, §6), the ring read in place. Its output comes
+        # with step 6's inverse RoPE applied (on the GPU by the split merge where there is
+        # one: no launch of its own), unless a trace hook reads the output before it.
+        layer_state = state.layers[spec.layer]
+        turned = trace is None
+        o = ops.sparse_attn_paged(q, w.attn_sink, cfg.softmax_scale, layer_state.window,
+                                  new_rows, plan.window_ids, pool, state.block_table,
+                                  plan.token_row, selected,
+                                  out_rot=rot if turned else None)  # [T, H, D]
 
-            # Sparse attention with sink (step 5, §6), the ring read in place. Its output comes
-            # with step 6's inverse RoPE applied (on the GPU by the split merge where there is
-            # one: no launch of its own), unless a trace hook reads the output before it.
-            layer_state = state.layers[spec.layer]
-            turned = trace is None
-            o = ops.sparse_attn_paged(q, w.attn_sink, cfg.softmax_scale, layer_state.window,
-                                      new_rows, plan.window_ids, pool, state.block_table,
-                                      plan.token_row, selected,
-                                      out_rot=rot if turned else None)  # [T, H, D]
-
-            # Inverse RoPE (unless done above) and the grouped output projection (step 6).
-            if trace is not None:
-                trace(self, {"plan": plan, "board": board, "q": q, "new_rows": new_rows,
-                             "window_ring": layer_state.window, "pool": pool,
-                             "selected": selected, "block_table": state.block_table, "o": o})
-            u = ops.inverse_rope_wo_a(o, None if turned else rot, w.wo_a, self.groups,
-                                      **self.wo_a_kw)  # [T, G * Rk]
-            if self.tp is None:
-                y = ops.fp8_linear(u, w.wo_b.weight, w.wo_b.scale)
-            else:  # this rank's fp32 partial, all-reduced in fp32, then bf16
-                y = self.tp.wo_b(ops, u, w.wo_b)
+        # Inverse RoPE (unless done above) and the grouped output projection (step 6).
+        if trace is not None:
+            trace(self, {"plan": plan, "board": board, "q": q, "new_rows": new_rows,
+                         "window_ring": layer_state.window, "pool": pool, "selected": selected,
+                         "block_table": state.block_table, "o": o})
+        u = ops.inverse_rope_wo_a(o, None if turned else rot, w.wo_a, self.groups,
+                                  **self.wo_a_kw)  # [T, G * Rk]
+        if self.tp is None:
+            y = ops.fp8_linear(u, w.wo_b.weight, w.wo_b.scale)
+        else:  # this rank's fp32 partial, all-reduced in fp32, then bf16
+            y = self.tp.wo_b(ops, u, w.wo_b)
 
         if not decode:
             state.write_window(spec.layer, plan, new_rows, undo)
         return y
-
-    def _output_weights(self) -> list[torch.Tensor]:
-        """The weights a call of at most PREFETCH_MAX_ROWS rows streams after its attention,
-        in order: wo_a's (its prepared e4m3 codes where they serve it) and wo_b's e4m3 codes."""
-        w = self.weights
-        codes = self.wo_a_kw.get("codes")
-        wo_a = codes.fp8.weight if codes is not None and codes.serves(w.wo_a) else \
-            getattr(w.wo_a, "weight", w.wo_a)
-        return [wo_a, w.wo_b.weight]
 
     def _compress(self, x: torch.Tensor, state: AttentionState, facts: RatioFacts,
                   undo: UndoLog, semantics: str, decode: bool) -> None:

@@ -50,19 +50,14 @@ def branch_stream(device: torch.device, index: int = 0) -> torch.cuda.Stream:
 class Fork:
     """Fork the caller's current stream into ``branches`` branches on entry, join them on exit
     (see the module doc). ``enabled`` False, or a non-CUDA device: one stream, ``branch(i)``
-    does nothing. ``first``: branch i runs on the device's branch stream ``first + i`` (a fork
-    opened while another is open takes streams the other does not use)."""
+    does nothing."""
 
-    def __init__(self, device: torch.device, enabled: bool = True, branches: int = 1,
-                 first: int = 0):
+    def __init__(self, device: torch.device, enabled: bool = True, branches: int = 1):
         if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
             raise ValueError(f"branches must be an int >= 1, got {branches!r}")
-        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-            raise ValueError(f"first must be an int >= 0, got {first!r}")
         on = bool(enabled) and device.type == "cuda"
         self.main = torch.cuda.current_stream(device) if on else None
-        # branch i runs on the device's branch stream first + i
-        self.streams = [branch_stream(device, first + i) for i in range(branches)] if on else []
+        self.streams = [branch_stream(device, i) for i in range(branches)] if on else []
         self.branches = branches
 
     def __enter__(self) -> "Fork":

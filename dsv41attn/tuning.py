@@ -1,9 +1,8 @@
 """The fast path's module-level switches and sizes, set for a while.
 
-The Triton backend's choices (which tiles a GEMM runs, from how many rows the L2 prefetch
-runs, how many programs a kernel takes...) are module constants, each documented where it is
-defined (``dsv41attn/layer.py``'s ``PREFETCH_MAX_ROWS``, ``dsv41attn/ops/linear/triton.py``'s
-``SWAP_WS``...). ``tuned`` sets some of them for the length of a ``with`` block and puts them
+The Triton backend's choices (which tiles a GEMM runs, in how many K ranges, how many
+programs a kernel takes...) are module constants, each documented where it is defined
+(``dsv41attn/ops/linear/triton.py``'s ``SWAP_WS`` and ``SPLIT_PROGRAMS_PER_SM``...). ``tuned`` sets some of them for the length of a ``with`` block and puts them
 back after, which is how ``bench --variant`` times one configuration against another in one
 process (alternating, on the same GPU and weights); ``settable`` lists them (``bench
 --settings``). A setting reads ``PATH.NAME=VALUE``: ``PATH`` a module of the fast path
@@ -136,7 +135,7 @@ def parse_setting(text: str) -> Setting:
     path, dot, name = target.strip().rpartition(".")
     if not eq or not dot or not path or not name:
         raise ValueError(f"setting {text!r}: expected PATH.NAME=VALUE, e.g. "
-                         f"layer.PREFETCH_MAX_ROWS=16")
+                         f"ops.linear.triton.SWAP_WS=0")
     module = path if path == PACKAGE or path.startswith(PACKAGE + ".") else f"{PACKAGE}.{path}"
     rel = module[len(PACKAGE) + 1:]
     if not _settable_module(rel):

@@ -48,8 +48,8 @@ def _both_ways(monkeypatch, run):
     got = {"branch": run()}
     with monkeypatch.context() as m:
         m.setattr(layer_module, "Fork",
-                  lambda device, enabled=True, branches=1, first=0:
-                  Fork(device, False, branches, first))
+                  lambda device, enabled=True, branches=1:
+                  Fork(device, False, branches))
         got["one stream"] = run()
     return got
 

@@ -6,19 +6,19 @@ import math
 import pytest
 import torch
 
-import dsv41attn.layer as layer_mod
+import dsv41attn.ops.linear.triton as lin
 from dsv41attn.ops.common import triton as common_triton
 from dsv41attn.tuning import Setting, parse_setting, parse_variant, settable, tuned
 
 
 @pytest.mark.parametrize("text,value", [
-    ("layer.PREFETCH_MAX_ROWS=16", 16),
-    ("dsv41attn.layer.PREFETCH_MAX_ROWS=16", 16),
-    ("layer.PREFETCH_BYTES=40M", 40 << 20),
-    ("layer.PREFETCH_BYTES=3k", 3 << 10),
-    ("layer.PREFETCH_BYTES=1G", 1 << 30),
-    ("layer.PREFETCH_BYTES=0x100", 256),
-    ("layer.PREFETCH_BYTES= 12 ", 12),
+    ("ops.linear.triton.SPLIT_PROGRAMS_PER_SM=16", 16),
+    ("dsv41attn.ops.linear.triton.SPLIT_PROGRAMS_PER_SM=16", 16),
+    ("ops.linear.triton.SPLIT_PARTIAL_BYTES=40M", 40 << 20),
+    ("ops.linear.triton.SPLIT_PARTIAL_BYTES=3k", 3 << 10),
+    ("ops.linear.triton.SPLIT_PARTIAL_BYTES=1G", 1 << 30),
+    ("ops.linear.triton.SPLIT_PARTIAL_BYTES=0x100", 256),
+    ("ops.linear.triton.SPLIT_PARTIAL_BYTES= 12 ", 12),
     ("ops.linear.triton.SWAP_WS=on", True),
     ("ops.linear.triton.SWAP_WS=1", True),
     ("ops.linear.triton.SWAP_WS=False", False),
@@ -34,14 +34,14 @@ def test_values_parse_as_the_constants_type(text, value):
 
 
 @pytest.mark.parametrize("text,names", [
-    ("layer.PREFETCH_MAX_ROWS", ["PATH.NAME=VALUE"]),
-    ("PREFETCH_MAX_ROWS=16", ["PATH.NAME=VALUE"]),
+    ("ops.linear.triton.SPLIT_PROGRAMS_PER_SM", ["PATH.NAME=VALUE"]),
+    ("SPLIT_PROGRAMS_PER_SM=16", ["PATH.NAME=VALUE"]),
     ("nowhere.X=1", ["dsv41attn.nowhere"]),
     ("layer.NOPE=1", ["NOPE", "dsv41attn.layer"]),
-    ("layer.prefetch_max_rows=1", ["prefetch_max_rows", "upper-case"]),
-    ("layer.PREFETCH_MAX_ROWS=many", ["'many'", "int"]),
-    ("layer.PREFETCH_MAX_ROWS=1.5", ["'1.5'", "int"]),
-    ("layer.PREFETCH_MAX_ROWS=", ["''", "int"]),
+    ("ops.linear.triton.split_max_m=1", ["split_max_m", "upper-case"]),
+    ("ops.linear.triton.SPLIT_PROGRAMS_PER_SM=many", ["'many'", "int"]),
+    ("ops.linear.triton.SPLIT_PROGRAMS_PER_SM=1.5", ["'1.5'", "int"]),
+    ("ops.linear.triton.SPLIT_PROGRAMS_PER_SM=", ["''", "int"]),
     ("ops.linear.triton.SWAP_WS=maybe", ["'maybe'", "bool", "on"]),
     ("ops.linear.gluon.SWAP_BK=64", ["SWAP_BK", "imported by name"]),
     ("ops.common.quant.FP4_MAX=5", ["dsv41attn.ops.common.quant", "no settable", "formats"]),
@@ -59,35 +59,35 @@ def test_bad_settings_are_refused_naming_what_is_wrong(text, names):
 
 def test_variants():
     assert parse_variant("base") == ("base", ())
-    name, settings = parse_variant("pf:layer.PREFETCH_MAX_ROWS=16, layer.PREFETCH_BYTES=8M")
+    name, settings = parse_variant("pf:ops.linear.triton.SPLIT_PROGRAMS_PER_SM=16, ops.linear.triton.SPLIT_PARTIAL_BYTES=8M")
     assert name == "pf" and [(s.name, s.value) for s in settings] == [
-        ("PREFETCH_MAX_ROWS", 16), ("PREFETCH_BYTES", 8 << 20)]
-    for bad, word in ((":layer.PREFETCH_MAX_ROWS=1", "NAME"), ("a b", "NAME"),
-                      ("x:layer.PREFETCH_MAX_ROWS=1,layer.PREFETCH_MAX_ROWS=2", "twice"),
+        ("SPLIT_PROGRAMS_PER_SM", 16), ("SPLIT_PARTIAL_BYTES", 8 << 20)]
+    for bad, word in ((":ops.linear.triton.SPLIT_PROGRAMS_PER_SM=1", "NAME"), ("a b", "NAME"),
+                      ("x:ops.linear.triton.SPLIT_PROGRAMS_PER_SM=1,ops.linear.triton.SPLIT_PROGRAMS_PER_SM=2", "twice"),
                       ("x:layer.NOPE=1", "NOPE")):
         with pytest.raises(ValueError, match=word):
             parse_variant(bad)
 
 
 def test_tuned_sets_for_the_block_and_restores_after_an_error():
-    before = (layer_mod.PREFETCH_MAX_ROWS, layer_mod.PREFETCH_BYTES)
-    settings = [parse_setting("layer.PREFETCH_MAX_ROWS=7"), parse_setting("layer.PREFETCH_BYTES=5")]
+    before = (lin.SPLIT_PROGRAMS_PER_SM, lin.SPLIT_PARTIAL_BYTES)
+    settings = [parse_setting("ops.linear.triton.SPLIT_PROGRAMS_PER_SM=7"), parse_setting("ops.linear.triton.SPLIT_PARTIAL_BYTES=5")]
     with tuned(settings):
-        assert (layer_mod.PREFETCH_MAX_ROWS, layer_mod.PREFETCH_BYTES) == (7, 5)
-    assert (layer_mod.PREFETCH_MAX_ROWS, layer_mod.PREFETCH_BYTES) == before
+        assert (lin.SPLIT_PROGRAMS_PER_SM, lin.SPLIT_PARTIAL_BYTES) == (7, 5)
+    assert (lin.SPLIT_PROGRAMS_PER_SM, lin.SPLIT_PARTIAL_BYTES) == before
     with pytest.raises(RuntimeError, match="inside"):
         with tuned(settings):
             raise RuntimeError("inside")
-    assert (layer_mod.PREFETCH_MAX_ROWS, layer_mod.PREFETCH_BYTES) == before
+    assert (lin.SPLIT_PROGRAMS_PER_SM, lin.SPLIT_PARTIAL_BYTES) == before
     with tuned([]):  # no settings: nothing set
-        assert (layer_mod.PREFETCH_MAX_ROWS, layer_mod.PREFETCH_BYTES) == before
+        assert (lin.SPLIT_PROGRAMS_PER_SM, lin.SPLIT_PARTIAL_BYTES) == before
 
 
 def test_tuned_forgets_cached_results_on_entry_and_exit():
     """A cached function of the package may have read a constant: its cache is emptied."""
     common_triton.is_hopper(torch.device("cpu"))
     assert common_triton.is_hopper.cache_info().currsize > 0
-    with tuned([parse_setting("layer.PREFETCH_MAX_ROWS=3")]):
+    with tuned([parse_setting("ops.linear.triton.SPLIT_PROGRAMS_PER_SM=3")]):
         assert common_triton.is_hopper.cache_info().currsize == 0
         common_triton.is_hopper(torch.device("cpu"))
     assert common_triton.is_hopper.cache_info().currsize == 0
@@ -96,18 +96,18 @@ def test_tuned_forgets_cached_results_on_entry_and_exit():
 # ---- bench --variant, the layer timings faked ----------------------------------------------
 
 class _FakeBench:
-    """Stands in for RoleBench: its times and outputs read the prefetch constant as it is when
+    """Stands in for RoleBench: its times and outputs read the K-range constant as it is when
     it is built and when it is called (as the real layer reads it)."""
     calls: list = []
 
     def __init__(self, cfg, role, backend, weights, group=None, batch_invariant=False):
-        self.built = layer_mod.PREFETCH_MAX_ROWS
+        self.built = lin.SPLIT_PROGRAMS_PER_SM
         self.role, self.backend, self.invariant = role, backend, batch_invariant
         self.round = 0
 
     def _now(self):
-        assert layer_mod.PREFETCH_MAX_ROWS == self.built, "called under another variant's settings"
-        return layer_mod.PREFETCH_MAX_ROWS
+        assert lin.SPLIT_PROGRAMS_PER_SM == self.built, "called under another variant's settings"
+        return lin.SPLIT_PROGRAMS_PER_SM
 
     def decode_graph_us(self, batch, ctx, reps, queued=True):
         v = self._now()
@@ -128,7 +128,7 @@ class _FakeBench:
 
     def decode_output(self, batch, ctx):
         out = torch.zeros(batch, 4, dtype=torch.bfloat16)
-        out[0, : self._now() % 4] = 1  # variants with PREFETCH_MAX_ROWS % 4 != 0 differ
+        out[0, : self._now() % 4] = 1  # variants with SPLIT_PROGRAMS_PER_SM % 4 != 0 differ
         return out
 
     def prefill_output(self, tokens):
@@ -141,18 +141,20 @@ def fake_bench(monkeypatch):
     monkeypatch.setattr(bench, "RoleBench", _FakeBench)
     monkeypatch.setattr(bench, "measure_copy_bandwidth", lambda *a, **k: 3e12)
     monkeypatch.setattr(bench, "_weights", lambda *a, **k: {})
+    # the constant the fake reads, 0 in the defaults (the fake never plans a GEMM)
+    monkeypatch.setattr(lin, "SPLIT_PROGRAMS_PER_SM", 0)
     _FakeBench.calls = []
     return bench
 
 
 def test_variants_alternate_and_each_runs_under_its_settings(fake_bench):
-    variants = [parse_variant("base"), parse_variant("pf:layer.PREFETCH_MAX_ROWS=16"),
-                parse_variant("odd:layer.PREFETCH_MAX_ROWS=5")]
-    before = layer_mod.PREFETCH_MAX_ROWS
+    variants = [parse_variant("base"), parse_variant("pf:ops.linear.triton.SPLIT_PROGRAMS_PER_SM=16"),
+                parse_variant("odd:ops.linear.triton.SPLIT_PROGRAMS_PER_SM=5")]
+    before = lin.SPLIT_PROGRAMS_PER_SM
     rows, _ = fake_bench.bench_layers(decode=[(1, 4096)], prefill=[64], roles=("SWA",),
                                       reference_cases=((1, 4096),), log=lambda *a: None,
                                       variants=variants, rounds=2)
-    assert layer_mod.PREFETCH_MAX_ROWS == before
+    assert lin.SPLIT_PROGRAMS_PER_SM == before
     assert [(r["kind"], r["variant"]) for r in rows] == [
         ("decode", "base"), ("decode", "pf"), ("decode", "odd"),
         ("prefill", "base"), ("prefill", "pf"), ("prefill", "odd")]
@@ -173,13 +175,13 @@ def test_variants_alternate_and_each_runs_under_its_settings(fake_bench):
 
 
 def test_a_failing_variant_is_reported_and_the_others_still_run(fake_bench):
-    variants = [parse_variant("base"), parse_variant("bad:layer.PREFETCH_MAX_ROWS=9")]
+    variants = [parse_variant("base"), parse_variant("bad:ops.linear.triton.SPLIT_PROGRAMS_PER_SM=9")]
     logged = []
     rows, _ = fake_bench.bench_layers(decode=[], prefill=[64], roles=("SWA",),
                                       reference_cases=(), log=logged.append,
                                       variants=variants, rounds=2)
     base, bad = rows
-    assert base["triton_us"] == 1000.0 + layer_mod.PREFETCH_MAX_ROWS and "failed" not in base
+    assert base["triton_us"] == 1000.0 + lin.SPLIT_PROGRAMS_PER_SM and "failed" not in base
     assert math.isnan(bad["triton_us"]) and len(bad["failed"]) == 2
     assert "boom" in bad["failed"][0] and any("[bad]" in line and "boom" in line for line in logged)
 
@@ -188,7 +190,7 @@ def test_without_variants_one_row_a_case_as_before(fake_bench):
     rows, _ = fake_bench.bench_layers(decode=[(8, 4096)], prefill=[], roles=("SWA", "Reuse"),
                                       reference_cases=(), log=lambda *a: None)
     assert [(r["role"], r["variant"]) for r in rows] == [("SWA", "default"), ("Reuse", "default")]
-    assert all("diff" not in r and r["triton_us"] == 105.0 - layer_mod.PREFETCH_MAX_ROWS
+    assert all("diff" not in r and r["triton_us"] == 105.0 - lin.SPLIT_PROGRAMS_PER_SM
                for r in rows)
     assert all(r["triton_facts_us"] == 3.0 for r in rows)
     assert [c[0] for c in _FakeBench.calls] == ["graph", "graph"]
@@ -196,7 +198,7 @@ def test_without_variants_one_row_a_case_as_before(fake_bench):
 
 
 def test_setting_dataclass_is_frozen():
-    s = Setting("dsv41attn.layer", "PREFETCH_MAX_ROWS", 1)
+    s = Setting("dsv41attn.ops.linear.triton", "SPLIT_PROGRAMS_PER_SM", 1)
     with pytest.raises(Exception):
         s.value = 2
 
@@ -272,7 +274,7 @@ def test_bench_main_prints_the_variants_of_the_layers_part(fake_bench, monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
     args = _bench_args(part="layers", roles="SWA", decode="1x4096", prefill="")
-    args.variant = [parse_variant("base"), parse_variant("odd:layer.PREFETCH_MAX_ROWS=5")]
+    args.variant = [parse_variant("base"), parse_variant("odd:ops.linear.triton.SPLIT_PROGRAMS_PER_SM=5")]
     assert bench.main(args) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith("SWA ")]
@@ -302,13 +304,15 @@ def test_settable_lists_what_a_setting_may_name_with_its_comment():
     listed = {str(s).split("=")[0]: (s, c) for s, c in settable()}
     for key, (s, _) in listed.items():
         assert parse_setting(f"{key}={s.value}") == s
-    assert "layer.PREFETCH_MAX_ROWS" in listed and "ops.linear.triton.SWAP_WS" in listed
-    assert listed["ops.common.prefetch.CHUNK"][1] == "bytes a prefetch instruction asks for"
-    assert listed["layer.QUERY_PREFETCH_BYTES"][1].startswith("The L2 prefetch")
+    assert "ops.linear.triton.SPLIT_PROGRAMS_PER_SM" in listed and "ops.linear.triton.SWAP_WS" in listed
+    assert listed["ops.linear.triton.SWAP_WS_MIN_BYTES"][1] == "the weights (e4m3 bytes) they run for"
+    assert listed["ops.output.triton.WO_A_STEP_CODES_MAX_ROWS"][1].startswith(
+        "Calls of up to this many rows")
     assert not any(k.startswith(("ops.common.quant.", "ops.common.packing.")) or ".reference." in k
                    for k in listed)
     assert "ops.common.quant.FP4_MAX" not in listed and "ops.linear.gluon.SWAP_BK" not in listed
-    assert all(k.startswith("layer.") for k in (str(s) for s, _ in settable(["layer"])))
+    assert all(k.startswith("ops.linear.gluon.")
+               for k in (str(s) for s, _ in settable(["ops.linear.gluon"])))
 
 
 def test_bench_settings_lists_them_without_a_gpu(capsys):
@@ -316,7 +320,7 @@ def test_bench_settings_lists_them_without_a_gpu(capsys):
     assert main(["bench", "--settings"]) == 0
     out = capsys.readouterr().out
     assert f"{len(settable())} constants --variant may set" in out
-    assert "  layer.PREFETCH_MAX_ROWS=0 " in out and "ops.linear.triton.SWAP_WS=True" in out
+    assert "  ops.linear.triton.SPLIT_PROGRAMS_PER_SM=3 " in out and "ops.linear.triton.SWAP_WS=True" in out
 
 
 def test_bench_gemm_csv(fake_bench, monkeypatch, tmp_path):
@@ -371,9 +375,9 @@ def test_bench_main_prints_the_variants_of_the_sparse_attn_part(fake_bench, monk
     prefill_settings = []
     monkeypatch.setattr(bench, "bench_sparse_attn", fake_attn)
     monkeypatch.setattr(bench, "bench_sparse_attn_prefill", lambda copy_bw: prefill_settings.append(
-        layer_mod.PREFETCH_MAX_ROWS) or [])
+        lin.SPLIT_PROGRAMS_PER_SM) or [])
     args = _bench_args(part="sparse_attn")
-    args.variant = [parse_variant("a:layer.PREFETCH_MAX_ROWS=3"), parse_variant("b")]
+    args.variant = [parse_variant("a:ops.linear.triton.SPLIT_PROGRAMS_PER_SM=3"), parse_variant("b")]
     assert bench.main(args) == 0
     out = capsys.readouterr().out
     assert seen == {"variants": ["a", "b"], "rounds": 2} and prefill_settings == [3]

@@ -50,8 +50,6 @@ class Ops:
     index_topk: Callable  # the lightning indexer: scores, candidate blocks, top-k
     rope_fp4_heads: Callable  # the index query's RoPE + fp4 fake quant
     linear: Callable  # bf16 / fp32 weights (reference.linear's signature)
-    l2_prefetch: Callable  # (tensors, max_bytes) -> bytes asked: a hint that brings weights
-    # into the GPU's L2 ahead of their GEMM (no value changes; nothing where there is none)
     capturable: bool  # every op runs without host syncs: a decode step can be graph-captured
     batch_invariant: bool  # a sequence's bits never depend on the call (see the module doc)
 
@@ -71,7 +69,6 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
         from .output.reference import prepare_wo_a as wo_a_prepare
         from .sparse_attn.reference import sparse_attn_paged
         from .window_kv.reference import norm_rope_pack
-        l2_prefetch = no_prefetch
         if batch_invariant:
             raise ValueError("batch_invariant=True needs backend 'triton' (the reference "
                              "backend runs torch's kernels, which promise no call-invariant order)")
@@ -90,7 +87,6 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
             from .output.triton import prepare_wo_a as wo_a_prepare
             from .sparse_attn.paged import sparse_attn_paged  # Gluon on Hopper
             from .window_kv.triton import norm_rope_pack
-            from .common.prefetch import l2_prefetch
         except ImportError as e:  # triton missing
             raise ValueError(f"backend 'triton' needs the triton package: {e}") from e
         if batch_invariant:
@@ -108,9 +104,4 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
     return Ops(backend, sparse_attn_paged, fp8_linear, fp8_linear_pair, norm_rope_pack,
                compressor_project, compressor_prepare, recent_gather_write,
                pool_norm_rope_pack, inverse_rope_wo_a, wo_a_prepare, index_topk, rope_fp4_heads,
-               linear, l2_prefetch, backend == "triton", batch_invariant)
-
-
-def no_prefetch(tensors, max_bytes=None) -> int:
-    """The reference backend's l2_prefetch: a hint has no reference (0 bytes asked)."""
-    return 0
+               linear, backend == "triton", batch_invariant)

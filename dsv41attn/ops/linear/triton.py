@@ -962,7 +962,7 @@ SQUARE_WS_MIN_M = 128
 # the Triton wide tiles fill the SMs unsplit (indexer.wq_b, 4096 x 1280: 20.4 -> 30.0-33.6
 # us at 192-256 rows) and won on wq_a at 384 rows (82.2 -> 55.4): they run for weights of at
 # least SWAP_WS_MIN_BYTES only (wq_b, wo_b). SWAP_NARROW and SWAP_INFLIGHT (gluon.py) lost
-# 5-98% in the same runs: off.
+# 5-98% on wo_b in the same runs: off.
 SWAP_WS = True
 SWAP_WS_MIN_M = 65  # the token rows from which they run
 SWAP_WS_MIN_BYTES = 16 << 20  # the weights (e4m3 bytes) they run for
