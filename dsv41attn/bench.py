@@ -1350,18 +1350,26 @@ def main(args) -> int:
     at_4k = sorted({b for b, n in decode if n == 4096})
     if args.profile:
         batches = at_4k or ((1, 64) if decode else ())
-        for role, bench in benches.items():
+        # with --batch-invariant the invariant mode's steps too, each after the default's
+        profiled = [(role, "", bench) for role, bench in benches.items()]
+        if args.batch_invariant:
+            profiled = [p for role, _, bench in profiled for p in (
+                (role, "", bench), (role, ", batch-invariant",
+                                    RoleBench(cfg, role, "triton", weights, group,
+                                              batch_invariant=True)))]
+        for role, mode, bench in profiled:
             cases = [(f"decode b={b} 4K (one eager step)", f"b={b}",
-                      lambda b=b: bench.profile_decode(b, 4096)) for b in batches]
+                      lambda b=b, bench=bench: bench.profile_decode(b, 4096)) for b in batches]
             cases += [(f"prefill {t} tokens (one eager call)", f"prefill {t}",
-                       lambda t=t: (bench.profile_prefill(t), None)) for t in prefill]
+                       lambda t=t, bench=bench: (bench.profile_prefill(t), None))
+                      for t in prefill]
             for title, case, run in cases:
-                print(f"per-kernel GPU time, {role}, {title}:")
+                print(f"per-kernel GPU time, {role}{mode}, {title}:")
                 try:
                     top, facts = run()
                 except Exception as e:  # noqa: BLE001 - reported, the table above stands
                     print(f"  failed: {type(e).__name__}: {e}"[:300])
-                    failed.append(f"{role} profile {case}: {type(e).__name__}: {e}"[:300])
+                    failed.append(f"{role}{mode} profile {case}: {type(e).__name__}: {e}"[:300])
                     continue
                 _print_profile(top, facts)
     if args.timeline:

@@ -982,7 +982,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="per-kernel breakdown of each role's decode step at 4K, at each "
                          "batch of the 4K decode cases (none at 4K: b=1 and b=64), and of "
                          "each prefill case's layer call: its launches, their GPU time, the "
-                         "longest kernels")
+                         "longest kernels (with --batch-invariant, the invariant mode's too)")
     bn.add_argument("--timeline", action="store_true",
                     help="which kernel ran when, and on which stream, in one CUDA-graph replay "
                          "of each role's decode step at 4K, at each batch of the 4K decode "
