@@ -315,6 +315,7 @@ def test_swap_tiles_equal_triton_tiles(case, out_dtype, variant, monkeypatch):
     from dsv41attn.ops.linear import gluon as G
     m, n, k, splits = SWAP_CASES[case]
     monkeypatch.setattr(T, "SWAP_WS_MIN_M", 1)  # every case on them, whatever the default
+    monkeypatch.setattr(T, "SWAP_WS_LONG_MIN_M", 1)
     monkeypatch.setattr(T, "SWAP_WS_MIN_BYTES", 0)
     monkeypatch.setattr(G, "SWAP_NARROW", variant != "default")
     monkeypatch.setattr(G, "SWAP_INFLIGHT", variant != "default")
@@ -342,6 +343,7 @@ def test_swap_tiles_with_rope_and_in_a_graph(monkeypatch):
     g, w, x, rot = _rope_case(m, 4096, k, 11)
     monkeypatch.setattr(T, "SWAP_WS", True)
     monkeypatch.setattr(T, "SWAP_WS_MIN_M", 1)
+    monkeypatch.setattr(T, "SWAP_WS_LONG_MIN_M", 1)
     monkeypatch.setattr(T, "SWAP_WS_MIN_BYTES", 0)
     _rope_against_triton_tiles(monkeypatch, "SWAP_WS", w, x, rot)
     monkeypatch.setattr(T, "SWAP_WS", True)
@@ -360,7 +362,7 @@ def test_swap_tiles_only_for_the_large_weights(monkeypatch):
     """On a Hopper GPU (stood in for) the Gluon swapped tiles take the weights of at least
     SWAP_WS_MIN_BYTES (wq_b's and wo_b's 42 MB) and leave the small ones (the indexer's wq_b,
     where they lost to the Triton wide tiles) to the Triton tiles, and nothing when SWAP_WS
-    is off or K is not whole ring stages."""
+    is off or K is not whole ring stages; from 65 rows, 33 where K is long."""
     if T.fp8_swap_gemm_ws is None:
         pytest.skip("this Triton has no Gluon")
     monkeypatch.setattr(T, "is_hopper", lambda device: True)
@@ -369,6 +371,8 @@ def test_swap_tiles_only_for_the_large_weights(monkeypatch):
     assert T._swap_tiles(dev, 32768, 1280) and T._swap_tiles(dev, 5120, 8192)
     assert not T._swap_tiles(dev, 4096, 1280) and not T._swap_tiles(dev, 1280, 5120)
     assert not T._swap_tiles(dev, 32768, 1280 + 32)  # K off the 128-wide stages
+    # from 65 rows, or 33 for a long K (wo_b's 8192, not wq_b's 1280)
+    assert T._swap_min_m(1280) == 65 and T._swap_min_m(5120) == T._swap_min_m(8192) == 33
     monkeypatch.setattr(T, "SWAP_WS_MIN_BYTES", 0)
     assert T._swap_tiles(dev, 4096, 1280)
     monkeypatch.setattr(T, "SWAP_WS", False)

@@ -316,7 +316,7 @@ SWAP_SMEM = 200 * 1024  # the ring's shared memory at most (the H100/H200 block 
 # Two variants written and compiled for sm_90a (no spills) but not yet run on a GPU (the
 # fortieth session's device time ran out): off until a GPU run shows their bits and times.
 SWAP_NARROW = False  # narrower token tiles where the widest would leave SMs idle (swap_tile)
-SWAP_INFLIGHT = False  # several of a stage's block dots in flight per wait (_swap_consumer)
+SWAP_INFLIGHT = True  # several of a stage's block dots in flight per wait (_swap_consumer)
 
 
 @gluon.jit

@@ -961,11 +961,17 @@ SQUARE_WS_MIN_M = 128
 # 599 -> 564, Reuse 453 -> 413, at b = 128 -5 to -10%. On the small weights it lost where
 # the Triton wide tiles fill the SMs unsplit (indexer.wq_b, 4096 x 1280: 20.4 -> 30.0-33.6
 # us at 192-256 rows) and won on wq_a at 384 rows (82.2 -> 55.4): they run for weights of at
-# least SWAP_WS_MIN_BYTES only (wq_b, wo_b). SWAP_NARROW and SWAP_INFLIGHT (gluon.py) lost
-# 5-98% on wo_b in the same runs: off.
+# least SWAP_WS_MIN_BYTES only (wq_b, wo_b). SWAP_NARROW (gluon.py, with SWAP_INFLIGHT,
+# which changes nothing on 128-row token tiles) lost 5-98% on wo_b in the same runs: off.
 SWAP_WS = True
 SWAP_WS_MIN_M = 65  # the token rows from which they run
 SWAP_WS_MIN_BYTES = 16 << 20  # the weights (e4m3 bytes) they run for
+# ... and from SWAP_WS_LONG_MIN_M rows for a K of at least SWAP_WS_LONG_K (wo_b), on 64-row
+# token tiles with two block dots in flight (gluon.SWAP_INFLIGHT). H100, da1c096, fp8_linear
+# in a CUDA graph, Triton -> Gluon with two in flight: wo_b 46.2 -> 41.3 us at 48 rows, 49.4 ->
+# 41.6 at 64, but 34.8 -> 38.2 at 32 (32-row tiles); wq_b (K = 1280) lost 13-14% at 17-64.
+SWAP_WS_LONG_K = 4096
+SWAP_WS_LONG_MIN_M = 33
 
 
 def _swap_tiles(device: torch.device, n: int, k: int) -> bool:
@@ -976,10 +982,15 @@ def _swap_tiles(device: torch.device, n: int, k: int) -> bool:
                 and not interpreting() and is_hopper(device) and k % SWAP_BK == 0)
 
 
+def _swap_min_m(k: int) -> int:
+    """The token rows from which the Gluon swapped tiles take a weight of K columns."""
+    return SWAP_WS_LONG_MIN_M if k >= SWAP_WS_LONG_K else SWAP_WS_MIN_M
+
+
 def _swap_ws(plan: _GemmPlan, x, weight, out) -> bool:
     """Whether the decode kernel's VALUES tiles run as gluon.fp8_swap_gemm_ws on these
     operands: _swap_tiles, the weight and x's values readable by TMA, out bf16 or fp32."""
-    return bool(plan.swap and plan.prescaled and x.shape[0] >= SWAP_WS_MIN_M
+    return bool(plan.swap and plan.prescaled and x.shape[0] >= _swap_min_m(x.shape[1])
                 and _swap_tiles(x.device, *weight.shape)
                 and weight.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16
                 and _ws_unsupported(x.shape[1], x.device, out, SWAP_BK) is None
@@ -1508,7 +1519,7 @@ def _linear_plan(m: int, weight: torch.Tensor, num_splits, precise_dot, device) 
     return _linear_shape_plan(m, weight.shape[0], weight.shape[1] // FP8_BLOCK,
                               sm_count(device), num_splits, precise_dot, tma,
                               _square_min_m(device),
-                              narrow_values=tma and m >= SWAP_WS_MIN_M
+                              narrow_values=tma and m >= _swap_min_m(weight.shape[1])
                               and _swap_tiles(device, *weight.shape))
 
 
