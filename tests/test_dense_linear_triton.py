@@ -41,10 +41,21 @@ def _same(a, b):
 CASES = [(1, 37, 200, 1), (5, 16, 128, 2), (70, 40, 96, 1), (17, 8, 320, 3)]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+# (weight dtype, x dtype): an fp32 weight on bf16 x (the compressor's projections) runs the
+# three-part bf16 dots (_pieces_dot), on fp32 x the FMA chains
+DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+          (torch.float32, torch.bfloat16)]
+DTYPE_IDS = ["bf16", "fp32", "fp32-bf16x"]
+
+
+@pytest.mark.parametrize("dtype,xdtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("m,n,k,groups", CASES)
-def test_vs_oracle_and_reference(m, n, k, groups, dtype):
+def test_vs_oracle_and_reference(m, n, k, groups, dtype, xdtype):
+    """Within one bf16 rounding (bf16 weights) or about an fp32 ulp (fp32 weights) of the
+    fp64 oracle: an fp32 weight's three bf16 parts lose no bit (a lost part would be off by
+    2^-16 of a product or more)."""
     x, w = _operands(m, n, k, groups, dtype, seed=m + n + k)
+    x = x.to(xdtype)
     got = dense_linear(x.to(DEV), w.to(DEV), groups).cpu()
     assert got.dtype == dtype and got.shape == (m, groups * n)
     oracle = _oracle(x, w, groups)
@@ -52,7 +63,7 @@ def test_vs_oracle_and_reference(m, n, k, groups, dtype):
              * w.double().abs().view(groups, n, k)).sum(-1).reshape(m, groups * n)
     if dtype == torch.bfloat16:  # one bf16 rounding of an fp32 sum of bf16 products
         assert ((got.double() - oracle).abs() <= 2 ** -8 * oracle.abs() + 1e-5 * scale).all()
-    else:  # fp32 FMA chains of 32 products, fp64 across them, one rounding to fp32
+    else:  # an fp32 sum of 32 (x 3) exact products a step, fp64 across them, fp32 once
         assert ((got.double() - oracle).abs() <= 2 ** -24 * oracle.abs() + 2e-6 * scale).all()
     if groups == 1:  # and reference.linear, up to its summation order
         ref = ref_linear(x, w)
@@ -62,14 +73,18 @@ def test_vs_oracle_and_reference(m, n, k, groups, dtype):
                 + 1e-5 * scale).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_rows_alone_equal_rows_in_any_batch(dtype):
+@pytest.mark.parametrize("dtype,xdtype", DTYPES, ids=DTYPE_IDS)
+def test_rows_alone_equal_rows_in_any_batch(dtype, xdtype):
     """One summation order whatever M: split-K programs (M = 1), one program summing its K
     ranges (M = 5), 64- and 128-row tiles (M = 40, 130); forced ranges either way."""
     n, k = 40, 640
     x, w = _operands(130, n, k, 1, dtype, seed=3)
-    x, w = x.to(DEV), w.to(DEV)
-    plans = {m: T._dense_plan(m, n, k, 1, dtype, DEFAULT_SM_COUNT) for m in (1, 5, 40, 130)}
+    x, w = x.to(xdtype).to(DEV), w.to(DEV)
+    pieces = dtype != xdtype
+    plans = {m: T._dense_plan(m, n, k, 1, dtype, DEFAULT_SM_COUNT, pieces=pieces)
+             for m in (1, 5, 40, 130)}
+    if pieces:  # the tensor cores' one instruction shape at every M
+        assert {p.block_m for p in plans.values()} == {64}
     assert len({p.order for p in plans.values()}) == 1 and plans[1].order.ranges > 1
     assert plans[1].workspace
     if dtype == torch.bfloat16:  # weight-bound: the partials' traffic decides
@@ -77,7 +92,7 @@ def test_rows_alone_equal_rows_in_any_batch(dtype):
     else:  # FMA-bound: split while the tiles leave SMs idle, not once they fill them
         assert plans[130].workspace
         big = 128 * DEFAULT_SM_COUNT
-        assert not T._dense_plan(big, n, k, 1, dtype, DEFAULT_SM_COUNT).workspace
+        assert not T._dense_plan(big, n, k, 1, dtype, DEFAULT_SM_COUNT, pieces=pieces).workspace
     full = dense_linear(x, w)
     for m in (1, 5, 40):
         for r0 in (0, 130 - m):

@@ -38,9 +38,10 @@ on its weight or token side) and every rounding do not (bit-identical on an H200
 tried). One range keeps the reference's order (num_splits=1).
 
 dense_linear: the same scheme for a bf16 weight (bf16 tl.dot, fp32 accumulator chained through
-the K steps in order, bf16 out) and for an fp32 weight (each 32-wide K step an fp32 FMA chain
-in K order, the steps summed in fp64, rounded once to fp32: within about an fp32 ulp of the
-reference's correctly rounded product), optionally block-diagonal over groups (the output
+the K steps in order, bf16 out) and for an fp32 weight (each 32-wide K step one fp32 sum: on
+bf16 x three bf16 tensor-core dots, the weight cut exactly into three bf16 parts; on other x
+an fp32 FMA chain in K order; the steps summed in fp64, rounded once to fp32: within about an
+fp32 ulp of the reference's correctly rounded product), optionally block-diagonal over groups (the output
 projection's wo_a). On the triton backend it replaces torch's F.linear / einsum, whose cuBLAS
 kernels are picked by shape, so that their last bits depend on M.
 """
@@ -1650,18 +1651,48 @@ DENSE_BLOCK_K = {torch.bfloat16: 64, torch.float32: 32}  # K step per weight dty
 # (as _FP8_TILES); fp32 runs tl.dot's IEEE fp32 path (FMAs in K order, any tile)
 _DENSE_TILES = {torch.bfloat16: ((SPLIT_MAX_M, 64, 64, 4, 4), (None, 128, 128, 8, 3)),
                 torch.float32: ((16, 16, 64, 4, 3), (None, 64, 64, 4, 3))}
+# an fp32 weight on bf16 x (PIECES: three bf16 dots a K step): wgmma at every M, as bf16's
+_DENSE_PIECES_TILES = ((None, 64, 64, 4, 3),)
+
+
+@triton.jit
+def _pieces_dot(a, w, INTERPRET: tl.constexpr):
+    """a [BM, BK] bf16 times w [BK, BN] fp32 as one fp32 [BM, BN]: w cut exactly into three
+    parts of at most 8 significant bits each (hi: w truncated to bf16; mid: the rest truncated
+    to bf16; lo: what remains, which bf16 holds), so every product a * part is exact in fp32
+    and a bf16 tensor-core dot takes it; lo's dot first, mid's and hi's each into the fp32
+    accumulator of the one before. Non-finite w gives NaN (inf - inf). Under the interpreter
+    (whose tl.dot misreads bf16) each dot is summed in fp64 from the exact products and
+    rounded to fp32."""
+    hi = (w.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    rest = w - hi  # exact: the bits of w below hi's
+    mid = (rest.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    lo = rest - mid  # exact, and within bf16's 8 bits
+    if INTERPRET:
+        a64 = a.to(tl.float32).to(tl.float64)
+        p = tl.dot(a64, lo.to(tl.float64), out_dtype=tl.float64).to(tl.float32)
+        p = (p.to(tl.float64) + tl.dot(a64, mid.to(tl.float64), out_dtype=tl.float64)
+             ).to(tl.float32)
+        p = (p.to(tl.float64) + tl.dot(a64, hi.to(tl.float64), out_dtype=tl.float64)
+             ).to(tl.float32)
+    else:
+        p = tl.dot(a, lo.to(tl.bfloat16))
+        p = tl.dot(a, mid.to(tl.bfloat16), p)
+        p = tl.dot(a, hi.to(tl.bfloat16), p)
+    return p
 
 
 @triton.jit
 def _dense_gemm_kernel(x_ptr, w_ptr, c_ptr, M, NG, KG, XK, CN, CHUNKS, RANGES,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        FP64: tl.constexpr, ALL_RANGES: tl.constexpr, FINAL: tl.constexpr,
-                       INTERPRET: tl.constexpr):
+                       INTERPRET: tl.constexpr, PIECES: tl.constexpr = False):
     """c[m, g*NG + n] = sum_k x[m, g*KG + k] w[g*NG + n, k]: x [M, XK] (group g reads its
-    columns g*KG ..), w [G*NG, KG], both bf16 (fp32 accumulator) or both fp32 (FP64: each K
-    step one IEEE fp32 FMA chain in K order, the steps added in an fp64 accumulator; Triton
-    3.6 has no fp64 tl.dot; under the interpreter, whose fp32 matmul rounds by shape, each
-    step is an fp64 dot). All contiguous. Grid (cdiv(M, BLOCK_M), G * cdiv(NG, BLOCK_N),
+    columns g*KG ..), w [G*NG, KG], both bf16 (fp32 accumulator) or w fp32 (FP64: each K step
+    one fp32 sum, the steps added in an fp64 accumulator; Triton 3.6 has no fp64 tl.dot):
+    PIECES, x bf16: _pieces_dot's three bf16 tensor-core dots; else x fp32 too, one IEEE fp32
+    FMA chain in K order (under the interpreter, whose fp32 matmul rounds by shape, an fp64
+    dot). All contiguous. Grid (cdiv(M, BLOCK_M), G * cdiv(NG, BLOCK_N),
     S). K is CHUNKS = cdiv(KG, BLOCK_K) steps in RANGES ranges (range r: steps [r * CHUNKS //
     RANGES, (r + 1) * CHUNKS // RANGES)), each chained through one accumulator in K order from
     0; ALL_RANGES (S = 1) adds the ranges in order into a second one, else program z makes
@@ -1695,7 +1726,9 @@ def _dense_gemm_kernel(x_ptr, w_ptr, c_ptr, M, NG, KG, XK, CN, CHUNKS, RANGES,
         k_mask = k < KG
         a = tl.load(x_row + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_col + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if FP64 and INTERPRET:  # numpy's fp32 matmul rounds by shape; fp64 products are exact
+        if PIECES:  # x's bf16 values times the fp32 weight's three bf16 parts
+            acc += _pieces_dot(a, b, INTERPRET).to(tl.float64)
+        elif FP64 and INTERPRET:  # numpy's fp32 matmul rounds by shape; fp64 products are exact
             acc += tl.dot(a.to(tl.float64), b.to(tl.float64), out_dtype=tl.float64)
         elif FP64:  # one fp32 FMA chain per K step (IEEE, in K order), the steps summed in fp64
             acc += tl.dot(a, b, input_precision="ieee").to(tl.float64)
@@ -1908,14 +1941,16 @@ def _dense_order(n_group: int, k_group: int, groups: int, dtype: torch.dtype, sm
 
 
 def _dense_plan(m: int, n_group: int, k_group: int, groups: int, dtype: torch.dtype, sms: int,
-                num_splits: int | None = None, workspace: bool | None = None) -> _DensePlan:
+                num_splits: int | None = None, workspace: bool | None = None,
+                pieces: bool = False) -> _DensePlan:
     """K steps of DENSE_BLOCK_K[dtype] in ``k_order`` ranges (from the weight's shape and the
-    SM count; num_splits forces the count, 1 <= it <= the K steps), tiles by M, ranges as
-    separate programs while that fills idle SMs at a small traffic cost (``_use_workspace``;
-    ``workspace`` forces it either way)."""
+    SM count; num_splits forces the count, 1 <= it <= the K steps), tiles by M (pieces: an
+    fp32 weight on bf16 x, _DENSE_PIECES_TILES), ranges as separate programs while that fills
+    idle SMs at a small traffic cost (``_use_workspace``; ``workspace`` forces it either way)."""
     bk = DENSE_BLOCK_K[dtype]
     order = _dense_order(n_group, k_group, groups, dtype, sms, num_splits)
-    bm, bn, warps, stages = _tile_row(_DENSE_TILES[dtype], m)
+    table = _DENSE_PIECES_TILES if pieces else _DENSE_TILES[dtype]
+    bm, bn, warps, stages = _tile_row(table, m)
     if workspace is None:
         tiles = cdiv(m, bm) * groups * cdiv(n_group, bn)
         if dtype == torch.float32:  # FMA-bound, not weight-bound: split K while SMs idle
@@ -1956,9 +1991,11 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1, *,
     x: [..., groups * Kg], cast to the weight's dtype (as reference.linear); weight:
     [groups * Ng, Kg] bf16 or fp32, contiguous; y[..., g*Ng + n] = sum_k x[..., g*Kg + k]
     w[g*Ng + n, k]. bf16: bf16 products (tl.dot), fp32 accumulation, bf16 out (torch's
-    F.linear up to the fp32 summation order). fp32: each 32-wide K step summed by fp32 FMAs in
-    K order, the steps in fp64, rounded once to fp32 (within about an fp32 ulp of
-    reference.linear's correctly rounded product). num_splits,
+    F.linear up to the fp32 summation order). fp32: each 32-wide K step summed in fp32 (for a
+    bf16 x by three bf16 tensor-core dots on the weight cut exactly into three bf16 parts,
+    every product exact: _pieces_dot; else by fp32 FMAs in K order), the steps in fp64,
+    rounded once to fp32 (within about an fp32 ulp of reference.linear's correctly rounded
+    product). num_splits,
     workspace: the K ranges and where they run, as fp8_gemm's (None: by shape; the same bits
     either way). Returns [..., groups * Ng] in the weight's dtype.
     """
@@ -1966,7 +2003,10 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1, *,
             and weight.dtype in DENSE_BLOCK_K,
             f"weight must be a 2-D bf16 or fp32 tensor, got {getattr(weight, 'dtype', None)} "
             f"{tuple(getattr(weight, 'shape', ()))}")
-    lead, x2, ng = _grouped_input(x, tuple(weight.shape), groups, weight.dtype)  # K = 0 too
+    # an fp32 weight on bf16 x: x's values as they are, the weight's in three bf16 parts
+    pieces = weight.dtype == torch.float32 and getattr(x, "dtype", None) == torch.bfloat16
+    lead, x2, ng = _grouped_input(x, tuple(weight.shape), groups,
+                                  torch.bfloat16 if pieces else weight.dtype)  # K = 0 too
     kg = weight.shape[1]
     check_device(x, weight)
     m = x2.shape[0]
@@ -1977,7 +2017,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1, *,
         return out.zero_().reshape(*lead, groups * ng)
     _check_splits(num_splits, kg, weight.dtype)
     plan = _dense_plan(m, ng, kg, groups, weight.dtype, sm_count(x.device), num_splits,
-                       workspace)
+                       workspace, pieces)
     return _run_dense(plan, x2, weight.contiguous(), groups, out).reshape(*lead, groups * ng)
 
 
@@ -1987,6 +2027,7 @@ def _run_dense(plan: _DensePlan, x: torch.Tensor, weight: torch.Tensor, groups: 
     m = x.shape[0]
     kg, ng = weight.shape[1], weight.shape[0] // groups
     fp64 = weight.dtype == torch.float32
+    pieces = fp64 and x.dtype == torch.bfloat16
     s = plan.splits
     target = out if s == 1 else torch.empty(
         s, m, groups * ng, dtype=torch.float64 if fp64 else torch.float32, device=out.device)
@@ -1996,7 +2037,7 @@ def _run_dense(plan: _DensePlan, x: torch.Tensor, weight: torch.Tensor, groups: 
                              order.chunks, order.ranges, BLOCK_M=plan.block_m,
                              BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, FP64=fp64,
                              ALL_RANGES=order.ranges > 1 and s == 1, FINAL=s == 1,
-                             INTERPRET=interp, num_warps=plan.num_warps,
+                             INTERPRET=interp, PIECES=pieces, num_warps=plan.num_warps,
                              num_stages=plan.num_stages)
     if s > 1:
         block = 1024
