@@ -126,6 +126,12 @@ class _FakeBench:
             raise RuntimeError("boom")
         return 1000.0 + v
 
+    def profile_decode(self, batch, ctx):
+        return [("k_invariant" if self.invariant else "k_default", 2.0, 1)], [("facts", 1.0, 1)]
+
+    def profile_prefill(self, tokens):
+        return [("p_invariant" if self.invariant else "p_default", 3.0, 2)]
+
     def decode_output(self, batch, ctx):
         out = torch.zeros(batch, 4, dtype=torch.bfloat16)
         out[0, : self._now() % 4] = 1  # variants with SPLIT_PROGRAMS_PER_SM % 4 != 0 differ
@@ -226,6 +232,30 @@ def _bench_args(**kw):
     from dsv41attn.cli import build_parser
     argv = ["bench"] + [a for k, v in kw.items() for a in (f"--{k.replace('_', '-')}", v)]
     return build_parser().parse_args(argv)
+
+
+def test_bench_profile_with_batch_invariant_profiles_both_modes(fake_bench, monkeypatch, capsys):
+    """bench --profile: each role's decode step and prefill call, their kernels; with
+    --batch-invariant the invariant mode's after the default's, from a layer built in it."""
+    bench = fake_bench
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    argv = ["bench", "--part", "layers", "--roles", "SWA", "--decode", "1x4096",
+            "--prefill", "64", "--profile"]
+    from dsv41attn.cli import build_parser
+    for invariant in (False, True):
+        args = build_parser().parse_args(argv + ["--batch-invariant"] * invariant)
+        assert bench.main(args) == 0
+        out = capsys.readouterr().out
+        titles = [line for line in out.splitlines() if line.startswith("per-kernel")]
+        want = ["per-kernel GPU time, SWA, decode b=1 4K (one eager step):",
+                "per-kernel GPU time, SWA, prefill 64 tokens (one eager call):"]
+        if invariant:
+            want += [t.replace("SWA,", "SWA, batch-invariant,") for t in want]
+        assert titles == want, out
+        assert ("k_invariant" in out) == invariant and "k_default" in out
+        assert ("p_invariant" in out) == invariant and "p_default" in out
+        assert "1 launches, 2.0 us of GPU time in all (besides the step's facts: 1 launches" in out
 
 
 def test_bench_main_prints_the_variants_of_the_gemm_part(fake_bench, monkeypatch, capsys):
