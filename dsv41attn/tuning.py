@@ -2,12 +2,13 @@
 
 The Triton backend's choices (which tiles a GEMM runs, in how many K ranges, how many
 programs a kernel takes...) are module constants, each documented where it is defined
-(``dsv41attn/ops/linear/triton.py``'s ``SWAP_WS`` and ``SPLIT_PROGRAMS_PER_SM``...). ``tuned`` sets some of them for the length of a ``with`` block and puts them
-back after, which is how ``bench --variant`` times one configuration against another in one
-process (alternating, on the same GPU and weights); ``settable`` lists them (``bench
---settings``). A setting reads ``PATH.NAME=VALUE``: ``PATH`` a module of the fast path
-(``layer``, ``ops.linear.triton``: see FAST_PATH), ``NAME`` an upper-case
-bool, int or float constant it defines, ``VALUE`` of the same type (bools: 1/0, true/false,
+(``dsv41attn/ops/linear/triton.py``'s ``SWAP_WS`` and ``SPLIT_PROGRAMS_PER_SM``...).
+``tuned`` sets some of them for the length of a ``with`` block and puts them back after,
+which is how ``bench --variant`` times one configuration against another in one process
+(alternating, on the same GPU and weights); ``settable`` lists them (``bench --settings``).
+A setting reads ``PATH.NAME=VALUE``: ``PATH`` a module of the fast path (``layer``,
+``ops.linear.triton``: see FAST_PATH), ``NAME`` an upper-case bool, int or float constant it
+defines, ``VALUE`` of the same type (bools: 1/0, true/false,
 on/off, yes/no; ints: decimal or 0x hex, with an optional K, M or G suffix for 2**10, 2**20,
 2**30).
 

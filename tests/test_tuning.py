@@ -10,6 +10,9 @@ import dsv41attn.ops.linear.triton as lin
 from dsv41attn.ops.common import triton as common_triton
 from dsv41attn.tuning import Setting, parse_setting, parse_variant, settable, tuned
 
+R = "ops.linear.triton.SPLIT_PROGRAMS_PER_SM"  # the constants these tests set (ints)
+P = "ops.linear.triton.SPLIT_PARTIAL_BYTES"
+
 
 @pytest.mark.parametrize("text,value", [
     ("ops.linear.triton.SPLIT_PROGRAMS_PER_SM=16", 16),
@@ -59,11 +62,11 @@ def test_bad_settings_are_refused_naming_what_is_wrong(text, names):
 
 def test_variants():
     assert parse_variant("base") == ("base", ())
-    name, settings = parse_variant("pf:ops.linear.triton.SPLIT_PROGRAMS_PER_SM=16, ops.linear.triton.SPLIT_PARTIAL_BYTES=8M")
+    name, settings = parse_variant(f"pf:{R}=16, {P}=8M")
     assert name == "pf" and [(s.name, s.value) for s in settings] == [
         ("SPLIT_PROGRAMS_PER_SM", 16), ("SPLIT_PARTIAL_BYTES", 8 << 20)]
     for bad, word in ((":ops.linear.triton.SPLIT_PROGRAMS_PER_SM=1", "NAME"), ("a b", "NAME"),
-                      ("x:ops.linear.triton.SPLIT_PROGRAMS_PER_SM=1,ops.linear.triton.SPLIT_PROGRAMS_PER_SM=2", "twice"),
+                      (f"x:{R}=1,{R}=2", "twice"),
                       ("x:layer.NOPE=1", "NOPE")):
         with pytest.raises(ValueError, match=word):
             parse_variant(bad)
@@ -71,7 +74,7 @@ def test_variants():
 
 def test_tuned_sets_for_the_block_and_restores_after_an_error():
     before = (lin.SPLIT_PROGRAMS_PER_SM, lin.SPLIT_PARTIAL_BYTES)
-    settings = [parse_setting("ops.linear.triton.SPLIT_PROGRAMS_PER_SM=7"), parse_setting("ops.linear.triton.SPLIT_PARTIAL_BYTES=5")]
+    settings = [parse_setting(f"{R}=7"), parse_setting(f"{P}=5")]
     with tuned(settings):
         assert (lin.SPLIT_PROGRAMS_PER_SM, lin.SPLIT_PARTIAL_BYTES) == (7, 5)
     assert (lin.SPLIT_PROGRAMS_PER_SM, lin.SPLIT_PARTIAL_BYTES) == before
@@ -154,7 +157,7 @@ def fake_bench(monkeypatch):
 
 
 def test_variants_alternate_and_each_runs_under_its_settings(fake_bench):
-    variants = [parse_variant("base"), parse_variant("pf:ops.linear.triton.SPLIT_PROGRAMS_PER_SM=16"),
+    variants = [parse_variant("base"), parse_variant(f"pf:{R}=16"),
                 parse_variant("odd:ops.linear.triton.SPLIT_PROGRAMS_PER_SM=5")]
     before = lin.SPLIT_PROGRAMS_PER_SM
     rows, _ = fake_bench.bench_layers(decode=[(1, 4096)], prefill=[64], roles=("SWA",),
@@ -181,7 +184,7 @@ def test_variants_alternate_and_each_runs_under_its_settings(fake_bench):
 
 
 def test_a_failing_variant_is_reported_and_the_others_still_run(fake_bench):
-    variants = [parse_variant("base"), parse_variant("bad:ops.linear.triton.SPLIT_PROGRAMS_PER_SM=9")]
+    variants = [parse_variant("base"), parse_variant(f"bad:{R}=9")]
     logged = []
     rows, _ = fake_bench.bench_layers(decode=[], prefill=[64], roles=("SWA",),
                                       reference_cases=(), log=logged.append,
@@ -304,7 +307,7 @@ def test_bench_main_prints_the_variants_of_the_layers_part(fake_bench, monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
     args = _bench_args(part="layers", roles="SWA", decode="1x4096", prefill="")
-    args.variant = [parse_variant("base"), parse_variant("odd:ops.linear.triton.SPLIT_PROGRAMS_PER_SM=5")]
+    args.variant = [parse_variant("base"), parse_variant(f"odd:{R}=5")]
     assert bench.main(args) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith("SWA ")]
@@ -334,8 +337,9 @@ def test_settable_lists_what_a_setting_may_name_with_its_comment():
     listed = {str(s).split("=")[0]: (s, c) for s, c in settable()}
     for key, (s, _) in listed.items():
         assert parse_setting(f"{key}={s.value}") == s
-    assert "ops.linear.triton.SPLIT_PROGRAMS_PER_SM" in listed and "ops.linear.triton.SWAP_WS" in listed
-    assert listed["ops.linear.triton.SWAP_WS_MIN_BYTES"][1] == "the weights (e4m3 bytes) they run for"
+    assert R in listed and "ops.linear.triton.SWAP_WS" in listed
+    assert listed["ops.linear.triton.SWAP_WS_MIN_BYTES"][1] == \
+        "the weights (e4m3 bytes) they run for"
     assert listed["ops.output.triton.WO_A_STEP_CODES_MAX_ROWS"][1].startswith(
         "Calls of up to this many rows")
     assert not any(k.startswith(("ops.common.quant.", "ops.common.packing.")) or ".reference." in k
@@ -350,7 +354,7 @@ def test_bench_settings_lists_them_without_a_gpu(capsys):
     assert main(["bench", "--settings"]) == 0
     out = capsys.readouterr().out
     assert f"{len(settable())} constants --variant may set" in out
-    assert "  ops.linear.triton.SPLIT_PROGRAMS_PER_SM=3 " in out and "ops.linear.triton.SWAP_WS=True" in out
+    assert f"  {R}=3 " in out and "ops.linear.triton.SWAP_WS=True" in out
 
 
 def test_bench_gemm_csv(fake_bench, monkeypatch, tmp_path):
@@ -407,7 +411,7 @@ def test_bench_main_prints_the_variants_of_the_sparse_attn_part(fake_bench, monk
     monkeypatch.setattr(bench, "bench_sparse_attn_prefill", lambda copy_bw: prefill_settings.append(
         lin.SPLIT_PROGRAMS_PER_SM) or [])
     args = _bench_args(part="sparse_attn")
-    args.variant = [parse_variant("a:ops.linear.triton.SPLIT_PROGRAMS_PER_SM=3"), parse_variant("b")]
+    args.variant = [parse_variant(f"a:{R}=3"), parse_variant("b")]
     assert bench.main(args) == 0
     out = capsys.readouterr().out
     assert seen == {"variants": ["a", "b"], "rounds": 2} and prefill_settings == [3]

@@ -41,9 +41,9 @@ dense_linear: the same scheme for a bf16 weight (bf16 tl.dot, fp32 accumulator c
 the K steps in order, bf16 out) and for an fp32 weight (each 32-wide K step one fp32 sum: on
 bf16 x three bf16 tensor-core dots, the weight cut exactly into three bf16 parts; on other x
 an fp32 FMA chain in K order; the steps summed in fp64, rounded once to fp32: within about an
-fp32 ulp of the reference's correctly rounded product), optionally block-diagonal over groups (the output
-projection's wo_a). On the triton backend it replaces torch's F.linear / einsum, whose cuBLAS
-kernels are picked by shape, so that their last bits depend on M.
+fp32 ulp of the reference's correctly rounded product), optionally block-diagonal over groups
+(the output projection's wo_a). On the triton backend it replaces torch's F.linear / einsum,
+whose cuBLAS kernels are picked by shape, so that their last bits depend on M.
 """
 from __future__ import annotations
 
