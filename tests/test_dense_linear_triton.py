@@ -83,6 +83,7 @@ def test_rows_alone_equal_rows_in_any_batch(dtype, xdtype):
     pieces = dtype != xdtype
     plans = {m: T._dense_plan(m, n, k, 1, dtype, DEFAULT_SM_COUNT, pieces=pieces)
              for m in (1, 5, 40, 130)}
+    assert all(p.pieces == pieces for p in plans.values())
     if pieces:  # the tensor cores' one instruction shape at every M
         assert {p.block_m for p in plans.values()} == {64}
     assert len({p.order for p in plans.values()}) == 1 and plans[1].order.ranges > 1

@@ -1925,6 +1925,7 @@ class _DensePlan:
     num_stages: int
     order: KOrder
     workspace: bool
+    pieces: bool = False  # an fp32 weight on bf16 x: _pieces_dot's three bf16 dots a K step
 
     @property
     def splits(self) -> int:
@@ -1958,7 +1959,8 @@ def _dense_plan(m: int, n_group: int, k_group: int, groups: int, dtype: torch.dt
         else:
             workspace = _use_workspace(order, tiles, m, groups * n_group,
                                        groups * n_group * k_group * 2, sms)
-    return _DensePlan(bm, bn, bk, warps, stages, order, bool(workspace) and order.ranges > 1)
+    return _DensePlan(bm, bn, bk, warps, stages, order, bool(workspace) and order.ranges > 1,
+                      pieces)
 
 
 def _grouped_input(x: torch.Tensor, shape: tuple[int, int], groups, dtype: torch.dtype):
@@ -2027,7 +2029,7 @@ def _run_dense(plan: _DensePlan, x: torch.Tensor, weight: torch.Tensor, groups: 
     m = x.shape[0]
     kg, ng = weight.shape[1], weight.shape[0] // groups
     fp64 = weight.dtype == torch.float32
-    pieces = fp64 and x.dtype == torch.bfloat16
+    assert plan.pieces == (fp64 and x.dtype == torch.bfloat16)
     s = plan.splits
     target = out if s == 1 else torch.empty(
         s, m, groups * ng, dtype=torch.float64 if fp64 else torch.float32, device=out.device)
@@ -2037,7 +2039,7 @@ def _run_dense(plan: _DensePlan, x: torch.Tensor, weight: torch.Tensor, groups: 
                              order.chunks, order.ranges, BLOCK_M=plan.block_m,
                              BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, FP64=fp64,
                              ALL_RANGES=order.ranges > 1 and s == 1, FINAL=s == 1,
-                             INTERPRET=interp, PIECES=pieces, num_warps=plan.num_warps,
+                             INTERPRET=interp, PIECES=plan.pieces, num_warps=plan.num_warps,
                              num_stages=plan.num_stages)
     if s > 1:
         block = 1024
