@@ -512,16 +512,16 @@ def _differing(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def _rate(case: list[dict], floor: float, nbytes: float, copy_bw: float,
-          flops: float | None = None) -> None:
-    """A part's rows of one case (a row per variant, "us" set): the floor (seconds) and each
-    row's ratio to it, bandwidth, share of copy_bw, TFLOP/s (given flops) and time against
-    the first variant's."""
+          flops: float | None = None, key: str = "us") -> None:
+    """A part's rows of one case (a row per variant, its time in us under ``key``): the floor
+    (seconds) and each row's ratio to it, bandwidth, share of copy_bw, TFLOP/s (given flops)
+    and time against the first variant's."""
     for row in case:
-        us = row["us"]
+        us = row[key]
         row.update({"floor_us": floor * 1e6, "ratio": us * 1e-6 / floor,
                     "GB/s": nbytes / (us * 1e-6) / 1e9,
                     "copy%": 100 * nbytes / (us * 1e-6) / copy_bw,
-                    "vs_first%": 100 * (us / case[0]["us"] - 1)})
+                    "vs_first%": 100 * (us / case[0][key] - 1)})
         if flops is not None:
             row["TFLOP/s"] = flops / (us * 1e-6) / 1e12
 
@@ -531,6 +531,23 @@ def _failed(row: dict, e: Exception) -> None:
     row["us"] = float("nan")
     row.setdefault("failed", []).append(f"{type(e).__name__}: {e}"[:300])
     torch.cuda.synchronize()
+
+
+def _diff_outputs(case: list[dict], variants, output) -> None:
+    """Each later variant's ``diff``: the elements of its output (``output(i)`` for variant i,
+    run under its settings) whose bits differ from the first variant's; an output that raises
+    is reported in its row's ``failed``."""
+    outputs = []
+    for i, (row, (_, settings)) in enumerate(zip(case, variants)):
+        try:
+            with tuned(settings):
+                outputs.append(output(i))
+        except Exception as e:  # noqa: BLE001 - reported with the row
+            outputs.append(None)
+            row.setdefault("failed", []).append(f"output: {type(e).__name__}: {e}"[:300])
+    for row, out in zip(case[1:], outputs[1:]):
+        if out is not None and outputs[0] is not None:
+            row["diff"] = _differing(out, outputs[0])
 
 
 def _timed(row: dict, key: str, fn, fn_args, log, label: str, keep_min: bool = False) -> None:
@@ -552,7 +569,7 @@ def _timed(row: dict, key: str, fn, fn_args, log, label: str, keep_min: bool = F
         row.setdefault("failed", []).append(f"{key}: {msg[:200]}")
         log(f"  {label} {key}: failed: {msg[:200]} ... {msg[-600:]}")
     torch.cuda.empty_cache()
-    if keep_min and key in row and not row[key] != row[key]:  # a number there already
+    if keep_min and key in row and row[key] == row[key]:  # a number (not nan) there already
         value = row[key] if value != value else min(value, row[key])
     row[key] = value
     log(f"  {label} {key}: {value:.1f} us ({time.time() - t0:.1f} s)")
@@ -615,20 +632,9 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
                         _timed(row, "triton_us", *fn, log,
                                label + (f" [{name}]" if compare else ""), keep_min=True)
             if compare:
-                outputs = []
-                for row, bench, (name, settings) in zip(case_rows, tris, variants):
-                    with tuned(settings):
-                        try:
-                            outputs.append(bench.decode_output(batch, n) if kind == "decode"
-                                           else bench.prefill_output(n))
-                        except Exception as e:  # noqa: BLE001 - reported with the row
-                            outputs.append(None)
-                            row.setdefault("failed", []).append(
-                                f"output: {type(e).__name__}: {e}"[:200])
-                for row, out in zip(case_rows[1:], outputs[1:]):
-                    if out is not None and outputs[0] is not None:
-                        row["diff"] = _differing(out, outputs[0])
-                del outputs
+                _diff_outputs(case_rows, variants,
+                              lambda i: tris[i].decode_output(batch, n) if kind == "decode"
+                              else tris[i].prefill_output(n))
                 torch.cuda.empty_cache()
             row = case_rows[0]
             runs = []
@@ -643,12 +649,9 @@ def bench_layers(decode=DECODE, prefill=PREFILL, roles=tuple(ROLES),
             with tuned(variants[0][1]):
                 for key, (fn, fn_args) in runs:
                     _timed(row, key, fn, fn_args, log, label)
+            _rate(case_rows, floor, nbytes, copy_bw, flops, key="triton_us")
             for row in case_rows:
                 us = row["triton_us"]
-                row["ratio"] = us * 1e-6 / floor
-                row["TFLOP/s"] = flops / (us * 1e-6) / 1e12
-                row["GB/s"] = nbytes / (us * 1e-6) / 1e9
-                row["vs_first%"] = 100 * (us / case_rows[0]["triton_us"] - 1)
                 for key in ("reference_us", "compiled_us"):
                     if key in row:
                         row["speedup_" + key[:-3]] = row[key] / us
@@ -982,18 +985,7 @@ def bench_gemm(copy_bw: float, rows=GEMM_ROWS, names=GEMM_WEIGHTS, layer: int = 
                     except Exception as e:  # noqa: BLE001 - reported, the other variants run
                         _failed(row, e)
             if len(variants) > 1:
-                first = None
-                for i, (row, (_, settings)) in enumerate(zip(case, variants)):
-                    try:
-                        with tuned(settings):
-                            y = fp8_linear(x, w.weight, w.scale)
-                    except Exception as e:  # noqa: BLE001 - as above
-                        row.setdefault("failed", []).append(f"{type(e).__name__}: {e}"[:300])
-                        continue
-                    if i == 0:
-                        first = y
-                    elif first is not None:
-                        row["diff"] = _differing(y, first)
+                _diff_outputs(case, variants, lambda i: fp8_linear(x, w.weight, w.scale))
             _rate(case, floor, nbytes, copy_bw, flops)
             out += case
         copies.clear()  # this weight's copies go before the next weight's are made
@@ -1351,12 +1343,10 @@ def main(args) -> int:
     if args.profile:
         batches = at_4k or ((1, 64) if decode else ())
         # with --batch-invariant the invariant mode's steps too, each after the default's
-        profiled = [(role, "", bench) for role, bench in benches.items()]
-        if args.batch_invariant:
-            profiled = [p for role, _, bench in profiled for p in (
-                (role, "", bench), (role, ", batch-invariant",
-                                    RoleBench(cfg, role, "triton", weights, group,
-                                              batch_invariant=True)))]
+        modes = ("", ", batch-invariant") if args.batch_invariant else ("",)
+        profiled = [(role, mode, RoleBench(cfg, role, "triton", weights, group,
+                                           batch_invariant=True) if mode else bench)
+                    for role, bench in benches.items() for mode in modes]
         for role, mode, bench in profiled:
             cases = [(f"decode b={b} 4K (one eager step)", f"b={b}",
                       lambda b=b, bench=bench: bench.profile_decode(b, 4096)) for b in batches]

@@ -8,9 +8,8 @@ which is how ``bench --variant`` times one configuration against another in one 
 (alternating, on the same GPU and weights); ``settable`` lists them (``bench --settings``).
 A setting reads ``PATH.NAME=VALUE``: ``PATH`` a module of the fast path (``layer``,
 ``ops.linear.triton``: see FAST_PATH), ``NAME`` an upper-case bool, int or float constant it
-defines, ``VALUE`` of the same type (bools: 1/0, true/false,
-on/off, yes/no; ints: decimal or 0x hex, with an optional K, M or G suffix for 2**10, 2**20,
-2**30).
+defines, ``VALUE`` of the same type (bools: 1/0, true/false, on/off, yes/no; ints: decimal
+or 0x hex, with an optional K, M or G suffix for 2**10, 2**20, 2**30).
 
 What a setting can change is what the code reads at the time: a layer built, a plan made or
 a CUDA graph captured under a setting keeps what it chose then. Some constants decide the

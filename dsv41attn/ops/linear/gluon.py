@@ -313,8 +313,9 @@ SWAP_BN = 128  # weight rows a tile: two consumer warp groups of 64
 SWAP_BK = 128  # four 32-blocks a ring stage (the weight's 128-byte rows)
 SWAP_MAX_BT = 128  # token rows a tile at most (the wgmma's N; [64, BT] fp32 accumulators)
 SWAP_SMEM = 200 * 1024  # the ring's shared memory at most (the H100/H200 block limit: 227 KB)
-# Two variants written and compiled for sm_90a (no spills) but not yet run on a GPU (the
-# fortieth session's device time ran out): off until a GPU run shows their bits and times.
+# Two variants, both the same bits as the default tiles on an H100 (forty-third session):
+# SWAP_NARROW lost 5-98% on wo_b (off); SWAP_INFLIGHT, which acts on 32- and 64-row token tiles
+# only, won 9-16% on wo_b at 48-64 rows (on; linear.triton.SWAP_WS_LONG_MIN_M).
 SWAP_NARROW = False  # narrower token tiles where the widest would leave SMs idle (swap_tile)
 SWAP_INFLIGHT = True  # several of a stage's block dots in flight per wait (_swap_consumer)
 
