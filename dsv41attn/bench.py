@@ -851,10 +851,12 @@ def prefill_attn_case(tokens: int, heads: int, head_dim: int, window: int, topk:
                       ratio: int, device="cuda", generator=None, page_rows: int = 256,
                       chunk: int = 1024) -> tuple[tuple, int]:
     """``sparse_attn_paged``'s arguments for one sequence prefilling ``tokens`` tokens from
-    position 0, as a compressed layer's step lays them out: token p's window list is positions
-    max(0, p - window + 1) .. p (the step's own rows, -1 pads last), its compressed list
-    ``topk`` random rows among the ``(p + 1) // ratio`` complete ones (all of them when fewer),
-    ascending, -1 pads last; the ring is empty. Returns (arguments, valid list entries in all)."""
+    position 0, as a layer's step lays them out: token p's window list is positions
+    max(0, p - window + 1) .. p (the step's own rows, -1 pads last), then (ratio > 0: a
+    compressed layer) its compressed list ``topk`` random rows among the ``(p + 1) // ratio``
+    complete ones (all of them when fewer), ascending, -1 pads last; ratio 0 (an SWA layer):
+    no pool, no compressed entries. The ring is empty. Returns (arguments, valid list entries
+    in all)."""
     g = generator
     q = torch.randn(tokens, heads, head_dim, device=device, generator=g).bfloat16()
     sink = torch.randn(heads, device=device, generator=g)
@@ -866,6 +868,11 @@ def prefill_attn_case(tokens: int, heads: int, head_dim: int, window: int, topk:
     slot = first[:, None] + torch.arange(window, device=device)  # [T, window] positions
     # ids 0 .. window - 1 are the (empty) ring's rows, window + p the step's row of position p
     widx = torch.where(slot <= pos[:, None], window + slot, -1).to(torch.int32)
+    token_row = torch.zeros(tokens, dtype=torch.int64, device=device)
+    if ratio == 0:
+        cidx = torch.empty(tokens, 0, dtype=torch.int32, device=device)
+        return (q, sink, head_dim ** -0.5, ring, new_rows, widx, None, None, token_row,
+                cidx), int((widx >= 0).sum())
     n_rows = tokens // ratio  # compressed rows once the prompt is in
     pages = max(1, -(-n_rows // page_rows))
     pool = pack_compressed_rows(torch.randn(pages, page_rows, head_dim, device=device,
@@ -881,17 +888,20 @@ def prefill_attn_case(tokens: int, heads: int, head_dim: int, window: int, topk:
         ids = torch.where(val >= 0, ids, n_rows + 1).sort(dim=1).values  # -1 pads last
         cidx[t0:t0 + chunk] = torch.where(ids <= n_rows, ids, -1).to(torch.int32)
     valid = int((widx >= 0).sum() + (cidx >= 0).sum())
-    token_row = torch.zeros(tokens, dtype=torch.int64, device=device)
     return (q, sink, head_dim ** -0.5, ring, new_rows, widx, pool, table, token_row, cidx), valid
 
 
-def bench_sparse_attn_prefill(copy_bw: float, tokens=(8192, 65536), ratio: int = 2,
-                              reference_max: int = 8192) -> list[dict]:
+def bench_sparse_attn_prefill(copy_bw: float, tokens=(8192, 65536), ratios=(0, 2),
+                              reference_max: int = 8192, variants=(("default", ()),),
+                              rounds: int = 1) -> list[dict]:
     """The sparse-attention op alone in a prefill: one sequence of ``tokens`` tokens from
-    position 0 (``prefill_attn_case``: V4.1-Flash heads, 128 window rows and top-512 of the
-    ratio-``ratio`` compressed rows per query). FLOPs count the valid list entries; bytes
-    every row, query and output once; also the share of the bf16 peak the floor counts.
-    The reference's output is compared up to ``reference_max`` tokens."""
+    position 0 (``prefill_attn_case``: V4.1-Flash heads, 128 window rows, and at a ratio > 0
+    top-512 of the ratio's compressed rows per query; ratio 0 is an SWA layer's window
+    alone). FLOPs count the valid list entries; bytes every row, query and output once; also
+    the share of the bf16 peak the floor counts. ``variants`` and ``rounds`` as in
+    ``bench_sparse_attn``: a row per case and variant (the graphs alternating over the
+    rounds), a later variant's ``diff`` its output elements whose bits differ from the
+    first's. The reference's output is compared up to ``reference_max`` tokens."""
     from .ops.backends import get_ops
     from .ops.sparse_attn.reference import sparse_attn_paged as reference
 
@@ -901,27 +911,44 @@ def bench_sparse_attn_prefill(copy_bw: float, tokens=(8192, 65536), ratio: int =
     kernel = get_ops("triton").sparse_attn_paged  # the default mode: splits sized to the step
     invariant = get_ops("triton", batch_invariant=True).sparse_attn_paged
     rows = []
-    for t in tokens:
-        args, valid = prefill_attn_case(t, h, d, cfg.window_size, cfg.index_topk, ratio,
-                                        generator=g)
-        err = None
-        if t <= reference_max:
-            ref = reference(*args).double()
-            err = float((kernel(*args).double() - ref).norm() / ref.norm())
-            del ref
-        ms = _graph_ms(lambda a=args: kernel(*a), reps=5)
-        ms_inv = _graph_ms(lambda a=args: invariant(*a), reps=5)
-        q, _, _, _, new_rows, widx, pool, _, _, cidx = args
-        nbytes = (new_rows.numel() + min(pool.numel(), (t // ratio) * pool.shape[-1])
-                  + 2 * q.numel() * 2 + (widx.numel() + cidx.numel()) * 4)
-        flops = 4.0 * h * d * valid
-        floor = max(flops / BF16_FLOPS, nbytes / copy_bw)
-        rows.append({"tokens": t, "us": ms * 1e3, "floor_us": floor * 1e6,
-                     "ratio": ms * 1e-3 / floor, "TFLOP/s": flops / (ms * 1e-3) / 1e12,
-                     "peak%": 100 * flops / (ms * 1e-3) / BF16_FLOPS, "rel_err": err,
-                     "invariant_us": ms_inv * 1e3})
-        del args
-        torch.cuda.empty_cache()
+    for ratio in ratios:
+        for t in tokens:
+            args, valid = prefill_attn_case(t, h, d, cfg.window_size, cfg.index_topk, ratio,
+                                            generator=g)
+            q, _, _, _, new_rows, widx, pool, _, _, cidx = args
+            nbytes = (new_rows.numel() + 2 * q.numel() * 2 + (widx.numel() + cidx.numel()) * 4
+                      + (min(pool.numel(), (t // ratio) * pool.shape[-1]) if ratio else 0))
+            flops = 4.0 * h * d * valid
+            floor = max(flops / BF16_FLOPS, nbytes / copy_bw)
+            ref = reference(*args).double() if t <= reference_max else None
+            case = [{"tokens": t, "ratio_c": ratio, "variant": v, "us": float("inf"),
+                     "invariant_us": float("inf")} for v, _ in variants]
+            first = None
+            for rnd in range(rounds):
+                for row, (_, settings) in zip(case, variants):
+                    try:
+                        with tuned(settings):
+                            if rnd == 0:  # the output and its error
+                                out = kernel(*args)
+                                if ref is not None:
+                                    row["rel_err"] = float((out.double() - ref).norm()
+                                                           / ref.norm())
+                                if first is None:
+                                    first = out
+                                else:
+                                    row["diff"] = _differing(out, first)
+                                del out
+                            for key, f in (("us", kernel), ("invariant_us", invariant)):
+                                ms = _graph_ms(lambda a=args, f=f: f(*a), reps=5)
+                                row[key] = min(row[key], ms * 1e3)
+                    except Exception as e:  # noqa: BLE001 - reported, the other variants run
+                        _failed(row, e)
+            _rate(case, floor, nbytes, copy_bw, flops)
+            for row in case:
+                row["peak%"] = 100 * flops / (row["us"] * 1e-6) / BF16_FLOPS
+            rows += case
+            del args, ref, first
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -1262,17 +1289,24 @@ def main(args) -> int:
                   f"{r['invariant_us']:>10.1f}{launch:>8}")
             failed += [f"sparse_attn b={r['batch']} [{r['variant']}] {m}"
                        for m in r.get("failed", ())]
-        print(f"sparse attention alone, prefill: one sequence from position 0, 128 window + "
-              f"top-{preset('v41-flash').index_topk} ratio-2 compressed rows per query; us = "
-              "CUDA-graph replay; peak = the floor's bf16 FLOP/s")
-        print(f"{'tokens':>7}{'us':>10}{'floor':>10}{'ratio':>7}{'TFLOP/s':>9}{'peak%':>7}"
-              f"{'rel err':>9}{'invariant':>10}")
-        with tuned(variants[0][1]):
-            prefill_rows = bench_sparse_attn_prefill(copy_bw)
-        for r in prefill_rows:
-            err = "-" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
-            print(f"{r['tokens']:>7}{r['us']:>10.1f}{r['floor_us']:>10.1f}{r['ratio']:>7.1f}"
+        print(f"sparse attention alone, prefill: one sequence from position 0, 128 window rows "
+              f"per query, and at ratio r > 0 top-{preset('v41-flash').index_topk} of the "
+              "ratio's compressed rows; us = CUDA-graph replay; peak = the floor's bf16 FLOP/s")
+        print(f"{'tokens':>7}{'r':>3}" + (f"  {'variant':<{vwidth}}" if compare else "")
+              + f"{'us':>10}" + (f"{'vs':>8}{'diff':>9}" if compare else "")
+              + f"{'floor':>10}{'ratio':>7}{'TFLOP/s':>9}{'peak%':>7}{'rel err':>9}"
+              f"{'invariant':>10}")
+        for r in bench_sparse_attn_prefill(copy_bw, variants=variants, rounds=rounds):
+            vs = "-" if r["variant"] == variants[0][0] else f"{r['vs_first%']:+.1f}%"
+            diff = str(r["diff"]) if "diff" in r else "-"
+            err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
+            print(f"{r['tokens']:>7}{r['ratio_c']:>3}"
+                  + (f"  {r['variant']:<{vwidth}}" if compare else "") + f"{r['us']:>10.1f}"
+                  + (f"{vs:>8}{diff:>9}" if compare else "")
+                  + f"{r['floor_us']:>10.1f}{r['ratio']:>7.1f}"
                   f"{r['TFLOP/s']:>9.0f}{r['peak%']:>6.0f}%{err:>9}{r['invariant_us']:>10.1f}")
+            failed += [f"sparse_attn prefill {r['tokens']} r={r['ratio_c']} [{r['variant']}] "
+                       f"{m}" for m in r.get("failed", ())]
         if args.part == "sparse_attn":
             if failed:
                 print(f"{len(failed)} case(s) failed:", *failed, sep="\n  ")

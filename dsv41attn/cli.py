@@ -1007,7 +1007,7 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar="NAME[:PATH.NAME=VALUE,...]",
                     help="with --part layers, gemm or sparse_attn: time every layer case "
                          "(every fp8 linear, wo_a under the first only; the attention's "
-                         "decode cases, its prefill under the first only) under each variant "
+                         "decode and prefill cases) under each variant "
                          "(repeat the option), a variant being the defaults with some of "
                          "the fast path's module constants set (--settings lists them), "
                          "e.g. --variant base --variant "

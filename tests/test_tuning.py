@@ -406,15 +406,17 @@ def test_bench_main_prints_the_variants_of_the_sparse_attn_part(fake_bench, monk
             rows.append(r)
         return rows
 
-    prefill_settings = []
+    prefill_seen = []
     monkeypatch.setattr(bench, "bench_sparse_attn", fake_attn)
-    monkeypatch.setattr(bench, "bench_sparse_attn_prefill", lambda copy_bw: prefill_settings.append(
-        lin.SPLIT_PROGRAMS_PER_SM) or [])
+    monkeypatch.setattr(bench, "bench_sparse_attn_prefill",
+                        lambda copy_bw, variants, rounds: prefill_seen.append(
+                            ([v for v, _ in variants], rounds)) or [])
     args = _bench_args(part="sparse_attn")
     args.variant = [parse_variant(f"a:{R}=3"), parse_variant("b")]
     assert bench.main(args) == 0
     out = capsys.readouterr().out
-    assert seen == {"variants": ["a", "b"], "rounds": 2} and prefill_settings == [3]
+    assert seen == {"variants": ["a", "b"], "rounds": 2}
+    assert prefill_seen == [(["a", "b"], 2)]
     lines = [line.split() for line in out.splitlines() if line.startswith("     8")]
     assert [(w[1], w[3], w[4], w[9]) for w in lines] == [("a", "-", "-", "1.0e-03"),
                                                          ("b", "-10.0%", "0", "1.0e-03")], out
