@@ -753,8 +753,8 @@ def bench_attn_variants(batches=(1, 8, 64, 256), prefill: int = 8192, context: i
     of ``sparse_attn_paged``; the default mode: splits sized to the step): the decode cases of
     ``bench_sparse_attn`` (``decode_attn_case``, three input sets rotated) and one prefill of
     ``prefill`` tokens (``prefill_attn_case``, ratio 2), us in a CUDA graph, and how many
-    output elements differ from the default launch's (another head tile can change the MMA's
-    form, so its sums)."""
+    output elements' bits differ from the default launch's (another head tile can change the
+    MMA's form, so its sums)."""
     from .ops.sparse_attn.triton import sparse_attn_paged
 
     cfg = preset("v41-flash")
@@ -781,7 +781,7 @@ def bench_attn_variants(batches=(1, 8, 64, 256), prefill: int = 8192, context: i
                 continue
             if not kw:
                 base[case] = out
-            row["differing"] = int((out != base[case]).sum()) if case in base else None
+            row["differing"] = _differing(out, base[case]) if case in base else None
             rows.append(row)
         torch.cuda.empty_cache()
     return rows
@@ -803,7 +803,8 @@ def bench_attn_kernels(batches=(1, 8, 64, 256), context: int = 4096,
     (``gluon.sparse_attn_paged_ws``), each in the cuts of ``kernels``, on the decode cases of
     ``decode_attn_case`` at V4.1-Flash's heads: the window alone and the window plus
     ``index_topk`` compressed rows, at ``context``; us in a CUDA graph, and how many output
-    elements differ from the unsplit Triton kernel's."""
+    elements' bits differ from the unsplit Triton kernel's (as every part's diff: a -0 for a
+    +0 counts, a NaN where the first has the same NaN does not)."""
     from .ops.sparse_attn.gluon import sparse_attn_paged_ws
     from .ops.sparse_attn.triton import sparse_attn_paged
 
@@ -822,7 +823,7 @@ def bench_attn_kernels(batches=(1, 8, 64, 256), context: int = 4096,
                 try:
                     out = ops[op](*args, **kw)
                     row["us"] = _graph_ms(lambda: ops[op](*args, **kw)) * 1e3
-                    row["differing"] = int((out != base).sum())
+                    row["differing"] = _differing(out, base)
                 except Exception as e:  # noqa: BLE001 - a kernel this GPU cannot run
                     row["us"], row["failed"] = float("nan"), f"{type(e).__name__}: {e}"[:200]
                 rows.append(row)
@@ -1257,11 +1258,11 @@ def main(args) -> int:
     grids = {  # the parts not in all: (title, rows, line key, column width)
         "attn_kernels": ("sparse attention, the Triton kernel and the warp-specialized Gluon "
                          "one by cut, V4.1-Flash decode at 4K; us = CUDA-graph replay; [n] = "
-                         "output elements that differ from the unsplit Triton kernel's",
+                         "output elements whose bits differ from the unsplit Triton kernel's",
                          bench_attn_kernels, "kernel", 18),
         "attn_variants": ("sparse attention by launch variant (sparse_attn_paged's block_h, "
                           "num_warps, d_chunks), V4.1-Flash; us = CUDA-graph replay; [n] = "
-                          "output elements that differ from the default launch's",
+                          "output elements whose bits differ from the default launch's",
                           bench_attn_variants, "variant", 22)}
     if args.part in grids:
         title, bench, key, width = grids[args.part]
