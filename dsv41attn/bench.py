@@ -902,7 +902,9 @@ def bench_sparse_attn_prefill(copy_bw: float, tokens=(8192, 65536), ratios=(0, 2
     the share of the bf16 peak the floor counts. ``variants`` and ``rounds`` as in
     ``bench_sparse_attn``: a row per case and variant (the graphs alternating over the
     rounds), a later variant's ``diff`` its output elements whose bits differ from the
-    first's. The reference's output is compared up to ``reference_max`` tokens."""
+    first's; ``ratio_c`` is the case's compression ratio (``ratio``, as in every part, its
+    time over the floor). The reference's output is compared up to ``reference_max``
+    tokens."""
     from .ops.backends import get_ops
     from .ops.sparse_attn.reference import sparse_attn_paged as reference
 
@@ -948,7 +950,7 @@ def bench_sparse_attn_prefill(copy_bw: float, tokens=(8192, 65536), ratios=(0, 2
             for row in case:
                 row["peak%"] = 100 * flops / (row["us"] * 1e-6) / BF16_FLOPS
             rows += case
-            del args, ref, first
+            del args, ref, first, q, new_rows, widx, pool, cidx  # a 64K case's are GBs
             torch.cuda.empty_cache()
     return rows
 
