@@ -686,6 +686,47 @@ def decode_attn_case(batch: int, heads: int, head_dim: int, window: int, topk: i
     return q, sink, head_dim ** -0.5, ring, new_rows, widx, pool, table, seq, cidx
 
 
+def _attn_rounds(case: list[dict], variants, rounds: int, sets: list[tuple], ref,
+                 reps: int = 20, launch: bool = False) -> None:
+    """The attention parts' timing of one case (``case``: a row per variant of ``variants``):
+    the triton backend's sparse_attn_paged in the default mode (splits sized to the step) and
+    the batch-invariant one, each in a CUDA graph over the argument ``sets`` (rotated, so
+    rows are not served from L2; median of ``reps`` replays), the variants alternating over
+    ``rounds`` rounds (the least kept, as ``us`` and ``invariant_us``). In the first round,
+    each row's output on ``sets[0]``: its ``rel_err`` to ``ref`` (float64; None: not
+    compared), a later variant's ``diff`` (its elements whose bits differ from the first's)
+    and, with ``launch``, one eager launch's time; a variant that raises gets its reason in
+    ``failed``."""
+    from .ops.backends import get_ops
+
+    kernel = get_ops("triton").sparse_attn_paged
+    invariant = get_ops("triton", batch_invariant=True).sparse_attn_paged
+    for row in case:
+        row.update(us=float("inf"), invariant_us=float("inf"))
+    first = None
+    for rnd in range(rounds):
+        for row, (_, settings) in zip(case, variants):
+            try:
+                with tuned(settings):
+                    if rnd == 0:  # the output, its error (and one eager launch)
+                        out = kernel(*sets[0])
+                        if ref is not None:
+                            row["rel_err"] = float((out.double() - ref).norm() / ref.norm())
+                        if first is None:
+                            first = out
+                        else:
+                            row["diff"] = _differing(out, first)
+                        del out
+                        if launch:
+                            row["launch_us"] = _events_ms(lambda: kernel(*sets[0]), 20) * 1e3
+                    for key, f in (("us", kernel), ("invariant_us", invariant)):
+                        ms = _graph_ms(lambda f=f: [f(*args) for args in sets], len(sets),
+                                       reps=reps)
+                        row[key] = min(row[key], ms * 1e3)
+            except Exception as e:  # noqa: BLE001 - reported, the other variants run
+                _failed(row, e)
+
+
 def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128,
                       topk: int = 512, context: int = 8192, variants=(("default", ()),),
                       rounds: int = 1) -> list[dict]:
@@ -696,11 +737,7 @@ def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128
     and variant, its times (graph, invariant mode, one eager launch) and error under its
     settings, the graphs alternating over the rounds; a later variant's ``diff`` counts the
     output elements whose bits differ from the first's."""
-    from .ops.backends import get_ops
     from .ops.sparse_attn.reference import sparse_attn_paged as reference
-
-    kernel = get_ops("triton").sparse_attn_paged  # the default mode: splits sized to the step
-    invariant = get_ops("triton", batch_invariant=True).sparse_attn_paged
 
     cfg = preset("v41-flash")
     h, d = cfg.n_heads, cfg.head_dim
@@ -714,27 +751,8 @@ def bench_sparse_attn(copy_bw: float, batches=(1, 8, 64, 256), window: int = 128
                       + 2 * h * d * 2 + (window + topk) * 4)
         flops = 4.0 * b * h * d * (window + topk)
         floor = max(flops / BF16_FLOPS, nbytes / copy_bw)
-        case = [{"batch": b, "variant": v, "us": float("inf"), "invariant_us": float("inf")}
-                for v, _ in variants]
-        first = None
-        for rnd in range(rounds):
-            for row, (_, settings) in zip(case, variants):
-                try:
-                    with tuned(settings):
-                        if rnd == 0:  # the output, its error and one eager launch
-                            out = kernel(*sets[0])
-                            row["rel_err"] = float((out.double() - ref.double()).norm()
-                                                   / ref.double().norm())
-                            if first is None:
-                                first = out
-                            elif row is not case[0]:
-                                row["diff"] = _differing(out, first)
-                            row["launch_us"] = _events_ms(lambda: kernel(*sets[0]), 20) * 1e3
-                        for key, f in (("us", kernel), ("invariant_us", invariant)):
-                            ms = _graph_ms(lambda f=f: [f(*args) for args in sets], len(sets))
-                            row[key] = min(row[key], ms * 1e3)
-                except Exception as e:  # noqa: BLE001 - reported, the other variants run
-                    _failed(row, e)
+        case = [{"batch": b, "variant": v} for v, _ in variants]
+        _attn_rounds(case, variants, rounds, sets, ref.double(), launch=True)
         _rate(case, floor, nbytes, copy_bw)
         rows += case
     return rows
@@ -905,14 +923,11 @@ def bench_sparse_attn_prefill(copy_bw: float, tokens=(8192, 65536), ratios=(0, 2
     first's; ``ratio_c`` is the case's compression ratio (``ratio``, as in every part, its
     time over the floor). The reference's output is compared up to ``reference_max``
     tokens."""
-    from .ops.backends import get_ops
     from .ops.sparse_attn.reference import sparse_attn_paged as reference
 
     cfg = preset("v41-flash")
     h, d = cfg.n_heads, cfg.head_dim
     g = torch.Generator(device="cuda").manual_seed(0)
-    kernel = get_ops("triton").sparse_attn_paged  # the default mode: splits sized to the step
-    invariant = get_ops("triton", batch_invariant=True).sparse_attn_paged
     rows = []
     for ratio in ratios:
         for t in tokens:
@@ -924,33 +939,13 @@ def bench_sparse_attn_prefill(copy_bw: float, tokens=(8192, 65536), ratios=(0, 2
             flops = 4.0 * h * d * valid
             floor = max(flops / BF16_FLOPS, nbytes / copy_bw)
             ref = reference(*args).double() if t <= reference_max else None
-            case = [{"tokens": t, "ratio_c": ratio, "variant": v, "us": float("inf"),
-                     "invariant_us": float("inf")} for v, _ in variants]
-            first = None
-            for rnd in range(rounds):
-                for row, (_, settings) in zip(case, variants):
-                    try:
-                        with tuned(settings):
-                            if rnd == 0:  # the output and its error
-                                out = kernel(*args)
-                                if ref is not None:
-                                    row["rel_err"] = float((out.double() - ref).norm()
-                                                           / ref.norm())
-                                if first is None:
-                                    first = out
-                                else:
-                                    row["diff"] = _differing(out, first)
-                                del out
-                            for key, f in (("us", kernel), ("invariant_us", invariant)):
-                                ms = _graph_ms(lambda a=args, f=f: f(*a), reps=5)
-                                row[key] = min(row[key], ms * 1e3)
-                    except Exception as e:  # noqa: BLE001 - reported, the other variants run
-                        _failed(row, e)
+            case = [{"tokens": t, "ratio_c": ratio, "variant": v} for v, _ in variants]
+            _attn_rounds(case, variants, rounds, [args], ref, reps=5)
             _rate(case, floor, nbytes, copy_bw, flops)
             for row in case:
                 row["peak%"] = 100 * flops / (row["us"] * 1e-6) / BF16_FLOPS
             rows += case
-            del args, ref, first, q, new_rows, widx, pool, cidx  # a 64K case's are GBs
+            del args, ref, q, new_rows, widx, pool, cidx  # a 64K case's are GBs
             torch.cuda.empty_cache()
     return rows
 
