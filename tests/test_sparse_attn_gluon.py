@@ -25,13 +25,13 @@ def _compile(d: int, stages: int, split: bool) -> dict:
     """Compile _sparse_attn_ws_kernel for sm_90a in a fresh process (the stand-in driver must not
     touch this process's Triton); its shared memory and (registers, stack, local ld/st, loop)."""
     import sm90_compile
-    return sm90_compile.compile_probe(f"""import re
+    return sm90_compile.compile_probe(rf"""import re
 import dsv41attn.ops.sparse_attn.gluon as g
 k = g._sparse_attn_ws_kernel.warmup(M(torch.bfloat16), M(torch.float32), M(torch.uint8),
     M(torch.uint8), M(torch.int32), M(torch.uint8), M(torch.int64), M(torch.int64),
     M(torch.int32), M(torch.bfloat16), M(torch.float32), M(torch.float32), 0.05, 64, 1000, 8,
-    128, 512, 64, 256, 4, 128, 512, 64, D={d}, PAGE_SHIFT=8, STAGES={stages},
-    RS=g.ROWS_PER_STORE, SUB=g.SUB_ROWS, RAW=g.RAW_STAGES, SPLIT={split},
+    128, 512, 64, 256, 2 if {split} else 1, 4, 128, 512, 64, D={d}, PAGE_SHIFT=8,
+    STAGES={stages}, RS=g.ROWS_PER_STORE, SUB=g.SUB_ROWS, RAW=g.RAW_STAGES, SPLIT={split},
     PRODUCER_REGS=g.PRODUCER_REGS, num_warps=8, grid=(1,))
 ptx = k.asm["ptx"]
 sass = s._sass(k.asm["cubin"])
@@ -136,6 +136,31 @@ def test_splits_and_out_rot(t, ww, k, r2, split_blocks):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
+@pytest.mark.parametrize("t,h,d,ww,k", [
+    (9, 64, 512, 128, 0),  # window only: 2 blocks an item
+    (7, 64, 512, 70, 130),  # a block of both kinds, a token with no entries
+    (6, 17, 256, 128, 200),  # padded heads
+    (5, 64, 128, 0, 65),  # compressed only
+])
+@pytest.mark.parametrize("cut", [{"num_splits": 1}, {"split_blocks": 1}, {"split_blocks": 3},
+                                 {"num_splits": 4}])  # 4: splits past a short list's end
+def test_programs_take_items_in_turn_with_the_same_bits(t, h, d, ww, k, cut):
+    """A program takes the (token, split) items p, p + G, ... in turn, its ring and q running
+    on from one item to the next: every G (one program for all; two or three, so that an item
+    follows an item of another token or of the same token's other split; one an item) gives
+    the same bits, unsplit and split, and every output element is written."""
+    from dsv41attn.ops.sparse_attn.gluon import sparse_attn_paged_ws
+    q, sink, args = make_step(t, h, d, ww, k, 8, seed=t + ww + k)
+    want = sparse_attn_paged_ws(q, sink, 0.2, **args, **cut, programs=10 ** 6)  # one an item
+    assert not want.isnan().any()
+    for g in (1, 2, 3, None):
+        out = torch.full_like(q, float("nan"))
+        got = sparse_attn_paged_ws(q, sink, 0.2, **args, **cut, programs=g, out=out)
+        torch.cuda.synchronize()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (g, cut)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
 def test_empty_step_gives_the_triton_kernels_bits():
     """No token with a list entry: the Gluon op's output is the Triton op's to the bit, the
     reference's rotated zeros (-0 where they are) with out_rot, +0 without."""
@@ -161,6 +186,8 @@ def test_rejects_bad_inputs():
         sparse_attn_paged_ws(q, sink, 0.1, **args, split_blocks=-1)
     with pytest.raises(ValueError, match="num_splits"):
         sparse_attn_paged_ws(q, sink, 0.1, **args, num_splits=0)
+    with pytest.raises(ValueError, match="programs must be a positive int"):
+        sparse_attn_paged_ws(q, sink, 0.1, **args, programs=0)
     with pytest.raises(ValueError, match="one device"):
         sparse_attn_paged_ws(q, sink.cpu(), 0.1, **args)
     with pytest.raises(ValueError, match="H must be"):

@@ -11,6 +11,17 @@ copies into raw stages of 16 rows, two stages ahead of the one it decodes, so th
 a program are in flight (register loads of 8 rows at a time left one index -> page -> row
 chain of global latencies in line per 8 rows).
 
+Programs: one an SM (its 12 warps' registers fill one, 168 a thread at launch; at D = 512 its
+shared memory too), each taking the launch's (token, split) items in turn (``PERSISTENT``).
+The ring's stages and their mbarrier phases run on from one item to the next, so the producer
+decodes an item's first blocks while the consumer finishes the item before, and the consumer
+copies the next item's q in (async copies) once the item's wgmmas are done with q. An item
+stages its output through its last ring stage, which the producer gets back after that (from
+the accumulator's layout the stores went 4 bytes a thread, and their addresses spilled). A
+program an item paid its q load, its pipeline's fill and its drain each time: at two blocks
+an item (a window alone, as in every prefill of an SWA layer) that was most of its time. Each
+item's sums are the same whichever program runs it: no bit depends on the programs.
+
 Code size: the producer walks a block's sub-blocks in a loop, not unrolled. Unrolled, its
 decode paths came to 100 KB of SASS, and its warps stalled on instruction fetch (Nsight
 Compute, thirty-first session); in a loop they are about 39 KB. The ring's row slice must be
@@ -39,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
-from ..common.triton import cdiv, is_hopper
+from ..common.triton import cdiv, is_hopper, sm_count
 from .triton import (_FP4_WORD_BF16_ASM, check_paged_devices, check_paged_inputs, check_split_args,
                      finish_paged, paged_operands, paged_output, plan_splits, split_partials)
 
@@ -56,6 +67,10 @@ PRODUCER_WARPS = gl.constexpr(4)
 # the producer's registers a thread (setmaxnreg); the consumers get the rest
 PRODUCER_REGS = 120
 SMEM_BYTES = 232448  # an sm_90 block's shared memory (227 KB)
+# a launch's programs: one an SM (a program's registers fill one), each taking the
+# (token, split) items in turn, so that an item's first blocks are decoded and its q copied in
+# while the item before finishes; off: a program an item, each paying its start and its end
+PERSISTENT = True
 
 
 def smem_bytes(d: int, stages: int) -> int:
@@ -219,12 +234,32 @@ def _compressed_decode(words, extra, RS: gl.constexpr, D: gl.constexpr):
 
 @gluon.jit
 def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr, kv_bufs, ready,
-              empty, raw_codes, raw_extra, t, j_lo, j_hi, N_RING, N_NEW, WW, K, PAGES,
-              PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT: gl.constexpr, D: gl.constexpr,
+              empty, raw_codes, raw_extra, N_ITEMS, SPLITS, BPS, NB, N_RING, N_NEW, WW, K,
+              PAGES, PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, RS: gl.constexpr, SUB: gl.constexpr,
               RAW: gl.constexpr):
-    """Fill the ring with list blocks j_lo..j_hi-1 (64 entries each: window entries, then
-    compressed ones), the i-th block into stage i % STAGES.
+    """Fill the ring with the program's items' list blocks in turn (_item), the program's
+    n-th block into stage n % STAGES: the ring runs on across items, so the next item's first
+    blocks are decoded while the consumer finishes the item before."""
+    n0 = 0  # blocks this program filled before the item
+    for w in range(gl.program_id(0), N_ITEMS, gl.num_programs(0)):
+        t, s, j_lo, j_hi = _item(w, SPLITS, BPS, NB)
+        _thread_barrier()  # every thread has decoded the last item's raw stages
+        _producer_item(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
+                       kv_bufs, ready, empty, raw_codes, raw_extra, t, j_lo, j_hi, n0, N_RING,
+                       N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT, D, STAGES,
+                       RS, SUB, RAW)
+        n0 += j_hi - j_lo
+
+
+@gluon.jit
+def _producer_item(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr, kv_bufs,
+                   ready, empty, raw_codes, raw_extra, t, j_lo, j_hi, n0, N_RING, N_NEW, WW, K,
+                   PAGES, PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT: gl.constexpr,
+                   D: gl.constexpr, STAGES: gl.constexpr, RS: gl.constexpr,
+                   SUB: gl.constexpr, RAW: gl.constexpr):
+    """Fill the ring with token t's list blocks j_lo..j_hi-1 (64 entries each: window entries,
+    then compressed ones), the i-th block into stage (n0 + i) % STAGES.
 
     The packed bytes travel by async copies, SUB entries (a sub-block) a raw stage, RAW - 1
     sub-blocks ahead of the one being decoded: at step w the copies of sub-block w start and
@@ -256,8 +291,8 @@ def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
         wr1, cr1 = _entry_ids(widx_ptr, cidx_ptr, t, e_lo + (p0 + 2) * SUB + sub, WW, K, sw_t,
                               sc_t)
     for i in range(j_hi - j_lo):
-        stage = i % STAGES
-        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+        stage = (n0 + i) % STAGES
+        mbarrier.wait(empty.index(stage), (((n0 + i) // STAGES) & 1) ^ 1)
         buf = kv_bufs.index(stage)
         for q in range(NSUB):  # a loop, not unrolled: the decode's code stays in the I-cache
             u = i * NSUB + q  # the sub-block decoded now
@@ -299,104 +334,153 @@ def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
 
 
 @gluon.jit
-def _restage(kv_bufs, x, layout: gl.constexpr):
-    """x [HEADS, D] (the accumulator's layout) in ``layout``, through the ring's shared memory
-    (free once the last block's wgmmas have read it; HEADS x D x 2 bytes, a stage): a
+def _restage(stage, x, layout: gl.constexpr):
+    """x [HEADS, D] (the accumulator's layout) in ``layout``, through a ring stage's shared
+    memory (BLOCK_N x D, the same bytes; free once the block's wgmmas have read it): a
     convert_layout would take its own scratch, which the kernel's shared memory has no room
     for."""
     VEC: gl.constexpr = 128 // x.dtype.primitive_bitwidth  # 16 bytes
-    buf = _reinterpret(kv_bufs, x.dtype, x.shape, gl.SwizzledSharedLayout(VEC, 1, 8, [1, 0]))
-    _thread_barrier()  # both warp groups' last wgmmas are done with the ring
+    buf = _reinterpret(stage, x.dtype, x.shape, gl.SwizzledSharedLayout(VEC, 1, 8, [1, 0]))
+    _thread_barrier()  # both warp groups' wgmmas are done with the stage
     buf.store(x)
     _thread_barrier()
     return buf.load(layout)
 
 
 @gluon.jit
-def _consumer(q_smem, kv_bufs, ready, empty, widx_ptr, cidx_ptr, sink_ptr, o_ptr, ml_ptr,
-              acc_ptr, t, j_lo, j_hi, H, WW, K, sw_t, sc_t, scale, D: gl.constexpr,
-              STAGES: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
-    """The online softmax over the blocks the producer fills; then o [t] = acc / (l +
-    e^(sink-m)), or SPLIT: this split's fp32 m, l and acc stored as the Triton kernel's
-    partials (m then l [2, T, S, H], acc [T, S, H, D]) for its merge."""
+def _item(w, SPLITS, BPS, NB):
+    """Work item w of the launch: (token t as int64, split s, its first 64-block, its end; no
+    block where an explicit num_splits leaves the split past the list's end)."""
+    s = w % SPLITS
+    j_lo = s * BPS
+    return (w // SPLITS).to(gl.int64), s, j_lo, gl.maximum(gl.minimum(j_lo + BPS, NB), j_lo)
+
+
+@gluon.jit
+def _load_q(q_smem, q_ptr, t, H, D: gl.constexpr, num_warps: gl.constexpr):
+    """Start async copies of token t's q [H, D] bf16 into q_smem [HEADS, D] (padded heads
+    zero), 16 rows at a time (16 bytes a thread, few addresses live at once), one group."""
+    lanes: gl.constexpr = min(32, D // 8)
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // lanes, lanes], [num_warps, 1], [1, 0])
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    for r0 in gl.static_range(0, HEADS, 16):
+        _async_copy(q_smem.slice(r0, 16, dim=0),
+                    q_ptr + (t * H + r0 + rows)[:, None] * D + cols[None, :],
+                    mask=(r0 + rows < H)[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _consumer(q_smem, kv_bufs, ready, empty, q_ptr, widx_ptr, cidx_ptr, sink_ptr, o_ptr,
+              ml_ptr, acc_ptr, N_ITEMS, SPLITS, BPS, NB, H, WW, K, sw_t, sc_t, scale,
+              D: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+              num_warps: gl.constexpr):
+    """The program's items in turn (_item), each an online softmax over the blocks the
+    producer fills; then o [t] = acc / (l + e^(sink-m)), or SPLIT: the item's fp32 m, l and
+    acc stored as the Triton kernel's partials (m then l [2, T, S, H], acc [T, S, H, D]) for
+    its merge. q_smem holds the first item's q; once an item's wgmmas are done with it, the
+    next item's q starts coming in (its first blocks are being decoded meanwhile) while the
+    output is staged through the item's last ring stage, which then goes back to the
+    producer."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, BLOCK_N // 2, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, D // 2, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    m_i = gl.full([HEADS], -1e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([HEADS, D], gl.float32, layout=o_layout)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    for i in range(j_hi - j_lo):
-        stage = i % STAGES
-        phase = (i // STAGES) & 1
-        e_idx = (j_lo + i) * BLOCK_N + cols
-        wr = gl.load(widx_ptr + t * sw_t + e_idx, mask=e_idx < WW, other=-1)
-        cr = gl.load(cidx_ptr + t * sc_t + (e_idx - WW), mask=(e_idx >= WW) & (e_idx < WW + K),
-                     other=-1)
-        valid = (wr >= 0) | (cr >= 0)
-        mbarrier.wait(ready.index(stage), phase)
-        kv = kv_bufs.index(stage)
-        s = warpgroup_mma(q_smem, kv.permute((1, 0)),
-                          gl.zeros([HEADS, BLOCK_N], gl.float32, layout=s_layout), is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-        s = gl.where(valid[None, :], s, float("-inf")) * scale
-        m_new = gl.maximum(m_i, gl.max(s, 1))  # >= -1e30: no inf - inf
-        alpha = gl.exp(m_i - m_new)
-        p = gl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        pb = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc = warpgroup_mma(pb, kv, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        mbarrier.arrive(empty.index(stage), count=1)
-    if SPLIT:  # fp32 partials: 8 bytes a thread, 4 threads on 32 bytes of a row, as they are
+    G = gl.num_programs(0)
+    n0 = 0  # blocks this program consumed before the item
+    for w in range(gl.program_id(0), N_ITEMS, G):
+        t, sp, j_lo, j_hi = _item(w, SPLITS, BPS, NB)
+        t_next = ((w + G) // SPLITS).to(gl.int64)  # the next item's token
+        q_next = (w + G < N_ITEMS) & (t_next != t)  # its q must come in
+        # the q copied in during the item before (if any) has landed, for the wgmmas to read
+        async_copy.wait_group(0)
+        _thread_barrier()
+        fence_async_shared()
+        m_i = gl.full([HEADS], -1e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([HEADS, D], gl.float32, layout=o_layout)
+        for i in range(j_hi - j_lo):
+            stage = (n0 + i) % STAGES
+            phase = ((n0 + i) // STAGES) & 1
+            e_idx = (j_lo + i) * BLOCK_N + cols
+            wr = gl.load(widx_ptr + t * sw_t + e_idx, mask=e_idx < WW, other=-1)
+            cr = gl.load(cidx_ptr + t * sc_t + (e_idx - WW),
+                         mask=(e_idx >= WW) & (e_idx < WW + K), other=-1)
+            valid = (wr >= 0) | (cr >= 0)
+            mbarrier.wait(ready.index(stage), phase)
+            kv = kv_bufs.index(stage)
+            s = warpgroup_mma(q_smem, kv.permute((1, 0)),
+                              gl.zeros([HEADS, BLOCK_N], gl.float32, layout=s_layout),
+                              is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+            s = gl.where(valid[None, :], s, float("-inf")) * scale
+            m_new = gl.maximum(m_i, gl.max(s, 1))  # >= -1e30: no inf - inf
+            alpha = gl.exp(m_i - m_new)
+            p = gl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            pb = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            acc = warpgroup_mma(pb, kv, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            if SPLIT or i < j_hi - j_lo - 1:  # unsplit, the last stage holds the output first
+                mbarrier.arrive(empty.index(stage), count=1)
+        if q_next:  # the item's wgmmas are done with q: the next item's comes in now
+            _thread_barrier()
+            _load_q(q_smem, q_ptr, t_next, H, D, num_warps)
+        last = kv_bufs.index((n0 + j_hi - j_lo - 1) % STAGES)  # (unsplit: a block or more)
+        n0 += j_hi - j_lo
         heads = gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
         dcols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        n_s = gl.num_programs(1)
-        part = (t * n_s + gl.program_id(1)) * H  # row of head 0 in the [T, S, H] partials
-        heads_s = gl.arange(0, HEADS, layout=gl.SliceLayout(1, s_layout))
-        gl.store(ml_ptr + part + heads_s, m_i, mask=heads_s < H)
-        gl.store(ml_ptr + gl.num_programs(0) * n_s * H + part + heads_s, l_i, mask=heads_s < H)
-        gl.store(acc_ptr + (part + heads)[:, None] * D + dcols[None, :], acc,
-                 mask=(heads < H)[:, None])
-    else:
-        heads = gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
-        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        l_o = l_o + gl.exp(gl.load(sink_ptr + heads, mask=heads < H, other=0.0) - m_o)
-        o = (acc / gl.where(l_o > 0, l_o, 1.0)[:, None]).to(gl.bfloat16)
-        # bf16 in the accumulator's layout would go 4 bytes a thread over 8 rows: through
-        # shared memory, 16 bytes a thread, a warp on whole rows
-        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-        heads = gl.arange(0, HEADS, layout=gl.SliceLayout(1, st_layout))
-        dcols = gl.arange(0, D, layout=gl.SliceLayout(0, st_layout))
-        gl.store(o_ptr + t * H * D + heads[:, None] * D + dcols[None, :],
-                 _restage(kv_bufs, o, st_layout), mask=(heads < H)[:, None])
+        if SPLIT:  # fp32 partials: 8 bytes a thread, 4 threads on 32 bytes of a row, as they are
+            part = (t * SPLITS + sp) * H  # row of head 0 in the [T, S, H] partials
+            heads_s = gl.arange(0, HEADS, layout=gl.SliceLayout(1, s_layout))
+            gl.store(ml_ptr + part + heads_s, m_i, mask=heads_s < H)
+            gl.store(ml_ptr + N_ITEMS * H + part + heads_s, l_i, mask=heads_s < H)
+            gl.store(acc_ptr + (part + heads)[:, None] * D + dcols[None, :], acc,
+                     mask=(heads < H)[:, None])
+        else:
+            m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+            l_o = l_o + gl.exp(gl.load(sink_ptr + heads, mask=heads < H, other=0.0) - m_o)
+            o = (acc / gl.where(l_o > 0, l_o, 1.0)[:, None]).to(gl.bfloat16)
+            # bf16 in the accumulator's layout would go 4 bytes a thread over 8 rows: through
+            # the item's last ring stage (the producer waits for it), 16 bytes a thread, a warp
+            # on whole rows
+            st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+            h_st = gl.arange(0, HEADS, layout=gl.SliceLayout(1, st_layout))
+            d_st = gl.arange(0, D, layout=gl.SliceLayout(0, st_layout))
+            gl.store(o_ptr + (t * H + h_st)[:, None] * D + d_st[None, :],
+                     _restage(last, o, st_layout), mask=(h_st < H)[:, None])
+            _thread_barrier()  # every thread has read its part back
+            mbarrier.arrive(empty.index((n0 - 1) % STAGES), count=1)
 
 
 @gluon.jit
 def _sparse_attn_ws_kernel(q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr,
                            trow_ptr, cidx_ptr, o_ptr, ml_ptr, acc_ptr, scale, H, N_RING, N_NEW,
-                           WW, K, PAGES, PAGE_ROWS, BLOCKS_PER_SPLIT, sw_t, sc_t, bt_r,
+                           WW, K, PAGES, PAGE_ROWS, SPLITS, BLOCKS_PER_SPLIT, sw_t, sc_t, bt_r,
                            D: gl.constexpr, PAGE_SHIFT: gl.constexpr, STAGES: gl.constexpr,
                            RS: gl.constexpr, SUB: gl.constexpr, RAW: gl.constexpr,
                            SPLIT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            num_warps: gl.constexpr):
-    """One program a (token t, split s): q [T, H, D] bf16 (H <= 64, padded heads load 0); the
+    """Work items (token t, split s), item w = t * SPLITS + s, program p taking items p, p + G,
+    p + 2G, ... (G programs; _item): q [T, H, D] bf16 (H <= 64, padded heads load 0); the
     token's list is widx [t, :WW] (ring rows [*, D + D/32] or the step's new rows, uint8) then
     cidx [t, :K] (rows of the pool [*, PAGE_ROWS, D/2 + D/16] through block-table row
-    trow[t]), of which the program takes 64-blocks [s*BPS, (s+1)*BPS); o [T, H, D] bf16, or
-    SPLIT: the partials ml, acc (see _consumer)."""
-    t = gl.program_id(0).to(gl.int64)
-    j_lo = gl.program_id(1) * BLOCKS_PER_SPLIT
-    j_hi = gl.minimum(j_lo + BLOCKS_PER_SPLIT, gl.cdiv(WW + K, BLOCK_N))
+    trow[t]), of which the item takes 64-blocks [s*BPS, (s+1)*BPS); o [T, H, D] bf16, or
+    SPLIT: the partials ml, acc (see _consumer). Each item's sums are the same whichever
+    program runs it, so G changes no bit."""
+    n_items = N_NEW * SPLITS
+    nb = gl.cdiv(WW + K, BLOCK_N)
+    t0 = (gl.program_id(0) // SPLITS).to(gl.int64)  # the first item's token
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
     qr = gl.arange(0, HEADS, layout=gl.SliceLayout(1, q_layout))
     qc = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
-    q = gl.load(q_ptr + t * H * D + qr[:, None] * D + qc[None, :], mask=(qr < H)[:, None],
+    q = gl.load(q_ptr + t0 * H * D + qr[:, None] * D + qc[None, :], mask=(qr < H)[:, None],
                 other=0.0)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, D],
                                        gl.NVMMASharedLayout.get_default_for([HEADS, D],
@@ -414,12 +498,13 @@ def _sparse_attn_ws_kernel(q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, pool_pt
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
     gl.warp_specialize([
-        (_consumer, (q_smem, kv_bufs, ready, empty, widx_ptr, cidx_ptr, sink_ptr, o_ptr, ml_ptr,
-                     acc_ptr, t, j_lo, j_hi, H, WW, K, sw_t, sc_t, scale, D, STAGES, SPLIT,
-                     num_warps)),
+        (_consumer, (q_smem, kv_bufs, ready, empty, q_ptr, widx_ptr, cidx_ptr, sink_ptr, o_ptr,
+                     ml_ptr, acc_ptr, n_items, SPLITS, BLOCKS_PER_SPLIT, nb, H, WW, K, sw_t,
+                     sc_t, scale, D, STAGES, SPLIT, num_warps)),
         (_producer, (ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr, kv_bufs,
-                     ready, empty, raw_codes, raw_extra, t, j_lo, j_hi, N_RING, N_NEW, WW, K,
-                     PAGES, PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT, D, STAGES, RS, SUB, RAW)),
+                     ready, empty, raw_codes, raw_extra, n_items, SPLITS, BLOCKS_PER_SPLIT, nb,
+                     N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT, D,
+                     STAGES, RS, SUB, RAW)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -429,14 +514,16 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
                         block_table: torch.Tensor | None, token_row: torch.Tensor,
                         compressed_idx: torch.Tensor, *, num_splits: int | None = None,
                         split_blocks: int | None = None, stages: int = 2,
-                        out: torch.Tensor | None = None, out_rot: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+                        programs: int | None = None, out: torch.Tensor | None = None,
+                        out_rot: torch.Tensor | None = None) -> torch.Tensor:
     """``triton.sparse_attn_paged`` (the same arguments, results and splits) on a Hopper GPU,
     warp-specialized: H <= 64 heads, D 128, 256 or 512, the ring and the pool 16-byte aligned.
     num_splits and split_blocks cut each list into programs as there (by default splits of
     SPLIT_BLOCKS 64-blocks, the same cut in every step), the splits merged by the Triton
     kernel's merge (which also turns ``out_rot`` back); ``stages`` ring stages of 64 decoded
-    rows in shared memory. Returns [T, H, D] bf16."""
+    rows in shared memory; ``programs`` the programs launched, each taking the (token, split)
+    items in turn (None: one an SM where PERSISTENT, else one an item; never more than the
+    items; no bit depends on it). Returns [T, H, D] bf16."""
     t, h, d, ww, k = check_paged_inputs(q, sink, window_ring, new_rows, window_ids,
                                         compressed_pool, block_table, token_row, compressed_idx)
     reason = unsupported(q, window_ring, compressed_pool)
@@ -447,6 +534,8 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
                          f"{SMEM_BYTES} B of shared memory at D = {d}, got "
                          f"{smem_bytes(d, stages)} B")
     check_split_args(num_splits, split_blocks)
+    if programs is not None and (not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"programs must be a positive int or None, got {programs!r}")
     check_paged_devices(q, sink, window_ring, new_rows, window_ids, compressed_pool,
                         block_table, token_row, compressed_idx)
     out, r2, done = paged_output(q, sink, out, out_rot, ww + k)
@@ -457,11 +546,15 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
                        token_row, compressed_idx, align=16)
     s, per_split = plan_splits(t, cdiv(ww + k, ROWS), q.device, num_splits,
                                split_blocks)
+    if q.data_ptr() % 16:  # q is copied in 16-byte pieces: a fresh (aligned) copy
+        q = q.clone()
     partials = split_partials(q, s) if s > 1 else None
-    _sparse_attn_ws_kernel[(t, s)](
+    if programs is None:
+        programs = sm_count(q.device) if PERSISTENT else t * s
+    _sparse_attn_ws_kernel[(min(programs, t * s),)](
         q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out,
         *(partials or (sink, sink)), float(scale), h, n_ring, t, ww, k, table.shape[1],
-        pool.shape[1], per_split, widx.stride(0), cidx.stride(0), table.stride(0), D=d,
+        pool.shape[1], s, per_split, widx.stride(0), cidx.stride(0), table.stride(0), D=d,
         PAGE_SHIFT=page_shift, STAGES=stages, RS=ROWS_PER_STORE, SUB=SUB_ROWS, RAW=RAW_STAGES,
         SPLIT=s > 1, PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
     return finish_paged(out, partials, sink, out_rot, r2)
