@@ -21,7 +21,7 @@ GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 \
 SHAPES = [(512, 2), (128, 3), (256, 2)]
 
 
-def _compile(d: int, stages: int, split: bool) -> dict:
+def _compile(d: int, stages: int, split: bool, persist: bool = True) -> dict:
     """Compile _sparse_attn_ws_kernel for sm_90a in a fresh process (the stand-in driver must not
     touch this process's Triton); its shared memory and (registers, stack, local ld/st, loop)."""
     import sm90_compile
@@ -32,7 +32,7 @@ k = g._sparse_attn_ws_kernel.warmup(M(torch.bfloat16), M(torch.float32), M(torch
     M(torch.int32), M(torch.bfloat16), M(torch.float32), M(torch.float32), 0.05, 64, 1000, 8,
     128, 512, 64, 256, 2 if {split} else 1, 4, 128, 512, 64, D={d}, PAGE_SHIFT=8,
     STAGES={stages}, RS=g.ROWS_PER_STORE, SUB=g.SUB_ROWS, RAW=g.RAW_STAGES, SPLIT={split},
-    PRODUCER_REGS=g.PRODUCER_REGS, num_warps=8, grid=(1,))
+    PERSIST={persist}, PRODUCER_REGS=g.PRODUCER_REGS, num_warps=8, grid=(1,))
 ptx = k.asm["ptx"]
 sass = s._sass(k.asm["cubin"])
 part, size = None, {{}}  # SASS instructions by the partition's setmaxnreg register count
@@ -49,11 +49,13 @@ print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["
 """)
 
 
-@pytest.mark.parametrize("d,stages,split", [(512, 2, True), (128, 3, False)])
-def test_compiles_warp_specialized_for_sm90(d, stages, split):
-    """The kernel lowers for an H100/H200: async wgmmas, mbarrier hand-overs between the
-    partitions, register budgets per partition, and shared memory within a block's 227 KB."""
-    r = _compile(d, stages, split)
+@pytest.mark.parametrize("d,stages,split,persist", [(512, 2, True, True), (512, 2, False, False),
+                                                   (128, 3, False, True)])
+def test_compiles_warp_specialized_for_sm90(d, stages, split, persist):
+    """The kernel lowers for an H100/H200, a program taking one item or several: async
+    wgmmas, mbarrier hand-overs between the partitions, register budgets per partition, and
+    shared memory within a block's 227 KB."""
+    r = _compile(d, stages, split, persist)
     assert r["shared"] <= 232448, r
     assert r["wgmma"] > 0 and r["setmaxnreg"] > 0 and r["mbarrier"] > 0, r
     # the producer's code within the instruction cache: unrolled over a block's sub-blocks it

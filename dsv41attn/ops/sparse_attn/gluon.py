@@ -20,7 +20,10 @@ stages its output through its last ring stage, which the producer gets back afte
 the accumulator's layout the stores went 4 bytes a thread, and their addresses spilled). A
 program an item paid its q load, its pipeline's fill and its drain each time: at two blocks
 an item (a window alone, as in every prefill of an SWA layer) that was most of its time. Each
-item's sums are the same whichever program runs it: no bit depends on the programs.
+item's sums are the same whichever program runs it: no bit depends on the programs. A launch
+with no more items than programs (most decode steps) compiles without the item loop
+(``PERSIST`` off): under Triton 3.6 the loop's live values spill inside the producer's
+sub-block loop.
 
 Code size: the producer walks a block's sub-blocks in a loop, not unrolled. Unrolled, its
 decode paths came to 100 KB of SASS, and its warps stalled on instruction fetch (Nsight
@@ -237,19 +240,28 @@ def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
               empty, raw_codes, raw_extra, N_ITEMS, SPLITS, BPS, NB, N_RING, N_NEW, WW, K,
               PAGES, PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, RS: gl.constexpr, SUB: gl.constexpr,
-              RAW: gl.constexpr):
+              RAW: gl.constexpr, PERSIST: gl.constexpr):
     """Fill the ring with the program's items' list blocks in turn (_item), the program's
     n-th block into stage n % STAGES: the ring runs on across items, so the next item's first
-    blocks are decoded while the consumer finishes the item before."""
-    n0 = 0  # blocks this program filled before the item
-    for w in range(gl.program_id(0), N_ITEMS, gl.num_programs(0)):
-        t, s, j_lo, j_hi = _item(w, SPLITS, BPS, NB)
-        _thread_barrier()  # every thread has decoded the last item's raw stages
+    blocks are decoded while the consumer finishes the item before. PERSIST off: the
+    program's one item, with no item loop (whose live values spill inside the sub-block loop
+    under Triton 3.6)."""
+    if PERSIST:
+        n0 = 0  # blocks this program filled before the item
+        for w in range(gl.program_id(0), N_ITEMS, gl.num_programs(0)):
+            t, s, j_lo, j_hi = _item(w, SPLITS, BPS, NB)
+            _thread_barrier()  # every thread has decoded the last item's raw stages
+            _producer_item(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
+                           kv_bufs, ready, empty, raw_codes, raw_extra, t, j_lo, j_hi, n0,
+                           N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t, sc_t, bt_r,
+                           PAGE_SHIFT, D, STAGES, RS, SUB, RAW)
+            n0 += j_hi - j_lo
+    else:
+        t, s, j_lo, j_hi = _item(gl.program_id(0), SPLITS, BPS, NB)
         _producer_item(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
-                       kv_bufs, ready, empty, raw_codes, raw_extra, t, j_lo, j_hi, n0, N_RING,
+                       kv_bufs, ready, empty, raw_codes, raw_extra, t, j_lo, j_hi, 0, N_RING,
                        N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT, D, STAGES,
                        RS, SUB, RAW)
-        n0 += j_hi - j_lo
 
 
 @gluon.jit
@@ -375,7 +387,7 @@ def _load_q(q_smem, q_ptr, t, H, D: gl.constexpr, num_warps: gl.constexpr):
 def _consumer(q_smem, kv_bufs, ready, empty, q_ptr, widx_ptr, cidx_ptr, sink_ptr, o_ptr,
               ml_ptr, acc_ptr, N_ITEMS, SPLITS, BPS, NB, H, WW, K, sw_t, sc_t, scale,
               D: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-              num_warps: gl.constexpr):
+              PERSIST: gl.constexpr, num_warps: gl.constexpr):
     """The program's items in turn (_item), each an online softmax over the blocks the
     producer fills; then o [t] = acc / (l + e^(sink-m)), or SPLIT: the item's fp32 m, l and
     acc stored as the Triton kernel's partials (m then l [2, T, S, H], acc [T, S, H, D]) for
@@ -383,80 +395,99 @@ def _consumer(q_smem, kv_bufs, ready, empty, q_ptr, widx_ptr, cidx_ptr, sink_ptr
     next item's q starts coming in (its first blocks are being decoded meanwhile) while the
     output is staged through the item's last ring stage, which then goes back to the
     producer."""
+    G = gl.num_programs(0)
+    if PERSIST:
+        n0 = 0  # blocks this program consumed before the item
+        for w in range(gl.program_id(0), N_ITEMS, G):
+            n0 = _consumer_item(q_smem, kv_bufs, ready, empty, q_ptr, widx_ptr, cidx_ptr,
+                                sink_ptr, o_ptr, ml_ptr, acc_ptr, w, G, n0, N_ITEMS, SPLITS,
+                                BPS, NB, H, WW, K, sw_t, sc_t, scale, D, STAGES, SPLIT,
+                                num_warps)
+    else:
+        _consumer_item(q_smem, kv_bufs, ready, empty, q_ptr, widx_ptr, cidx_ptr, sink_ptr,
+                       o_ptr, ml_ptr, acc_ptr, gl.program_id(0), G, 0, N_ITEMS, SPLITS, BPS,
+                       NB, H, WW, K, sw_t, sc_t, scale, D, STAGES, SPLIT, num_warps)
+
+
+@gluon.jit
+def _consumer_item(q_smem, kv_bufs, ready, empty, q_ptr, widx_ptr, cidx_ptr, sink_ptr, o_ptr,
+                   ml_ptr, acc_ptr, w, G, n0, N_ITEMS, SPLITS, BPS, NB, H, WW, K, sw_t, sc_t,
+                   scale, D: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """_consumer's item w (of a program taking every G-th), its blocks the program's n0-th
+    on; returns n0 past them."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, BLOCK_N // 2, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, D // 2, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    G = gl.num_programs(0)
-    n0 = 0  # blocks this program consumed before the item
-    for w in range(gl.program_id(0), N_ITEMS, G):
-        t, sp, j_lo, j_hi = _item(w, SPLITS, BPS, NB)
-        t_next = ((w + G) // SPLITS).to(gl.int64)  # the next item's token
-        q_next = (w + G < N_ITEMS) & (t_next != t)  # its q must come in
-        # the q copied in during the item before (if any) has landed, for the wgmmas to read
-        async_copy.wait_group(0)
+    t, sp, j_lo, j_hi = _item(w, SPLITS, BPS, NB)
+    t_next = ((w + G) // SPLITS).to(gl.int64)  # the next item's token
+    q_next = (w + G < N_ITEMS) & (t_next != t)  # its q must come in
+    # the q copied in during the item before (if any) has landed, for the wgmmas to read
+    async_copy.wait_group(0)
+    _thread_barrier()
+    fence_async_shared()
+    m_i = gl.full([HEADS], -1e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([HEADS, D], gl.float32, layout=o_layout)
+    for i in range(j_hi - j_lo):
+        stage = (n0 + i) % STAGES
+        phase = ((n0 + i) // STAGES) & 1
+        e_idx = (j_lo + i) * BLOCK_N + cols
+        wr = gl.load(widx_ptr + t * sw_t + e_idx, mask=e_idx < WW, other=-1)
+        cr = gl.load(cidx_ptr + t * sc_t + (e_idx - WW),
+                     mask=(e_idx >= WW) & (e_idx < WW + K), other=-1)
+        valid = (wr >= 0) | (cr >= 0)
+        mbarrier.wait(ready.index(stage), phase)
+        kv = kv_bufs.index(stage)
+        s = warpgroup_mma(q_smem, kv.permute((1, 0)),
+                          gl.zeros([HEADS, BLOCK_N], gl.float32, layout=s_layout),
+                          is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        s = gl.where(valid[None, :], s, float("-inf")) * scale
+        m_new = gl.maximum(m_i, gl.max(s, 1))  # >= -1e30: no inf - inf
+        alpha = gl.exp(m_i - m_new)
+        p = gl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        pb = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = warpgroup_mma(pb, kv, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        if SPLIT or i < j_hi - j_lo - 1:  # unsplit, the last stage holds the output first
+            mbarrier.arrive(empty.index(stage), count=1)
+    if q_next:  # the item's wgmmas are done with q: the next item's comes in now
         _thread_barrier()
-        fence_async_shared()
-        m_i = gl.full([HEADS], -1e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([HEADS, D], gl.float32, layout=o_layout)
-        for i in range(j_hi - j_lo):
-            stage = (n0 + i) % STAGES
-            phase = ((n0 + i) // STAGES) & 1
-            e_idx = (j_lo + i) * BLOCK_N + cols
-            wr = gl.load(widx_ptr + t * sw_t + e_idx, mask=e_idx < WW, other=-1)
-            cr = gl.load(cidx_ptr + t * sc_t + (e_idx - WW),
-                         mask=(e_idx >= WW) & (e_idx < WW + K), other=-1)
-            valid = (wr >= 0) | (cr >= 0)
-            mbarrier.wait(ready.index(stage), phase)
-            kv = kv_bufs.index(stage)
-            s = warpgroup_mma(q_smem, kv.permute((1, 0)),
-                              gl.zeros([HEADS, BLOCK_N], gl.float32, layout=s_layout),
-                              is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-            s = gl.where(valid[None, :], s, float("-inf")) * scale
-            m_new = gl.maximum(m_i, gl.max(s, 1))  # >= -1e30: no inf - inf
-            alpha = gl.exp(m_i - m_new)
-            p = gl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            pb = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            acc = warpgroup_mma(pb, kv, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            if SPLIT or i < j_hi - j_lo - 1:  # unsplit, the last stage holds the output first
-                mbarrier.arrive(empty.index(stage), count=1)
-        if q_next:  # the item's wgmmas are done with q: the next item's comes in now
-            _thread_barrier()
-            _load_q(q_smem, q_ptr, t_next, H, D, num_warps)
-        last = kv_bufs.index((n0 + j_hi - j_lo - 1) % STAGES)  # (unsplit: a block or more)
-        n0 += j_hi - j_lo
-        heads = gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
-        dcols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        if SPLIT:  # fp32 partials: 8 bytes a thread, 4 threads on 32 bytes of a row, as they are
-            part = (t * SPLITS + sp) * H  # row of head 0 in the [T, S, H] partials
-            heads_s = gl.arange(0, HEADS, layout=gl.SliceLayout(1, s_layout))
-            gl.store(ml_ptr + part + heads_s, m_i, mask=heads_s < H)
-            gl.store(ml_ptr + N_ITEMS * H + part + heads_s, l_i, mask=heads_s < H)
-            gl.store(acc_ptr + (part + heads)[:, None] * D + dcols[None, :], acc,
-                     mask=(heads < H)[:, None])
-        else:
-            m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-            l_o = l_o + gl.exp(gl.load(sink_ptr + heads, mask=heads < H, other=0.0) - m_o)
-            o = (acc / gl.where(l_o > 0, l_o, 1.0)[:, None]).to(gl.bfloat16)
-            # bf16 in the accumulator's layout would go 4 bytes a thread over 8 rows: through
-            # the item's last ring stage (the producer waits for it), 16 bytes a thread, a warp
-            # on whole rows
-            st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-            h_st = gl.arange(0, HEADS, layout=gl.SliceLayout(1, st_layout))
-            d_st = gl.arange(0, D, layout=gl.SliceLayout(0, st_layout))
-            gl.store(o_ptr + (t * H + h_st)[:, None] * D + d_st[None, :],
-                     _restage(last, o, st_layout), mask=(h_st < H)[:, None])
-            _thread_barrier()  # every thread has read its part back
-            mbarrier.arrive(empty.index((n0 - 1) % STAGES), count=1)
+        _load_q(q_smem, q_ptr, t_next, H, D, num_warps)
+    last = kv_bufs.index((n0 + j_hi - j_lo - 1) % STAGES)  # (unsplit: a block or more)
+    n0 += j_hi - j_lo
+    heads = gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
+    dcols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    if SPLIT:  # fp32 partials: 8 bytes a thread, 4 threads on 32 bytes of a row, as they are
+        part = (t * SPLITS + sp) * H  # row of head 0 in the [T, S, H] partials
+        heads_s = gl.arange(0, HEADS, layout=gl.SliceLayout(1, s_layout))
+        gl.store(ml_ptr + part + heads_s, m_i, mask=heads_s < H)
+        gl.store(ml_ptr + N_ITEMS * H + part + heads_s, l_i, mask=heads_s < H)
+        gl.store(acc_ptr + (part + heads)[:, None] * D + dcols[None, :], acc,
+                 mask=(heads < H)[:, None])
+    else:
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        l_o = l_o + gl.exp(gl.load(sink_ptr + heads, mask=heads < H, other=0.0) - m_o)
+        o = (acc / gl.where(l_o > 0, l_o, 1.0)[:, None]).to(gl.bfloat16)
+        # bf16 in the accumulator's layout would go 4 bytes a thread over 8 rows: through
+        # the item's last ring stage (the producer waits for it), 16 bytes a thread, a warp
+        # on whole rows
+        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+        h_st = gl.arange(0, HEADS, layout=gl.SliceLayout(1, st_layout))
+        d_st = gl.arange(0, D, layout=gl.SliceLayout(0, st_layout))
+        gl.store(o_ptr + (t * H + h_st)[:, None] * D + d_st[None, :],
+                 _restage(last, o, st_layout), mask=(h_st < H)[:, None])
+        _thread_barrier()  # every thread has read its part back
+        mbarrier.arrive(empty.index((n0 - 1) % STAGES), count=1)
+    return n0
 
 
 @gluon.jit
@@ -465,8 +496,8 @@ def _sparse_attn_ws_kernel(q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, pool_pt
                            WW, K, PAGES, PAGE_ROWS, SPLITS, BLOCKS_PER_SPLIT, sw_t, sc_t, bt_r,
                            D: gl.constexpr, PAGE_SHIFT: gl.constexpr, STAGES: gl.constexpr,
                            RS: gl.constexpr, SUB: gl.constexpr, RAW: gl.constexpr,
-                           SPLIT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           SPLIT: gl.constexpr, PERSIST: gl.constexpr,
+                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Work items (token t, split s), item w = t * SPLITS + s, program p taking items p, p + G,
     p + 2G, ... (G programs; _item): q [T, H, D] bf16 (H <= 64, padded heads load 0); the
     token's list is widx [t, :WW] (ring rows [*, D + D/32] or the step's new rows, uint8) then
@@ -500,11 +531,11 @@ def _sparse_attn_ws_kernel(q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, pool_pt
     gl.warp_specialize([
         (_consumer, (q_smem, kv_bufs, ready, empty, q_ptr, widx_ptr, cidx_ptr, sink_ptr, o_ptr,
                      ml_ptr, acc_ptr, n_items, SPLITS, BLOCKS_PER_SPLIT, nb, H, WW, K, sw_t,
-                     sc_t, scale, D, STAGES, SPLIT, num_warps)),
+                     sc_t, scale, D, STAGES, SPLIT, PERSIST, num_warps)),
         (_producer, (ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr, kv_bufs,
                      ready, empty, raw_codes, raw_extra, n_items, SPLITS, BLOCKS_PER_SPLIT, nb,
                      N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT, D,
-                     STAGES, RS, SUB, RAW)),
+                     STAGES, RS, SUB, RAW, PERSIST)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -551,10 +582,11 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
     partials = split_partials(q, s) if s > 1 else None
     if programs is None:
         programs = sm_count(q.device) if PERSISTENT else t * s
-    _sparse_attn_ws_kernel[(min(programs, t * s),)](
+    programs = min(programs, t * s)
+    _sparse_attn_ws_kernel[(programs,)](
         q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out,
         *(partials or (sink, sink)), float(scale), h, n_ring, t, ww, k, table.shape[1],
         pool.shape[1], s, per_split, widx.stride(0), cidx.stride(0), table.stride(0), D=d,
         PAGE_SHIFT=page_shift, STAGES=stages, RS=ROWS_PER_STORE, SUB=SUB_ROWS, RAW=RAW_STAGES,
-        SPLIT=s > 1, PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
+        SPLIT=s > 1, PERSIST=programs < t * s, PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
     return finish_paged(out, partials, sink, out_rot, r2)
