@@ -85,7 +85,7 @@ def test_square_tiles_from_fewer_rows_only_with_the_fold_in_the_ring(monkeypatch
 
 
 def _compile(bk: int, stages: int, split: bool = False, codes: bool = False,
-             triton_dir: str | None = None) -> dict:
+             triton_dir: str | None = None, persist: bool = False) -> dict:
     """Compile _fp8_values_ws_kernel for sm_90a (sm90_compile.compile_probe): shared memory,
     (registers, stack, local ld/st, loop), and what its PTX holds."""
     import sm90_compile
@@ -102,6 +102,7 @@ bd = TensorDescriptor(M(torch.float8_e4m3fn if {codes} else torch.bfloat16), [51
 k = g._fp8_values_ws_kernel.warmup(ad, bd, M(torch.bfloat16), M(torch.uint8), 8192, 5120, 256,
     160, 8192 // {bk}, *((256, 100) if {split} else (32, 5)), GRANULE=1 if {split} else 8,
     STAGES={stages}, SPLIT={split}, CODES={codes}, B_LAYOUT=bl, OUT_BF16=not {split},
+    PERSIST={persist},
     CONSUMER_REGS=g.CODES_CONSUMER_REGS if {codes} else g.CONSUMER_REGS,
     PRODUCER_REGS=g.PRODUCER_REGS, CONVERTER_REGS=g.CONVERTER_REGS, num_warps=4, grid=(1,))
 ptx = k.asm["ptx"]
@@ -114,19 +115,24 @@ print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["
 
 @pytest.mark.parametrize("triton_dir", sm90_compile.TRITONS,
                          ids=lambda d: "this" if d is None else os.path.basename(d))
-@pytest.mark.parametrize("split", [False, True], ids=["ranges-in-program", "split-ranges"])
+@pytest.mark.parametrize("split", [False, True, "persistent"],
+                         ids=["ranges-in-program", "split-ranges", "tiles-in-turn"])
 @pytest.mark.parametrize("ring", ["values", "values-wide", "codes"])
 def test_compiles_warp_specialized_for_sm90(ring, split, triton_dir):
     """The kernel lowers for an H100/H200 with K cut in ranges, at each ring form (folded bf16
     values in 64- or 128-wide stages; e4m3 codes folded by the converter), the ranges summed in
-    the program or one a program (split, ranges ending inside ring stages): each 32-block's
-    wgmma (two or four per ring stage), register budgets per partition, the TMA ring in shared
-    memory, no spills."""
+    the program, one a program (split, ranges ending inside ring stages), or (the folded
+    values) output tiles taken in turn by persistent programs: each 32-block's wgmma (two or
+    four per ring stage), register budgets per partition, the TMA ring in shared memory, no
+    spills."""
     pytest.importorskip("triton.experimental.gluon")
     from dsv41attn.ops.linear import gluon as G
     bk, stages = {"values": (G.BLOCK_K, G.STAGES), "values-wide": (G.WIDE_K, G.WIDE_STAGES),
                   "codes": (G.BLOCK_K, G.CODES_STAGES)}[ring]
-    r = _compile(bk, stages, split, ring == "codes", triton_dir)
+    if ring == "codes" and split == "persistent":
+        pytest.skip("the codes' launches run one program a tile (fp8_values_gemm_ws)")
+    r = _compile(bk, stages, split is True, ring == "codes", triton_dir,
+                 persist=split == "persistent")
     assert r["wgmma"] > 0 and r["setmaxnreg"] > 0 and r["tma"] > 0, r
     assert r["shared"] <= 232448, r
     regs, stack, local, _ = r["res"]
@@ -204,6 +210,47 @@ def test_gluon_tiles_equal_triton_tiles(case, out_dtype, codes, monkeypatch):
     assert plan.workspace == split
     assert T._square_ws(plan, x, w.weight, w.scale, torch.empty(1, 1, device="cuda"))
     _against_triton_tiles(monkeypatch, "SQUARE_WS", x, w, splits, out_dtype)
+
+
+# (M, N, K, ranges): more output tiles than a few programs, ragged row and column tiles,
+# ranges summed in each tile, 64- and 128-wide ring stages
+TURN_CASES = {"m640-n4096-k1024-r1": (640, 4096, 1024, 1),
+              "m300-n1000-k1280-r1": (300, 1000, 1280, 1),
+              "m520-n640-k5120-r4": (520, 640, 5120, 4)}
+
+
+@pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
+@pytest.mark.parametrize("case", list(TURN_CASES), ids=list(TURN_CASES))
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_programs_take_tiles_in_turn_with_the_same_bits(case, out_dtype):
+    """Persistent programs (each taking output tiles p, p + G, ... in turn, its ring running
+    on across them) give the bits of one program a tile, for G = 1, 2, 3, 7 and the default
+    (one an SM), every output written (NaN-filled buffers); a bad program count is refused."""
+    from dsv41attn.ops.linear import gluon as G
+    m, n, k, ranges = TURN_CASES[case]
+    g = torch.Generator(device="cuda").manual_seed(m + k)
+    w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    x[3] = 0
+    folded = T.e4m3_to_bf16(w.weight, w.scale)
+    order = T.k_order(1, k // 32, 1, ranges=ranges)
+
+    def run(programs):
+        out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
+        return G.fp8_values_gemm_ws(x, folded, out, order.chunks, order.ranges, order.granule,
+                                    programs=programs)
+
+    tiles = -(-m // G.BLOCK_M) * -(-n // G.BLOCK_N)
+    assert tiles > 7
+    want = run(10 ** 6)  # one a tile
+    assert not want.isnan().any()
+    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    for programs in (1, 2, 3, 7, None):
+        got = run(programs)
+        diff = (got.view(bits) != want.view(bits)).sum().item()
+        assert diff == 0, f"programs {programs}: {diff} of {got.numel()} outputs differ"
+    with pytest.raises(ValueError, match="programs must be a positive int"):
+        run(0)
 
 
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")

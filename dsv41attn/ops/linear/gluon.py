@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..common.triton import cdiv, is_hopper
+from ..common.triton import cdiv, is_hopper, sm_count
 
 BLOCK_M = 128  # token rows a tile: two consumer warp groups of 64
 BLOCK_N = 128  # weight rows (output columns) a tile
@@ -41,6 +41,10 @@ STAGES = 4
 # wo_b (K 8192) 1495 / 1323, wq_a (5120) 258 / 228, wkv (5120) 117 / 105; but wq_b (K 1280,
 # 10 stages a tile) 1614 / 3232
 WIDE_K, WIDE_MIN_K, WIDE_STAGES = 128, 4096, 3
+# a launch's programs: one an SM (a program's ring fills its shared memory), each taking the
+# output tiles in turn, so a tile's TMA loads run while the tile before is stored and no
+# program pays the ring's fill alone (off: one program a tile)
+PERSISTENT = True
 GROUP = gl.constexpr(8)  # row tiles taken together along N (a group shares its weight tiles in L2)
 CONSUMER_REGS, PRODUCER_REGS = 232, 40  # setmaxnreg: the consumers' accumulators, the TMA group's
 # CODES (the weight's e4m3 codes, folded in the ring by a converter warp group): 64-wide
@@ -78,36 +82,69 @@ def _steps(KS, CHUNKS, RANGES, GRANULE: gl.constexpr, J: gl.constexpr, SPLIT: gl
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, KS0, KS1,
-              STAGES: gl.constexpr):
-    """Fill ring stage (k - KS0) % STAGES with K step k's x tile [128, BK] and weight tile
-    [BN, BK] (rows past M or N read as 0), k in [KS0, KS1), once both consumers released it."""
+def _tile(t, M, N, BN: gl.constexpr):
+    """Output tile t's (off_m, off_n): GROUP row tiles at a time along N (a group shares its
+    weight tiles in L2), as _fp8_gemm_kernel orders its programs."""
+    tiles_m = gl.cdiv(M, 128)
+    width = GROUP * gl.cdiv(N, BN)
+    first_m = t // width * GROUP
+    rows = gl.minimum(tiles_m - first_m, GROUP)
+    return (first_m + (t % width) % rows) * 128, (t % width) // rows * BN
+
+
+@gluon.jit
+def _producer_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, KS0, KS1, n0,
+                   STAGES: gl.constexpr):
+    """Fill ring stage n % STAGES (n = n0 + k - KS0: the ring's count runs on across a
+    program's tiles) with K step k's x tile [128, BK] and weight tile [BN, BK] (rows past M or
+    N read as 0), k in [KS0, KS1), once both consumers released it."""
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     BK: gl.constexpr = a_desc.block_type.shape[1]
     for i in range(KS1 - KS0):
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        n = n0 + i
+        s = n % STAGES
+        mbarrier.wait(empty.index(s), ((n // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
         _tma_load(a_desc, [off_m, (KS0 + i) * BK], ready.index(s), a_bufs.index(s))
         _tma_load(b_desc, [off_n, (KS0 + i) * BK], ready.index(s), b_bufs.index(s))
 
 
 @gluon.jit
-def _converter(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, KS0, KS1,
-               STAGES: gl.constexpr):
-    """The fold in the ring (CODES): once stage (k - KS0) % STAGES holds K step k's e4m3 weight
-    tile [BN, BK], write its bf16 values times their 32 x 32 blocks' scales (2^(e - 127), e
-    from ws [SROWS, KB] bytes) into the stage's bf16 tile, as ``triton.e4m3_to_bf16(weight,
-    scale)`` does (exact for foldable scales), and tell the consumers (conv). Rows past N are
-    TMA's zeros (their scale row clamped in range)."""
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, KS0, KS1,
+              STAGES: gl.constexpr, PERSIST: gl.constexpr):
+    """The TMA partition: this program's tiles (PERSIST: tiles p, p + G, ..., G programs;
+    else tile p) in turn, each's K steps [KS0, KS1) (_producer_tile)."""
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    if PERSIST:
+        n0 = 0
+        for t in range(gl.program_id(0), gl.cdiv(M, 128) * gl.cdiv(N, BN), gl.num_programs(0)):
+            off_m, off_n = _tile(t, M, N, BN)
+            _producer_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, KS0,
+                           KS1, n0, STAGES)
+            n0 += KS1 - KS0
+    else:
+        off_m, off_n = _tile(gl.program_id(0), M, N, BN)
+        _producer_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, KS0, KS1,
+                       0, STAGES)
+
+
+@gluon.jit
+def _converter_tile(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, KS0, KS1, n0,
+                    STAGES: gl.constexpr):
+    """The fold in the ring (CODES): once stage n % STAGES (n = n0 + k - KS0) holds K step k's
+    e4m3 weight tile [BN, BK], write its bf16 values times their 32 x 32 blocks' scales
+    (2^(e - 127), e from ws [SROWS, KB] bytes) into the stage's bf16 tile, as
+    ``triton.e4m3_to_bf16(weight, scale)`` does (exact for foldable scales), and tell the
+    consumers (conv). Rows past N are TMA's zeros (their scale row clamped in range)."""
     BN: gl.constexpr = w8_bufs.type.shape[1]
     BK: gl.constexpr = w8_bufs.type.shape[2]
     J: gl.constexpr = BK // 32
     LW: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])  # a 32-block: 2 lanes a row
     srow = gl.minimum((off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))) // 32, SROWS - 1)
     for i in range(KS1 - KS0):
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        n = n0 + i
+        s = n % STAGES
+        mbarrier.wait(ready.index(s), (n // STAGES) & 1)
         for j in gl.static_range(J):
             e = gl.load(ws_ptr + srow * KB + ((KS0 + i) * J + j)).to(gl.int32)
             scale = (e << 23).to(gl.float32, bitcast=True)  # foldable: 2^-63 .. 1, normal
@@ -119,16 +156,34 @@ def _converter(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, KS0, KS1,
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS0, KS1, B0, B1, CHUNKS,
-              RANGES, off_m, off_n, half, GRANULE: gl.constexpr, BN: gl.constexpr,
-              STAGES: gl.constexpr, SPLIT: gl.constexpr, CODES: gl.constexpr,
-              OUT_BF16: gl.constexpr):
+def _converter(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, M, N, KS0, KS1,
+               STAGES: gl.constexpr, PERSIST: gl.constexpr):
+    """The converter partition: this program's tiles in turn, as _producer's."""
+    BN: gl.constexpr = w8_bufs.type.shape[1]
+    if PERSIST:
+        n0 = 0
+        for t in range(gl.program_id(0), gl.cdiv(M, 128) * gl.cdiv(N, BN), gl.num_programs(0)):
+            off_m, off_n = _tile(t, M, N, BN)
+            _converter_tile(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, KS0, KS1,
+                            n0, STAGES)
+            n0 += KS1 - KS0
+    else:
+        off_m, off_n = _tile(gl.program_id(0), M, N, BN)
+        _converter_tile(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, KS0, KS1, 0,
+                        STAGES)
+
+
+@gluon.jit
+def _consumer_tile(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS0, KS1, B0, B1, CHUNKS,
+                   RANGES, off_m, off_n, half, n0, GRANULE: gl.constexpr, BN: gl.constexpr,
+                   STAGES: gl.constexpr, SPLIT: gl.constexpr, CODES: gl.constexpr,
+                   OUT_BF16: gl.constexpr):
     """Rows [off_m + 64 half, +64) of the tile: every 32-block's wgmma from zero, added in K
     order into its range's accumulator; the ranges added in order; stored fp32, or rounded
     once to bf16 (RNE). SPLIT: this program's K steps [KS0, KS1) hold one range, its 32-blocks
     [B0, B1) (a step it shares with a neighbouring range adds only its own blocks), stored as
     that range's fp32 partial. CODES: a stage's weight tile is ready once the converter says
-    so (conv), after TMA's (ready)."""
+    so (conv), after TMA's (ready). Ring stage n % STAGES (n = n0 + k - KS0) holds K step k."""
     L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                 instr_shape=[16, BN, 16])
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -140,10 +195,11 @@ def _consumer(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS0, KS1, B0, B1,
     r_end = CHUNKS // RANGES * GRANULE  # the 32-block where range 0 ends
     r = 0
     for i in range(KS1 - KS0):
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        n = n0 + i
+        s = n % STAGES
+        mbarrier.wait(ready.index(s), (n // STAGES) & 1)
         if CODES:
-            mbarrier.wait(conv.index(s), (i // STAGES) & 1)
+            mbarrier.wait(conv.index(s), (n // STAGES) & 1)
         a_s = a_bufs.index(s).slice(half * 64, 64, dim=0)
         b_s = b_bufs.index(s)
         for j in gl.static_range(J):
@@ -178,28 +234,47 @@ def _consumer(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS0, KS1, B0, B1,
 
 
 @gluon.jit
+def _consumer(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS0, KS1, B0, B1, CHUNKS,
+              RANGES, half, GRANULE: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+              SPLIT: gl.constexpr, CODES: gl.constexpr, OUT_BF16: gl.constexpr,
+              PERSIST: gl.constexpr):
+    """A consumer partition (rows 64 half .. of each tile): this program's tiles in turn, as
+    _producer's (_consumer_tile). A tile's output is stored from the accumulator's registers
+    while the producer already fills the ring with the next tile's first steps."""
+    if PERSIST:
+        n0 = 0
+        for t in range(gl.program_id(0), gl.cdiv(M, 128) * gl.cdiv(N, BN), gl.num_programs(0)):
+            off_m, off_n = _tile(t, M, N, BN)
+            _consumer_tile(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS0, KS1, B0, B1,
+                           CHUNKS, RANGES, off_m, off_n, half, n0, GRANULE, BN, STAGES, SPLIT,
+                           CODES, OUT_BF16)
+            n0 += KS1 - KS0
+    else:
+        off_m, off_n = _tile(gl.program_id(0), M, N, BN)
+        _consumer_tile(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS0, KS1, B0, B1,
+                       CHUNKS, RANGES, off_m, off_n, half, 0, GRANULE, BN, STAGES, SPLIT, CODES,
+                       OUT_BF16)
+
+
+@gluon.jit
 def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CHUNKS, RANGES,
                           GRANULE: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
                           CODES: gl.constexpr, B_LAYOUT: gl.constexpr, OUT_BF16: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                          CONVERTER_REGS: gl.constexpr):
-    """One program an [128, BN] output tile (GROUP row tiles at a time along N, as
-    _fp8_gemm_kernel): x's bf16 values through a_desc ([M, K], [128, BK] boxes), the weight's
-    folded bf16 values through b_desc ([N, K], [BN, BK] boxes), or (CODES) its e4m3 codes, which
-    a converter partition folds with ws [SROWS, KB] (e8m0 bytes) into B_LAYOUT bf16 tiles in
-    the ring; c [M, N] fp32 or bf16. KS = K / BK steps; K cut as k_order's (CHUNKS chunks of
-    GRANULE 32-blocks, RANGES ranges). SPLIT: grid axis 1 is the range, written as an fp32
-    partial into c [RANGES, M, N]."""
+                          PERSIST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          PRODUCER_REGS: gl.constexpr, CONVERTER_REGS: gl.constexpr):
+    """[128, BN] output tiles (GROUP row tiles at a time along N, as _fp8_gemm_kernel: _tile):
+    x's bf16 values through a_desc ([M, K], [128, BK] boxes), the weight's folded bf16 values
+    through b_desc ([N, K], [BN, BK] boxes), or (CODES) its e4m3 codes, which a converter
+    partition folds with ws [SROWS, KB] (e8m0 bytes) into B_LAYOUT bf16 tiles in the ring;
+    c [M, N] fp32 or bf16. KS = K / BK steps; K cut as k_order's (CHUNKS chunks of GRANULE
+    32-blocks, RANGES ranges). SPLIT: grid axis 1 is the range, written as an fp32 partial
+    into c [RANGES, M, N]. One tile a program, tile program_id(0); PERSIST (not with SPLIT):
+    G programs, program p taking tiles p, p + G, ... in turn, its ring running on across
+    them. A tile's arithmetic is the same either way: no bit depends on the programs."""
     BN: gl.constexpr = b_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     J: gl.constexpr = BK // 32
-    tiles_m = gl.cdiv(M, 128)
-    width = GROUP * gl.cdiv(N, BN)
-    pid = gl.program_id(0)
-    first_m = pid // width * GROUP
-    rows = gl.minimum(tiles_m - first_m, GROUP)
-    off_m = (first_m + (pid % width) % rows) * 128
-    off_n = (pid % width) // rows * BN
+    gl.static_assert(not (PERSIST and SPLIT))
     if SPLIT:  # range r's 32-blocks [b0, b1), in the K steps that hold them
         r = gl.program_id(1)
         b0 = r * CHUNKS // RANGES * GRANULE
@@ -227,27 +302,27 @@ def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CH
         fence_async_shared()
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, ks0, ks1, b0, b1,
-                         CHUNKS, RANGES, off_m, off_n, 0, GRANULE, BN, STAGES, SPLIT, CODES,
-                         OUT_BF16)),
+                         CHUNKS, RANGES, 0, GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16,
+                         PERSIST)),
             (_consumer, (a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, ks0, ks1, b0, b1,
-                         CHUNKS, RANGES, off_m, off_n, 1, GRANULE, BN, STAGES, SPLIT, CODES,
-                         OUT_BF16)),
-            (_producer, (a_desc, b_desc, a_bufs, w8_bufs, ready, empty, off_m, off_n, ks0, ks1,
-                         STAGES)),
-            (_converter, (w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, ks0, ks1,
-                          STAGES)),
+                         CHUNKS, RANGES, 1, GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16,
+                         PERSIST)),
+            (_producer, (a_desc, b_desc, a_bufs, w8_bufs, ready, empty, M, N, ks0, ks1, STAGES,
+                         PERSIST)),
+            (_converter, (w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, M, N, ks0, ks1,
+                          STAGES, PERSIST)),
         ], [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, CONVERTER_REGS])
     else:  # (no converter: the consumers wait on ready alone; conv is not read)
         fence_async_shared()
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, ready, empty, c_ptr, M, N, ks0, ks1, b0, b1,
-                         CHUNKS, RANGES, off_m, off_n, 0, GRANULE, BN, STAGES, SPLIT, CODES,
-                         OUT_BF16)),
+                         CHUNKS, RANGES, 0, GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16,
+                         PERSIST)),
             (_consumer, (a_bufs, b_bufs, ready, ready, empty, c_ptr, M, N, ks0, ks1, b0, b1,
-                         CHUNKS, RANGES, off_m, off_n, 1, GRANULE, BN, STAGES, SPLIT, CODES,
-                         OUT_BF16)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, ks0, ks1,
-                         STAGES)),
+                         CHUNKS, RANGES, 1, GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16,
+                         PERSIST)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, ks0, ks1, STAGES,
+                         PERSIST)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -266,14 +341,21 @@ def unsupported(k: int, device: torch.device, out: torch.Tensor,
 
 def fp8_values_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
                        chunks: int, ranges: int, granule: int, split: bool = False,
-                       w_scale: torch.Tensor | None = None) -> torch.Tensor:
+                       w_scale: torch.Tensor | None = None,
+                       programs: int | None = None) -> torch.Tensor:
     """out [M, N] (fp32, or bf16: rounded once) = x's bf16 values [M, K] times the weight's
     folded bf16 values [N, K] (``e4m3_to_bf16(weight, scale)``), or its e4m3 codes w [N, K]
     with w_scale [ceil(N / 32), K / 32] (e8m0, foldable: the converter folds them in the ring),
     K cut as k_order's (chunks, ranges, granule): the bits of ``_fp8_gemm_kernel``'s PRESCALED
     tiles on the unfolded weight. split: the ranges run as separate programs, each writing its
     fp32 partial into out [ranges, M, N] (for ``triton._split_sum_kernel``, which adds them in
-    range order). The caller checked ``unsupported``."""
+    range order). programs: the programs launched on the folded values without split, each
+    taking output tiles in turn (None: one an SM where PERSISTENT, else one a tile; never more
+    than the tiles): the same bits whatever it is. (The codes' converter, at 64 registers,
+    spills in the tile loop: those launches run one program a tile.) The caller checked
+    ``unsupported``."""
+    if programs is not None and (not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"programs must be a positive int or None, got {programs!r}")
     x_values = x_values.contiguous()
     w = w.contiguous()
     m, k = x_values.shape
@@ -296,11 +378,17 @@ def fp8_values_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, out: torch.Tenso
     split = bool(split and ranges > 1)
     assert out.shape == ((ranges, m, n) if split else (m, n))
     assert not split or out.dtype == torch.float32
-    grid = (cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N), ranges if split else 1)
+    tiles = cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N)
+    if programs is None:
+        programs = sm_count(x_values.device) if PERSISTENT and not split and not codes \
+            else tiles
+    programs = tiles if split or codes else min(programs, tiles)
+    grid = (programs, ranges if split else 1)
     _fp8_values_ws_kernel[grid](a_desc, b_desc, out, ws, m, n, kb, srows, k // bk, chunks,
                                 ranges, GRANULE=granule, STAGES=stages, SPLIT=split,
                                 CODES=codes, B_LAYOUT=b_layout,
                                 OUT_BF16=out.dtype == torch.bfloat16,
+                                PERSIST=programs < tiles,
                                 CONSUMER_REGS=CODES_CONSUMER_REGS if codes else CONSUMER_REGS,
                                 PRODUCER_REGS=PRODUCER_REGS, CONVERTER_REGS=CONVERTER_REGS,
                                 num_warps=4)
@@ -507,8 +595,8 @@ def _fp8_swap_ws_kernel(w_desc, x_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CHUN
         (_swap_consumer, (w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, ks0,
                           ks1, b0, b1, CHUNKS, RANGES, off_n, off_m, 1, GRANULE, STAGES, SPLIT,
                           INFLIGHT, OUT_BF16)),
-        (_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_m, ks0, ks1,
-                     STAGES)),  # (the weight tile first: its rows are the MMA's)
+        (_producer_tile, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_m, ks0,
+                          ks1, 0, STAGES)),  # (the weight tile first: its rows are the MMA's)
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
