@@ -23,7 +23,9 @@ an item (a window alone, as in every prefill of an SWA layer) that was most of i
 item's sums are the same whichever program runs it: no bit depends on the programs. A launch
 with no more items than programs (most decode steps) compiles without the item loop
 (``PERSIST`` off): under Triton 3.6 the loop's live values spill inside the producer's
-sub-block loop.
+sub-block loop. That spill costs every item, so long items (more than
+``PERSIST_MAX_BLOCKS`` blocks a split: the 640 rows of a ratio-2 layer's decode) keep a
+program an item, where the saved start is a small part of the item.
 
 Code size: the producer walks a block's sub-blocks in a loop, not unrolled. Unrolled, its
 decode paths came to 100 KB of SASS, and its warps stalled on instruction fetch (Nsight
@@ -74,6 +76,11 @@ SMEM_BYTES = 232448  # an sm_90 block's shared memory (227 KB)
 # (token, split) items in turn, so that an item's first blocks are decoded and its q copied in
 # while the item before finishes; off: a program an item, each paying its start and its end
 PERSISTENT = True
+# ... where a split has at most this many 64-blocks: the loop's spills (Triton 3.6) cost each
+# item more than its saved start where items are long. H100, against one program an item:
+# 2-block items 22% faster (an SWA layer's 8K prefill), 8-21% in the invariant mode's 2-block
+# splits; 10-block items 11% slower (b = 256 decode over 640 rows), 0.5% (an 8K prefill's)
+PERSIST_MAX_BLOCKS = 4
 
 
 def smem_bytes(d: int, stages: int) -> int:
@@ -553,8 +560,9 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
     SPLIT_BLOCKS 64-blocks, the same cut in every step), the splits merged by the Triton
     kernel's merge (which also turns ``out_rot`` back); ``stages`` ring stages of 64 decoded
     rows in shared memory; ``programs`` the programs launched, each taking the (token, split)
-    items in turn (None: one an SM where PERSISTENT, else one an item; never more than the
-    items; no bit depends on it). Returns [T, H, D] bf16."""
+    items in turn (None: one an SM where PERSISTENT and a split has at most
+    PERSIST_MAX_BLOCKS blocks, else one an item; never more than the items; no bit depends on
+    it). Returns [T, H, D] bf16."""
     t, h, d, ww, k = check_paged_inputs(q, sink, window_ring, new_rows, window_ids,
                                         compressed_pool, block_table, token_row, compressed_idx)
     reason = unsupported(q, window_ring, compressed_pool)
@@ -581,7 +589,8 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
         q = q.clone()
     partials = split_partials(q, s) if s > 1 else None
     if programs is None:
-        programs = sm_count(q.device) if PERSISTENT else t * s
+        programs = sm_count(q.device) if PERSISTENT and per_split <= PERSIST_MAX_BLOCKS \
+            else t * s
     programs = min(programs, t * s)
     _sparse_attn_ws_kernel[(programs,)](
         q, sink, ring, new_rows, widx, pool, table, token_row, cidx, out,
