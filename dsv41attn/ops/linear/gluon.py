@@ -11,7 +11,10 @@ independently of each other (while one adds, the other's wgmma runs). The weight
 its bf16 values with the block scales folded in (``triton.e4m3_to_bf16(weight, scale)``), so a
 block's dot comes out already scaled and is added with no scale load and no multiply; with
 CODES, TMA brings the weight's e4m3 tile instead and a converter warp group folds it into the
-stage's bf16 tile (no pass over the weight per call).
+stage's bf16 tile (no pass over the weight per call). A launch runs one program an SM, each
+taking output tiles in turn with its ring running on across them (``PERSISTENT``), so a
+tile's first loads overlap the previous tile's stores: one program a tile paid the ring's
+fill and its epilogue alone (H100, 8K rows: wq_b 1768 -> 1616 us).
 
 Numerics: those of the Triton tiles (their reference beside them, ``_fp8_gemm_kernel``): each
 32-block's dot is one wgmma chain over its K from no accumulator, added into its range's fp32
