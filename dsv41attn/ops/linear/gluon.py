@@ -408,7 +408,16 @@ SWAP_SMEM = 200 * 1024  # the ring's shared memory at most (the H100/H200 block 
 # SWAP_NARROW lost 5-98% on wo_b (off); SWAP_INFLIGHT, which acts on 32- and 64-row token tiles
 # only, won 9-16% on wo_b at 48-64 rows (on; linear.triton.SWAP_WS_LONG_MIN_M).
 SWAP_NARROW = False  # narrower token tiles where the widest would leave SMs idle (swap_tile)
-SWAP_INFLIGHT = True  # several of a stage's block dots in flight per wait (_swap_consumer)
+SWAP_INFLIGHT = True  # several of a stage's block dots in flight per wait (_swap_consumer_tile)
+# the weight's e4m3 codes into the wgmma's bf16 operand by their bits (_E4M3_BF16_ASM: integer
+# ops and one bf16 FMA a pair) rather than by the conversion units (an e4m3 -> f16 unpack a
+# pair, then an f16 -> bf16 conversion an element, at a quarter of the FMA rate); exact for
+# every code but the NaNs (0x7f, 0xff: read as +-480), so the caller runs these tiles only on
+# weights without them (triton.nan_free_codes)
+SWAP_CODE_BITS = True
+# a launch's programs (without split): one an SM, each taking the tiles in turn with its ring
+# running on across them, as the square tiles' PERSISTENT (off: one program a tile)
+SWAP_PERSISTENT = True
 
 
 @gluon.jit
@@ -444,20 +453,89 @@ def _swap_add(acc, total, part, scale, blk, B0, B1, r, r_end, CHUNKS, RANGES,
     return acc, total, r, r_end
 
 
+# Two e4m3 codes ($1: a 16-bit pair) -> two bf16 ($0), exact but for the NaN codes: each
+# byte sign-extended to 16 bits (prmt), shifted left 4 and masked to s 0000 eeee mmm 0000,
+# which as bf16 is the code's value times 2^-120 (its subnormals bf16 subnormals), then times
+# 2^120 (0x7B80) by a bf16 FMA with -0 (which keeps every product's sign of zero)
+_E4M3_BF16_ASM = gl.constexpr(
+    "{ .reg .b32 t, k, z; mov.b32 k, 0x7B807B80; mov.b32 z, 0x80008000;"
+    " cvt.u32.u16 t, $1; prmt.b32 t, t, 0, 0x9180; shl.b32 t, t, 4;"
+    " and.b32 t, t, 0x87F087F0; fma.rn.bf16x2 $0, t, k, z; }")
+
+
 @gluon.jit
-def _swap_dot(w_s, x_s, j: gl.constexpr, zero, AL: gl.constexpr):
+def _swap_dot(w_s, x_s, j: gl.constexpr, zero, AL: gl.constexpr, BITS: gl.constexpr):
     """32-block j of the stage, issued: the weight rows' e4m3 codes [64, 32] into registers
-    as bf16 (exact), times the token rows' values [BT, 32]^T, from no accumulator."""
-    a = w_s.slice(32 * j, 32, dim=1).load(AL).to(gl.bfloat16)
+    as bf16 (exact; BITS: by _E4M3_BF16_ASM), times the token rows' values [BT, 32]^T, from
+    no accumulator."""
+    c = w_s.slice(32 * j, 32, dim=1).load(AL)
+    if BITS:
+        a = gl.inline_asm_elementwise(_E4M3_BF16_ASM, "=r,h", [c.to(gl.uint8, bitcast=True)],
+                                      dtype=gl.bfloat16, is_pure=True, pack=2)
+    else:
+        a = c.to(gl.bfloat16)
     return warpgroup_mma(a, x_s.slice(32 * j, 32, dim=1).permute((1, 0)), zero, use_acc=False,
                          is_async=True)
 
 
 @gluon.jit
+def _swap_tile_at(t, M, BT: gl.constexpr):
+    """Output tile t's (off_n, off_m): the token tiles of one weight tile next to each other
+    (programs running side by side share its bytes in L2)."""
+    tiles_m = gl.cdiv(M, BT)
+    return t // tiles_m * 128, t % tiles_m * BT
+
+
+@gluon.jit
+def _swap_producer(w_desc, x_desc, w_bufs, x_bufs, ready, empty, M, N, KS0, KS1,
+                   STAGES: gl.constexpr, PERSIST: gl.constexpr):
+    """The swapped tiles' TMA partition: this program's tiles (PERSIST: tiles p, p + G, ...,
+    G programs; else tile p) in turn, each's weight tile [128, BK] and token tile [BT, BK] a
+    K step (_producer_tile, the weight's first: its rows are the MMA's)."""
+    BT: gl.constexpr = x_desc.block_type.shape[0]
+    if PERSIST:
+        n0 = 0
+        for t in range(gl.program_id(0), gl.cdiv(N, 128) * gl.cdiv(M, BT), gl.num_programs(0)):
+            off_n, off_m = _swap_tile_at(t, M, BT)
+            _producer_tile(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_m, KS0, KS1,
+                           n0, STAGES)
+            n0 += KS1 - KS0
+    else:
+        off_n, off_m = _swap_tile_at(gl.program_id(0), M, BT)
+        _producer_tile(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_m, KS0, KS1, 0,
+                       STAGES)
+
+
+@gluon.jit
 def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, KS0, KS1, B0,
-                   B1, CHUNKS, RANGES, off_n, off_m, half, GRANULE: gl.constexpr,
-                   STAGES: gl.constexpr, SPLIT: gl.constexpr, INFLIGHT: gl.constexpr,
-                   OUT_BF16: gl.constexpr):
+                   B1, CHUNKS, RANGES, half, GRANULE: gl.constexpr, STAGES: gl.constexpr,
+                   SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, OUT_BF16: gl.constexpr,
+                   BITS: gl.constexpr, PERSIST: gl.constexpr):
+    """A consumer partition (weight rows 64 half .. of each tile): this program's tiles in
+    turn, as _swap_producer's (_swap_consumer_tile). A tile's output is stored from the
+    accumulator's registers while the producer already fills the ring with the next tile's
+    first steps."""
+    BT: gl.constexpr = x_bufs.type.shape[1]
+    if PERSIST:
+        n0 = 0
+        for t in range(gl.program_id(0), gl.cdiv(N, 128) * gl.cdiv(M, BT), gl.num_programs(0)):
+            off_n, off_m = _swap_tile_at(t, M, BT)
+            _swap_consumer_tile(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS,
+                                KS0, KS1, B0, B1, CHUNKS, RANGES, off_n, off_m, half, n0,
+                                GRANULE, STAGES, SPLIT, INFLIGHT, OUT_BF16, BITS)
+            n0 += KS1 - KS0
+    else:
+        off_n, off_m = _swap_tile_at(gl.program_id(0), M, BT)
+        _swap_consumer_tile(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, KS0,
+                            KS1, B0, B1, CHUNKS, RANGES, off_n, off_m, half, 0, GRANULE,
+                            STAGES, SPLIT, INFLIGHT, OUT_BF16, BITS)
+
+
+@gluon.jit
+def _swap_consumer_tile(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, KS0, KS1,
+                        B0, B1, CHUNKS, RANGES, off_n, off_m, half, n0, GRANULE: gl.constexpr,
+                        STAGES: gl.constexpr, SPLIT: gl.constexpr, INFLIGHT: gl.constexpr,
+                        OUT_BF16: gl.constexpr, BITS: gl.constexpr):
     """Weight rows [off_n + 64 half, +64) of the tile against its BT token rows: each
     32-block's dot (the weight's e4m3 values, exact in bf16, from the stage into the wgmma's
     register operand; the token rows' bf16 values from the stage) from no accumulator, times
@@ -466,7 +544,9 @@ def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS,
     SPLIT: as _consumer's. One block dot at a time (issued, waited for, added); INFLIGHT
     (SWAP_INFLIGHT): up to 32 token rows a stage's four dots in flight together (one wait),
     then added in K order; at 64 two at a time (each added while the next runs: four [64, 64]
-    fp32 dots beside the accumulators spill); at 128 one at a time still."""
+    fp32 dots beside the accumulators spill); at 128 one at a time still. Ring stage
+    n % STAGES (n = n0 + k - KS0: the ring's count runs on across a program's tiles) holds
+    K step k."""
     BT: gl.constexpr = x_bufs.type.shape[1]
     BK: gl.constexpr = x_bufs.type.shape[2]
     gl.static_assert(BK == 128)  # four blocks a stage: the scales s0..s3
@@ -488,20 +568,21 @@ def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS,
     s2 = _block_scale(ws_ptr, srow, KB, KS0 * J + 2)
     s3 = _block_scale(ws_ptr, srow, KB, KS0 * J + 3)
     for i in range(KS1 - KS0):
-        s = i % STAGES
+        n = n0 + i
+        s = n % STAGES
         blk = (KS0 + i) * J
-        n0 = _block_scale(ws_ptr, srow, KB, blk + 4)
-        n1 = _block_scale(ws_ptr, srow, KB, blk + 5)
-        n2 = _block_scale(ws_ptr, srow, KB, blk + 6)
-        n3 = _block_scale(ws_ptr, srow, KB, blk + 7)
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        t0 = _block_scale(ws_ptr, srow, KB, blk + 4)
+        t1 = _block_scale(ws_ptr, srow, KB, blk + 5)
+        t2 = _block_scale(ws_ptr, srow, KB, blk + 6)
+        t3 = _block_scale(ws_ptr, srow, KB, blk + 7)
+        mbarrier.wait(ready.index(s), (n // STAGES) & 1)
         w_s = w_bufs.index(s).slice(half * 64, 64, dim=0)
         x_s = x_bufs.index(s)
         if INFLIGHT and BT <= 32:  # the stage's four dots in flight together
-            p0 = _swap_dot(w_s, x_s, 0, zero, AL)
-            p1 = _swap_dot(w_s, x_s, 1, zero, AL)
-            p2 = _swap_dot(w_s, x_s, 2, zero, AL)
-            p3 = _swap_dot(w_s, x_s, 3, zero, AL)
+            p0 = _swap_dot(w_s, x_s, 0, zero, AL, BITS)
+            p1 = _swap_dot(w_s, x_s, 1, zero, AL, BITS)
+            p2 = _swap_dot(w_s, x_s, 2, zero, AL, BITS)
+            p3 = _swap_dot(w_s, x_s, 3, zero, AL, BITS)
             p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=[p0, p1, p2, p3])
             mbarrier.arrive(empty.index(s), count=1)
             acc, total, r, r_end = _swap_add(acc, total, p0, s0, blk, B0, B1, r, r_end, CHUNKS,
@@ -513,16 +594,16 @@ def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS,
             acc, total, r, r_end = _swap_add(acc, total, p3, s3, blk + 3, B0, B1, r, r_end,
                                              CHUNKS, RANGES, GRANULE, SPLIT, EDGES, L)
         elif INFLIGHT and BT <= 64:  # two in flight, each added while the next runs
-            p0 = _swap_dot(w_s, x_s, 0, zero, AL)
-            p1 = _swap_dot(w_s, x_s, 1, zero, AL)
+            p0 = _swap_dot(w_s, x_s, 0, zero, AL, BITS)
+            p1 = _swap_dot(w_s, x_s, 1, zero, AL, BITS)
             p0 = warpgroup_mma_wait(num_outstanding=1, deps=[p0])
             acc, total, r, r_end = _swap_add(acc, total, p0, s0, blk, B0, B1, r, r_end, CHUNKS,
                                              RANGES, GRANULE, SPLIT, EDGES, L)
-            p2 = _swap_dot(w_s, x_s, 2, zero, AL)
+            p2 = _swap_dot(w_s, x_s, 2, zero, AL, BITS)
             p1 = warpgroup_mma_wait(num_outstanding=1, deps=[p1])
             acc, total, r, r_end = _swap_add(acc, total, p1, s1, blk + 1, B0, B1, r, r_end,
                                              CHUNKS, RANGES, GRANULE, SPLIT, EDGES, L)
-            p3 = _swap_dot(w_s, x_s, 3, zero, AL)
+            p3 = _swap_dot(w_s, x_s, 3, zero, AL, BITS)
             p2 = warpgroup_mma_wait(num_outstanding=1, deps=[p2])
             acc, total, r, r_end = _swap_add(acc, total, p2, s2, blk + 2, B0, B1, r, r_end,
                                              CHUNKS, RANGES, GRANULE, SPLIT, EDGES, L)
@@ -532,7 +613,7 @@ def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS,
                                              CHUNKS, RANGES, GRANULE, SPLIT, EDGES, L)
         else:
             for j in gl.static_range(J):
-                part = _swap_dot(w_s, x_s, j, zero, AL)
+                part = _swap_dot(w_s, x_s, j, zero, AL, BITS)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=[part])
                 if j == J - 1:
                     mbarrier.arrive(empty.index(s), count=1)
@@ -546,10 +627,10 @@ def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS,
                     sc = s3
                 acc, total, r, r_end = _swap_add(acc, total, part, sc, blk + j, B0, B1, r,
                                                  r_end, CHUNKS, RANGES, GRANULE, SPLIT, EDGES, L)
-        s0 = n0
-        s1 = n1
-        s2 = n2
-        s3 = n3
+        s0 = t0
+        s1 = t1
+        s2 = t2
+        s3 = t3
     if RANGES == 1 or SPLIT:
         total = acc  # (-0 + acc is acc)
     toks = off_m + gl.arange(0, BT, layout=gl.SliceLayout(0, L))
@@ -561,25 +642,26 @@ def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS,
         gl.store(ptrs, total, mask=mask)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["RANGES"])
 def _fp8_swap_ws_kernel(w_desc, x_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CHUNKS, RANGES,
                         GRANULE: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                        INFLIGHT: gl.constexpr, OUT_BF16: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """One program a [128 weight rows, BT token rows] tile of y^T (the token tiles of one
-    weight tile next to each other, sharing its bytes in L2): the weight's e4m3 codes through
+                        INFLIGHT: gl.constexpr, OUT_BF16: gl.constexpr, BITS: gl.constexpr,
+                        PERSIST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr):
+    """[128 weight rows, BT token rows] tiles of y^T (the token tiles of one weight tile next
+    to each other, sharing its bytes in L2: _swap_tile_at): the weight's e4m3 codes through
     w_desc ([N, K], [128, BK] boxes), x's bf16 values (act_quant's, exact) through x_desc ([M,
     K], [BT, BK] boxes), ws [SROWS, KB] the weight's e8m0 block scales; c [M, N] fp32 or bf16.
     KS = K / BK steps; K cut as k_order's (CHUNKS chunks of GRANULE 32-blocks, RANGES ranges).
     SPLIT: grid axis 1 is the range, written as an fp32 partial into c [RANGES, M, N].
-    INFLIGHT: see _swap_consumer."""
-    BT: gl.constexpr = x_desc.block_type.shape[0]
+    INFLIGHT: see _swap_consumer_tile. BITS: SWAP_CODE_BITS (the weight holds no NaN code).
+    One tile a program, tile program_id(0); PERSIST (not
+    with SPLIT): G programs, program p taking tiles p, p + G, ... in turn, its ring running on
+    across them. A tile's arithmetic is the same either way: no bit depends on the programs."""
     BK: gl.constexpr = x_desc.block_type.shape[1]
+    BT: gl.constexpr = x_desc.block_type.shape[0]
     J: gl.constexpr = BK // 32
-    tiles_m = gl.cdiv(M, BT)
-    pid = gl.program_id(0)
-    off_n = pid // tiles_m * 128
-    off_m = pid % tiles_m * BT
+    gl.static_assert(not (PERSIST and SPLIT))
     r, b0, b1, ks0, ks1 = _steps(KS, CHUNKS, RANGES, GRANULE, J, SPLIT)
     if SPLIT:  # range r's partial
         c_ptr += r.to(gl.int64) * M * N
@@ -593,13 +675,13 @@ def _fp8_swap_ws_kernel(w_desc, x_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CHUN
     fence_async_shared()
     gl.warp_specialize([
         (_swap_consumer, (w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, ks0,
-                          ks1, b0, b1, CHUNKS, RANGES, off_n, off_m, 0, GRANULE, STAGES, SPLIT,
-                          INFLIGHT, OUT_BF16)),
+                          ks1, b0, b1, CHUNKS, RANGES, 0, GRANULE, STAGES, SPLIT, INFLIGHT,
+                          OUT_BF16, BITS, PERSIST)),
         (_swap_consumer, (w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, ks0,
-                          ks1, b0, b1, CHUNKS, RANGES, off_n, off_m, 1, GRANULE, STAGES, SPLIT,
-                          INFLIGHT, OUT_BF16)),
-        (_producer_tile, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_m, ks0,
-                          ks1, 0, STAGES)),  # (the weight tile first: its rows are the MMA's)
+                          ks1, b0, b1, CHUNKS, RANGES, 1, GRANULE, STAGES, SPLIT, INFLIGHT,
+                          OUT_BF16, BITS, PERSIST)),
+        (_swap_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, M, N, ks0, ks1, STAGES,
+                          PERSIST)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -621,14 +703,19 @@ def swap_tile(m: int, n: int = 0, sms: int = 0) -> tuple[int, int]:
 
 def fp8_swap_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      out: torch.Tensor, chunks: int, ranges: int, granule: int,
-                     split: bool = False, bt: int = 0) -> torch.Tensor:
+                     split: bool = False, bt: int = 0,
+                     programs: int | None = None) -> torch.Tensor:
     """out [M, N] (fp32, or bf16: rounded once) = x's bf16 values [M, K] (act_quant's: codes
     times their power-of-two row scales, exact) times the weight's e4m3 codes w [N, K] with
     their block scales w_scale [ceil(N / 32), K / 32] (e8m0), K cut as k_order's (chunks,
     ranges, granule): the bits of ``_fp8_decode_kernel``'s VALUES tiles. split: the ranges run
     as separate programs, each writing its fp32 partial into out [ranges, M, N] (for
     ``triton._split_sum_kernel``). bt: the token rows a tile (swap_tile's; 0: swap_tile(M)).
-    The caller checked ``unsupported(K, device, out, SWAP_BK)``."""
+    programs: the programs launched without split, each taking tiles in turn (None: one an SM
+    where SWAP_PERSISTENT, else one a tile; never more than the tiles): the same bits whatever
+    it is. The caller checked ``unsupported(K, device, out, SWAP_BK)``."""
+    if programs is not None and (not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"programs must be a positive int or None, got {programs!r}")
     x_values = x_values.contiguous()
     w = w.contiguous()
     m, k = x_values.shape
@@ -643,11 +730,13 @@ def fp8_swap_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, w_scale: torch.Ten
     assert out.shape == ((ranges, m, n) if split else (m, n))
     assert not split or out.dtype == torch.float32
     assert m * n < 2 ** 31  # the tile's output offsets in int32
-    grid = (cdiv(n, SWAP_BN) * cdiv(m, bt), ranges if split else 1)
-    _fp8_swap_ws_kernel[grid](w_desc, x_desc, out, ws, m, n, ws.shape[1], ws.shape[0],
-                              k // SWAP_BK, chunks, ranges, GRANULE=granule, STAGES=stages,
-                              SPLIT=split, INFLIGHT=SWAP_INFLIGHT,
-                              OUT_BF16=out.dtype == torch.bfloat16,
-                              CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                              num_warps=4)
+    tiles = cdiv(n, SWAP_BN) * cdiv(m, bt)
+    if programs is None:
+        programs = sm_count(x_values.device) if SWAP_PERSISTENT and not split else tiles
+    programs = tiles if split else min(programs, tiles)
+    _fp8_swap_ws_kernel[(programs, ranges if split else 1)](
+        w_desc, x_desc, out, ws, m, n, ws.shape[1], ws.shape[0], k // SWAP_BK, chunks, ranges,
+        GRANULE=granule, STAGES=stages, SPLIT=split, INFLIGHT=SWAP_INFLIGHT,
+        OUT_BF16=out.dtype == torch.bfloat16, BITS=SWAP_CODE_BITS, PERSIST=programs < tiles,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return out

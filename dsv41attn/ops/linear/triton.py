@@ -150,7 +150,27 @@ def e4m3_to_bf16(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tor
 # leaves fp32's range folded that does not unfolded (the reverse, an activation block whose
 # unfolded sum overflows at |x| >= ~2^113, gives inf there and a finite sum folded).
 FOLD_MIN_E, FOLD_MAX_E = 127 - 63, 127
-_FOLDABLE: dict[int, tuple] = {}  # id(scale) -> (weakref, _version, data_ptr, verdict)
+# id(tensor) -> (weakref, _version, data_ptr, verdict): per question (foldable_scales,
+# nan_free_codes), answered once while the tensor lives and is not written
+_FOLDABLE: dict[int, tuple] = {}
+_NAN_FREE: dict[int, tuple] = {}
+
+
+def _weight_verdict(cache: dict, t: torch.Tensor, question) -> bool:
+    """question(t) (a bool, a host sync), cached in ``cache`` while t lives, is not written in
+    place and keeps its storage; during CUDA-graph capture an unasked tensor answers False
+    (no sync may run: the caller takes its other path, which gives the same bits)."""
+    key = id(t)
+    hit = cache.get(key)
+    if hit is not None and hit[0]() is t and hit[1] == t._version and hit[2] == t.data_ptr():
+        return hit[3]
+    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    verdict = bool(question(t))
+    for dead in [k for k, v in cache.items() if v[0]() is None]:
+        del cache[dead]
+    cache[key] = (weakref.ref(t), t._version, t.data_ptr(), verdict)
+    return verdict
 
 
 def foldable_scales(scale: torch.Tensor) -> bool:
@@ -159,19 +179,18 @@ def foldable_scales(scale: torch.Tensor) -> bool:
     first time a tensor is asked (then cached while the tensor lives and is not written);
     during CUDA-graph capture an unasked tensor answers False (the Triton tiles run: the
     same bits)."""
-    key = id(scale)
-    hit = _FOLDABLE.get(key)
-    if hit is not None and hit[0]() is scale and hit[1] == scale._version \
-            and hit[2] == scale.data_ptr():
-        return hit[3]
-    if scale.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return False
-    e = scale.view(torch.uint8)
-    verdict = bool(((e >= FOLD_MIN_E) & (e <= FOLD_MAX_E)).all())
-    for dead in [k for k, v in _FOLDABLE.items() if v[0]() is None]:
-        del _FOLDABLE[dead]
-    _FOLDABLE[key] = (weakref.ref(scale), scale._version, scale.data_ptr(), verdict)
-    return verdict
+    def question(t):
+        e = t.view(torch.uint8)
+        return ((e >= FOLD_MIN_E) & (e <= FOLD_MAX_E)).all()
+    return _weight_verdict(_FOLDABLE, scale, question)
+
+
+def nan_free_codes(weight: torch.Tensor) -> bool:
+    """Whether no e4m3 code of ``weight`` is a NaN (0x7f or 0xff), so that the swapped Gluon
+    tiles may turn its codes into bf16 by their bits (``gluon.SWAP_CODE_BITS``, which reads a
+    NaN code as 480). Cached and capture-safe as ``foldable_scales``."""
+    return _weight_verdict(_NAN_FREE, weight,
+                           lambda t: ((t.view(torch.uint8) & 0x7F) != 0x7F).all())
 
 
 @triton.jit
@@ -988,14 +1007,22 @@ def _swap_min_m(k: int) -> int:
     return SWAP_WS_LONG_MIN_M if k >= SWAP_WS_LONG_K else SWAP_WS_MIN_M
 
 
+def swap_code_bits() -> bool:
+    """gluon.SWAP_CODE_BITS, read at each call (a setting ``bench --variant`` flips)."""
+    from . import gluon
+    return bool(gluon.SWAP_CODE_BITS)
+
+
 def _swap_ws(plan: _GemmPlan, x, weight, out) -> bool:
     """Whether the decode kernel's VALUES tiles run as gluon.fp8_swap_gemm_ws on these
-    operands: _swap_tiles, the weight and x's values readable by TMA, out bf16 or fp32."""
+    operands: _swap_tiles, the weight and x's values readable by TMA, out bf16 or fp32, and
+    (SWAP_CODE_BITS) no NaN code in the weight."""
     return bool(plan.swap and plan.prescaled and x.shape[0] >= _swap_min_m(x.shape[1])
                 and _swap_tiles(x.device, *weight.shape)
                 and weight.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16
                 and _ws_unsupported(x.shape[1], x.device, out, SWAP_BK) is None
-                and _tma_weight(weight) and x.is_contiguous() and x.data_ptr() % 16 == 0)
+                and _tma_weight(weight) and x.is_contiguous() and x.data_ptr() % 16 == 0
+                and (not swap_code_bits() or nan_free_codes(weight)))  # checked last: a sync
 
 
 def _gluon_tiles(device: torch.device) -> bool:
