@@ -415,43 +415,49 @@ def test_swap_tiles_equal_triton_tiles(case, out_dtype, variant, monkeypatch):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
-@pytest.mark.parametrize("m", [48, 256])
-def test_swap_tiles_read_every_code_by_its_bits(m, monkeypatch):
+@pytest.mark.parametrize("m", [40, 256])
+def test_codes_by_their_bits_give_the_conversion_units_bits(m, monkeypatch):
     """A weight holding every e4m3 code but the NaNs (zeros of both signs, subnormals, the
-    largest), under scales over a wide range: the swapped tiles reading codes by their bits
-    (SWAP_CODE_BITS), by the conversion units, and the Triton tiles give the same bits; a
-    weight with a NaN code is left to the Triton tiles (their NaN outputs)."""
+    largest), under scales over a wide range: the swapped Gluon tiles and the Triton decode
+    kernel's VALUES tiles, each reading the codes by their bits (SWAP_CODE_BITS,
+    VALUES_CODE_BITS) and by the conversion units, all give the same bits; a weight with a
+    NaN code never takes the bits (NaN outputs, the conversion units' bits)."""
     from dsv41attn.ops.linear import gluon as G
     n, k = 4096, 1280
-    monkeypatch.setattr(T, "SWAP_WS", True)
     monkeypatch.setattr(T, "SWAP_WS_MIN_M", 1)
     monkeypatch.setattr(T, "SWAP_WS_LONG_MIN_M", 1)
     monkeypatch.setattr(T, "SWAP_WS_MIN_BYTES", 0)
     g = torch.Generator(device="cuda").manual_seed(m)
     codes = torch.arange(256, dtype=torch.uint8, device="cuda")
     codes = codes[(codes & 0x7F) != 0x7F]
-    pick = torch.randint(0, codes.numel(), (n, k), device="cuda", generator=g)
-    weight = codes[pick]
+    weight = codes[torch.randint(0, codes.numel(), (n, k), device="cuda", generator=g)]
     weight[0, :codes.numel()] = codes  # each code at least once in one row
     weight = weight.view(torch.float8_e4m3fn)
     scale = _e8m0(torch.randint(100, 140, (n // 32, k // 32), device="cuda", generator=g))
-    w = Fp8Weight(weight, scale)
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-    plan = T._linear_plan(m, weight, None, True, x.device)
-    assert T._swap_ws(plan, x, weight, torch.empty(1, 1, device="cuda"))
-    bits = T.fp8_linear(x, weight, scale).view(torch.int16)
-    monkeypatch.setattr(G, "SWAP_CODE_BITS", False)
-    assert torch.equal(bits, T.fp8_linear(x, weight, scale).view(torch.int16))
-    monkeypatch.setattr(G, "SWAP_CODE_BITS", True)
-    _against_triton_tiles(monkeypatch, "SWAP_WS", x, w, None, torch.bfloat16)
-    monkeypatch.setattr(T, "SWAP_WS", True)
+    x[1] = 0
+
+    def run(w, swap, bits):
+        monkeypatch.setattr(T, "SWAP_WS", swap)
+        monkeypatch.setattr(G, "SWAP_CODE_BITS", bits)
+        monkeypatch.setattr(T, "VALUES_CODE_BITS", bits)
+        plan = T._linear_plan(m, w, None, True, x.device)
+        assert plan.swap and plan.prescaled, plan
+        assert T._swap_ws(plan, x, w, torch.empty(1, 1, device="cuda")) == \
+            (swap and (not bits or T.nan_free_codes(w)))
+        assert T._values_code_bits(plan, w) == (bits and T.nan_free_codes(w))
+        return T.fp8_linear(x, w, scale).view(torch.int16)
+
+    want = run(weight, False, False)
+    for swap, bits in ((False, True), (True, False), (True, True)):
+        assert torch.equal(run(weight, swap, bits), want), (swap, bits)
     bad = weight.clone()
     bad.view(torch.uint8)[7, 100] = 0xFF
-    assert not T._swap_ws(plan, x, bad, torch.empty(1, 1, device="cuda"))
-    got = T.fp8_linear(x, bad, scale)
-    assert got[:, 7].isnan().all() and not got[:, 8].isnan().any()
-    monkeypatch.setattr(T, "SWAP_WS", False)
-    assert torch.equal(got.view(torch.int16), T.fp8_linear(x, bad, scale).view(torch.int16))
+    want = run(bad, False, False)
+    assert want.view(torch.bfloat16)[:, 7].isnan().all()
+    assert not want.view(torch.bfloat16)[:, 8].isnan().any()
+    for swap in (False, True):
+        assert torch.equal(run(bad, swap, True), want), swap
 
 
 # (M, N, K, ranges): more swapped tiles than a few programs, ragged token and weight tiles,

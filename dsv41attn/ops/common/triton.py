@@ -220,6 +220,20 @@ def e4m3_to_fp32(codes):
     return v
 
 
+# Two e4m3 codes ($1: a 16-bit pair) -> two bf16 ($0) on a GPU by their bits, where the
+# hardware's path is an e4m3 -> f16 unpack a pair then an f16 -> bf16 conversion an element,
+# both on the quarter-rate conversion units: each byte sign-extended to 16 bits (prmt), shifted
+# left 4 and masked to s 0000 eeee mmm 0000, which as bf16 is the code's value times 2^-120
+# (e4m3 subnormals become bf16 subnormals), then times 2^120 (0x7B80) by a bf16 FMA with -0
+# (which keeps every product's sign of zero). Exact for every code but the NaNs (0x7F, 0xFF),
+# which it reads as +-480: callers run it only on weights without them (linear.triton's
+# nan_free_codes). For tl.inline_asm_elementwise / gl.inline_asm_elementwise, "=r,h", pack=2.
+E4M3_BF16_BITS_ASM = (
+    "{ .reg .b32 t, k, z; mov.b32 k, 0x7B807B80; mov.b32 z, 0x80008000;"
+    " cvt.u32.u16 t, $1; prmt.b32 t, t, 0, 0x9180; shl.b32 t, t, 4;"
+    " and.b32 t, t, 0x87F087F0; fma.rn.bf16x2 $0, t, k, z; }")
+
+
 @triton.jit
 def e4m3_of_e2m1(nib):
     """e2m1 nibbles (uint8 0..15, sign << 3 | e1 e0 m) -> the e4m3 bytes s|0 0 e1 e0|m 0 0,

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..common.triton import cdiv, is_hopper, sm_count
+from ..common.triton import E4M3_BF16_BITS_ASM, cdiv, is_hopper, sm_count
 
 BLOCK_M = 128  # token rows a tile: two consumer warp groups of 64
 BLOCK_N = 128  # weight rows (output columns) a tile
@@ -409,10 +409,10 @@ SWAP_SMEM = 200 * 1024  # the ring's shared memory at most (the H100/H200 block 
 # only, won 9-16% on wo_b at 48-64 rows (on; linear.triton.SWAP_WS_LONG_MIN_M).
 SWAP_NARROW = False  # narrower token tiles where the widest would leave SMs idle (swap_tile)
 SWAP_INFLIGHT = True  # several of a stage's block dots in flight per wait (_swap_consumer_tile)
-# the weight's e4m3 codes into the wgmma's bf16 operand by their bits (_E4M3_BF16_ASM: integer
-# ops and one bf16 FMA a pair) rather than by the conversion units (an e4m3 -> f16 unpack a
-# pair, then an f16 -> bf16 conversion an element, at a quarter of the FMA rate); exact for
-# every code but the NaNs (0x7f, 0xff: read as +-480), so the caller runs these tiles only on
+# the weight's e4m3 codes into the wgmma's bf16 operand by their bits (common.triton's
+# E4M3_BF16_BITS_ASM: integer ops and one bf16 FMA a pair) rather than by the conversion
+# units (an e4m3 -> f16 unpack a pair, then an f16 -> bf16 conversion an element, at a quarter
+# of the FMA rate): exact for every code but the NaNs, so the caller runs these tiles only on
 # weights without them (triton.nan_free_codes)
 SWAP_CODE_BITS = True
 # a launch's programs (without split): one an SM, each taking the tiles in turn with its ring
@@ -453,14 +453,7 @@ def _swap_add(acc, total, part, scale, blk, B0, B1, r, r_end, CHUNKS, RANGES,
     return acc, total, r, r_end
 
 
-# Two e4m3 codes ($1: a 16-bit pair) -> two bf16 ($0), exact but for the NaN codes: each
-# byte sign-extended to 16 bits (prmt), shifted left 4 and masked to s 0000 eeee mmm 0000,
-# which as bf16 is the code's value times 2^-120 (its subnormals bf16 subnormals), then times
-# 2^120 (0x7B80) by a bf16 FMA with -0 (which keeps every product's sign of zero)
-_E4M3_BF16_ASM = gl.constexpr(
-    "{ .reg .b32 t, k, z; mov.b32 k, 0x7B807B80; mov.b32 z, 0x80008000;"
-    " cvt.u32.u16 t, $1; prmt.b32 t, t, 0, 0x9180; shl.b32 t, t, 4;"
-    " and.b32 t, t, 0x87F087F0; fma.rn.bf16x2 $0, t, k, z; }")
+_E4M3_BF16_ASM = gl.constexpr(E4M3_BF16_BITS_ASM)  # (common.triton: codes by their bits)
 
 
 @gluon.jit

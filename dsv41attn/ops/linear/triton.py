@@ -66,7 +66,7 @@ try:  # the Gluon square and swapped tiles (Hopper): a Triton with Gluon
 except (ImportError, AttributeError):  # pragma: no cover - no usable Gluon
     fp8_values_gemm_ws = fp8_swap_gemm_ws = None
 from ..common.buffers import out_buffer
-from ..common.triton import (FP8_BLOCK, INV_FP8_MAX, any_nan, cdiv, check_device, cos_sin,
+from ..common.triton import (E4M3_BF16_BITS_ASM, FP8_BLOCK, INV_FP8_MAX, any_nan, cdiv, check_device, cos_sin,
                              e4m3_code, e4m3_to_fp32, e8m0_to_fp32, e8m0x4_to_fp32, interpreting,
                              is_hopper, neg_zeros, next_pow2, require, rms_norm_warps,
                              rms_row_scale, rope_heads, rope_rotate, round_bf16, sm_count, to_bf16,
@@ -350,15 +350,24 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, a_desc, b_desc, cs_ptr
         _store_out(c_ptrs, acc, m_mask[:, None] & n_mask[None, :], OUT_BF16, INTERPRET)
 
 
+_E4M3_BF16_ASM = tl.constexpr(E4M3_BF16_BITS_ASM)
+
+
 @triton.jit
-def _dot32(b, a, DOT_F16: tl.constexpr, INTERPRET: tl.constexpr, VALUES: tl.constexpr = False):
+def _dot32(b, a, DOT_F16: tl.constexpr, INTERPRET: tl.constexpr, VALUES: tl.constexpr = False,
+           CODE_BITS: tl.constexpr = False):
     """One 32-block's w . x^T: b [BLOCK_N, 32] e4m3 weight, a [BLOCK_M, 32] token rows (e4m3
     codes, their fp16 values, or VALUES: their bf16 values times the row scale): [BLOCK_N,
-    BLOCK_M] fp32, rounded once (exact fp64 under the interpreter; wgmma on the GPU)."""
+    BLOCK_M] fp32, rounded once (exact fp64 under the interpreter; wgmma on the GPU).
+    CODE_BITS (VALUES, a weight without NaN codes): e4m3 -> bf16 by the codes' bits."""
     if INTERPRET:
         a64 = a.to(tl.float32).to(tl.float64)
         b64 = b.to(tl.float32).to(tl.float64)
         part = tl.dot(b64, tl.trans(a64), out_dtype=tl.float64).to(tl.float32)
+    elif VALUES and CODE_BITS:  # exact but for NaN codes (none: the caller checked)
+        w = tl.inline_asm_elementwise(_E4M3_BF16_ASM, "=r,h", [b.to(tl.uint8, bitcast=True)],
+                                      dtype=tl.bfloat16, is_pure=True, pack=2)
+        part = tl.dot(w, tl.trans(a), out_dtype=tl.float32)
     elif VALUES:  # e4m3 -> bf16 is exact
         part = tl.dot(b.to(tl.bfloat16), tl.trans(a), out_dtype=tl.float32)
     elif DOT_F16:  # e4m3 -> fp16 is exact (a no-op for fp16 token rows)
@@ -595,7 +604,7 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
                        OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
                        VALUES: tl.constexpr = False, ROPE_D: tl.constexpr = 0,
                        ROPE_R2: tl.constexpr = 0, DIAG: tl.constexpr = 0,
-                       SB_WORDS: tl.constexpr = False):
+                       SB_WORDS: tl.constexpr = False, CODE_BITS: tl.constexpr = False):
     """_fp8_gemm_kernel for decode-sized M with the operands swapped: each 32-block's tl.dot is
     w [BLOCK_N, 32] . x^T [32, BLOCK_M] (weight rows on the MMA's 64-row side, the few token
     rows its narrow side), so a BLOCK_N x BLOCK_M tile of y^T per program; every output element
@@ -634,7 +643,8 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
     token rows) without leaving the thread. The next iteration's block scales are loaded an
     iteration ahead, the weight's as the tile's [BLOCK_N / 32, KSUB] bytes (loaded where they
     are used: no shared-memory round trip; SB_WORDS: a word a 32-row group, KSUB = 4). One
-    wgmma wait per DIAG blocks."""
+    wgmma wait per DIAG blocks. CODE_BITS (VALUES, on a GPU, a weight without NaN codes): the
+    weight's codes become bf16 by their bits (_dot32), not by the conversion units."""
     tl.static_assert(ROPE_D == 0 or (OUT_BF16 and BLOCK_N % 2 == 0 and ROPE_D % 2 == 0))
     tl.static_assert(KSUB == 1 or KSUB == 2 or KSUB == 4 or DIAG > 0)  # DIAG: up to 8
     tl.static_assert(PREFETCH or not TMA)
@@ -760,15 +770,15 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
                 na3, nb3 = _block_scales(sa_ptrs, sb_ptrs, nxt + 3, more_m, more_n,
                                            VALUES)
             if BLOCK_M <= 16:  # the block dots, then each added in K order
-                p0 = _dot32(w0, x0, DOT_F16, INTERPRET, VALUES)
+                p0 = _dot32(w0, x0, DOT_F16, INTERPRET, VALUES, CODE_BITS)
                 p1 = p0
                 p2 = p0
                 p3 = p0
                 if KSUB > 1:
-                    p1 = _dot32(w1, x1, DOT_F16, INTERPRET, VALUES)
+                    p1 = _dot32(w1, x1, DOT_F16, INTERPRET, VALUES, CODE_BITS)
                 if KSUB > 2:
-                    p2 = _dot32(w2, x2, DOT_F16, INTERPRET, VALUES)
-                    p3 = _dot32(w3, x3, DOT_F16, INTERPRET, VALUES)
+                    p2 = _dot32(w2, x2, DOT_F16, INTERPRET, VALUES, CODE_BITS)
+                    p3 = _dot32(w3, x3, DOT_F16, INTERPRET, VALUES, CODE_BITS)
                 acc = acc + _scaled(p0, sa0, sb0, VALUES)
                 if KSUB > 1:
                     acc = acc + _scaled(p1, sa1, sb1, VALUES)
@@ -776,16 +786,16 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
                     acc = acc + _scaled(p2, sa2, sb2, VALUES)
                     acc = acc + _scaled(p3, sa3, sb3, VALUES)
             else:  # wider tiles: one block dot live at a time (four would spill)
-                acc = acc + _scaled(_dot32(w0, x0, DOT_F16, INTERPRET, VALUES), sa0, sb0,
-                                        VALUES)
+                acc = acc + _scaled(_dot32(w0, x0, DOT_F16, INTERPRET, VALUES, CODE_BITS),
+                                        sa0, sb0, VALUES)
                 if KSUB > 1:
-                    acc = acc + _scaled(_dot32(w1, x1, DOT_F16, INTERPRET, VALUES), sa1, sb1,
-                                        VALUES)
+                    acc = acc + _scaled(_dot32(w1, x1, DOT_F16, INTERPRET, VALUES, CODE_BITS),
+                                        sa1, sb1, VALUES)
                 if KSUB > 2:
-                    acc = acc + _scaled(_dot32(w2, x2, DOT_F16, INTERPRET, VALUES), sa2, sb2,
-                                        VALUES)
-                    acc = acc + _scaled(_dot32(w3, x3, DOT_F16, INTERPRET, VALUES), sa3, sb3,
-                                        VALUES)
+                    acc = acc + _scaled(_dot32(w2, x2, DOT_F16, INTERPRET, VALUES, CODE_BITS),
+                                        sa2, sb2, VALUES)
+                    acc = acc + _scaled(_dot32(w3, x3, DOT_F16, INTERPRET, VALUES, CODE_BITS),
+                                        sa3, sb3, VALUES)
             sa0 = na0
             sb0 = nb0
             sa1 = na1
@@ -805,7 +815,7 @@ def _fp8_decode_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, out_ptr, cnt_ptr, w_
             for j in tl.static_range(KSUB):  # the scales after the dot (fewer live registers)
                 b = tl.load(b_ptrs + j * 32, mask=n_mask[:, None], other=0.0)
                 a = tl.load(a_ptrs + j * 32, mask=m_mask[:, None], other=0.0)
-                part = _dot32(b, a, DOT_F16, INTERPRET, VALUES)
+                part = _dot32(b, a, DOT_F16, INTERPRET, VALUES, CODE_BITS)
                 sa, sb = _block_scales(sa_ptrs, sb_ptrs, kb0 + j, m_mask, n_mask, VALUES)
                 acc += _scaled(part, sa, sb, VALUES)
             a_ptrs += 32 * KSUB
@@ -984,6 +994,10 @@ SQUARE_WS_MIN_M = 128
 # least SWAP_WS_MIN_BYTES only (wq_b, wo_b). SWAP_NARROW (gluon.py, with SWAP_INFLIGHT,
 # which changes nothing on 128-row token tiles) lost 5-98% on wo_b in the same runs: off.
 SWAP_WS = True
+# The decode kernel's VALUES tiles (17-64 rows, and the small weights' past them) turn the
+# weight's codes into bf16 by their bits, as the swapped tiles' SWAP_CODE_BITS (on weights
+# without NaN codes)
+VALUES_CODE_BITS = True
 SWAP_WS_MIN_M = 65  # the token rows from which they run
 SWAP_WS_MIN_BYTES = 16 << 20  # the weights (e4m3 bytes) they run for
 # ... and from SWAP_WS_LONG_MIN_M rows for a K of at least SWAP_WS_LONG_K (wo_b), on 64-row
@@ -1005,6 +1019,14 @@ def _swap_tiles(device: torch.device, n: int, k: int) -> bool:
 def _swap_min_m(k: int) -> int:
     """The token rows from which the Gluon swapped tiles take a weight of K columns."""
     return SWAP_WS_LONG_MIN_M if k >= SWAP_WS_LONG_K else SWAP_WS_MIN_M
+
+
+def _values_code_bits(plan: _GemmPlan, weight: torch.Tensor) -> bool:
+    """Whether the decode kernel's VALUES tiles turn this weight's codes into bf16 by their
+    bits (VALUES_CODE_BITS, on a GPU, no NaN code in the weight): the same bits either way."""
+    return bool(VALUES_CODE_BITS and plan.prescaled and plan.swap and not interpreting()
+                and weight.device.type == "cuda" and weight.dtype == torch.float8_e4m3fn
+                and nan_free_codes(weight))
 
 
 def swap_code_bits() -> bool:
@@ -1500,6 +1522,7 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
                                  INTERPRET=interpreting(), VALUES=plan.prescaled,
                                  ROPE_D=rope_d, ROPE_R2=cs.shape[1] if rope_d else 0,
                                  DIAG=plan.diag, SB_WORDS=_scale_words(plan, args[3]),
+                                 CODE_BITS=_values_code_bits(plan, weight),
                                  num_warps=plan.num_warps,
                                  num_stages=plan.num_stages)
         if s > 1 and not fused:
