@@ -133,24 +133,25 @@ print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["
                          ids=lambda d: "this" if d is None else os.path.basename(d))
 @pytest.mark.parametrize("ring, split", [
     (ring, split) for ring in ("values", "values-wide", "codes")
-    for split in (False, True, "persistent")
-    if not (ring == "codes" and split == "persistent")],  # (one program a tile: see below)
+    for split in (False, True, "persistent", "split-persistent")
+    if not (ring == "codes" and split in ("persistent", "split-persistent"))],  # (see below)
     ids=lambda v: {False: "ranges-in-program", True: "split-ranges",
-                   "persistent": "tiles-in-turn"}.get(v, v))
+                   "persistent": "tiles-in-turn", "split-persistent": "split-in-turn"}.get(v, v))
 def test_compiles_warp_specialized_for_sm90(ring, split, triton_dir):
     """The kernel lowers for an H100/H200 with K cut in ranges, at each ring form (folded bf16
     values in 64- or 128-wide stages; e4m3 codes folded by the converter), the ranges summed in
     the program, one a program (split, ranges ending inside ring stages), or (the folded
-    values) output tiles taken in turn by persistent programs: each 32-block's wgmma (two or
-    four per ring stage), register budgets per partition, the TMA ring in shared memory, no
-    spills. (The codes' converter spills in the tile loop, so fp8_values_gemm_ws runs those
-    launches one program a tile, and this does not compile that pair.)"""
+    values) items taken in turn by persistent programs, output tiles or (split) a tile's
+    range: each 32-block's wgmma (two or four per ring stage), register budgets per
+    partition, the TMA ring in shared memory, no spills. (The codes' converter spills in the
+    item loop, so fp8_values_gemm_ws runs those launches one program an item, and this does
+    not compile that pair.)"""
     pytest.importorskip("triton.experimental.gluon")
     from dsv41attn.ops.linear import gluon as G
     bk, stages = {"values": (G.BLOCK_K, G.STAGES), "values-wide": (G.WIDE_K, G.WIDE_STAGES),
                   "codes": (G.BLOCK_K, G.CODES_STAGES)}[ring]
-    r = _compile(bk, stages, split is True, ring == "codes", triton_dir,
-                 persist=split == "persistent")
+    r = _compile(bk, stages, split in (True, "split-persistent"), ring == "codes", triton_dir,
+                 persist=split in ("persistent", "split-persistent"))
     assert r["wgmma"] > 0 and r["setmaxnreg"] > 0 and r["tma"] > 0, r
     assert r["shared"] <= 232448, r
     regs, stack, local, _ = r["res"]
@@ -239,13 +240,18 @@ TURN_CASES = {"m640-n4096-k1024-r1": (640, 4096, 1024, 1),
 
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
 @pytest.mark.parametrize("case", list(TURN_CASES), ids=list(TURN_CASES))
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, "split"])
 def test_programs_take_tiles_in_turn_with_the_same_bits(case, out_dtype):
-    """Persistent programs (each taking output tiles p, p + G, ... in turn, its ring running
-    on across them) give the bits of one program a tile, for G = 1, 2, 3, 7 and the default
-    (one an SM), every output written (NaN-filled buffers); a bad program count is refused."""
+    """Persistent programs (each taking items p, p + G, ... in turn, its ring running on
+    across them: output tiles, or with split each tile's K ranges, their fp32 partials) give
+    the bits of one program an item, for G = 1, 2, 3, 7 and the default (one an SM), every
+    output written (NaN-filled buffers); a bad program count is refused."""
     from dsv41attn.ops.linear import gluon as G
     m, n, k, ranges = TURN_CASES[case]
+    split = out_dtype == "split"
+    if split and ranges == 1:
+        pytest.skip("one range: nothing to split")
+    out_dtype = torch.float32 if split else out_dtype
     g = torch.Generator(device="cuda").manual_seed(m + k)
     w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5)
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -254,9 +260,10 @@ def test_programs_take_tiles_in_turn_with_the_same_bits(case, out_dtype):
     order = T.k_order(1, k // 32, 1, ranges=ranges)
 
     def run(programs):
-        out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
+        out = torch.full((ranges, m, n) if split else (m, n), float("nan"), dtype=out_dtype,
+                         device="cuda")
         return G.fp8_values_gemm_ws(x, folded, out, order.chunks, order.ranges, order.granule,
-                                    programs=programs)
+                                    split=split, programs=programs)
 
     tiles = -(-m // G.BLOCK_M) * -(-n // G.BLOCK_N)
     assert tiles > 7
@@ -348,12 +355,12 @@ def test_swap_tiles_compile_warp_specialized_for_sm90(bt, ranges, inflight, trit
 
 @pytest.mark.parametrize("triton_dir", sm90_compile.TRITONS,
                          ids=lambda d: "this" if d is None else os.path.basename(d))
-@pytest.mark.parametrize("ranges", ["in-program", "one"])
+@pytest.mark.parametrize("ranges", ["in-program", "one", "split"])
 @pytest.mark.parametrize("bt", [64, 128])
 def test_swap_tiles_in_turn_compile_for_sm90(bt, ranges, triton_dir):
-    """Programs taking the swapped tiles in turn (the launches with more tiles than SMs: 64-
-    and 128-row token tiles) lower for an H100/H200 with no spills: the tile loop's live
-    values fit beside the accumulators."""
+    """Programs taking the swapped tiles in turn (64- and 128-row token tiles), or (split)
+    each tile's K ranges as items of their own, lower for an H100/H200 with no spills: the
+    item loop's live values fit beside the accumulators."""
     pytest.importorskip("triton.experimental.gluon")
     r = _compile_swap(bt, ranges, True, triton_dir, persist=True)
     assert r["wgmma"] > 0 and r["setmaxnreg"] > 0 and r["tma"] > 0, r
@@ -468,14 +475,18 @@ SWAP_TURN_CASES = {"m256-n32768-k1280-r1": (256, 32768, 1280, 1),
 
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
 @pytest.mark.parametrize("case", list(SWAP_TURN_CASES), ids=list(SWAP_TURN_CASES))
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, "split"])
 def test_swap_programs_take_tiles_in_turn_with_the_same_bits(case, out_dtype):
-    """Persistent programs on the swapped tiles (each taking tiles p, p + G, ... in turn, its
-    ring running on across them) give the bits of one program a tile, for G = 1, 2, 3, 7
-    and the default (one an SM), every output written (NaN-filled buffers); a bad program
-    count is refused."""
+    """Persistent programs on the swapped tiles (each taking items p, p + G, ... in turn, its
+    ring running on across them: tiles, or with split each tile's K ranges, their fp32
+    partials) give the bits of one program an item, for G = 1, 2, 3, 7 and the default (one
+    an SM), every output written (NaN-filled buffers); a bad program count is refused."""
     from dsv41attn.ops.linear import gluon as G
     m, n, k, ranges = SWAP_TURN_CASES[case]
+    split = out_dtype == "split"
+    if split and ranges == 1:
+        pytest.skip("one range: nothing to split")
+    out_dtype = torch.float32 if split else out_dtype
     g = torch.Generator(device="cuda").manual_seed(m + k)
     w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5)
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -483,9 +494,10 @@ def test_swap_programs_take_tiles_in_turn_with_the_same_bits(case, out_dtype):
     order = T.k_order(1, k // 32, 1, ranges=ranges)
 
     def run(programs):
-        out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
+        out = torch.full((ranges, m, n) if split else (m, n), float("nan"), dtype=out_dtype,
+                         device="cuda")
         return G.fp8_swap_gemm_ws(x, w.weight, w.scale, out, order.chunks, order.ranges,
-                                  order.granule, programs=programs)
+                                  order.granule, split=split, programs=programs)
 
     assert -(-n // G.SWAP_BN) * -(-m // G.swap_tile(m)[0]) > 7
     want = run(10 ** 6)  # one a tile

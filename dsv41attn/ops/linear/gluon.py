@@ -48,6 +48,9 @@ WIDE_K, WIDE_MIN_K, WIDE_STAGES = 128, 4096, 3
 # output tiles in turn, so a tile's TMA loads run while the tile before is stored and no
 # program pays the ring's fill alone (off: one program a tile)
 PERSISTENT = True
+# ... also where K's ranges run as items of their own (split: each item a tile's range, its
+# fp32 partial summed after; wq_a and wkv at 128-511 rows, 25 and 32 ranges of a few blocks)
+PERSISTENT_SPLIT = True
 GROUP = gl.constexpr(8)  # row tiles taken together along N (a group shares its weight tiles in L2)
 CONSUMER_REGS, PRODUCER_REGS = 232, 40  # setmaxnreg: the consumers' accumulators, the TMA group's
 # CODES (the weight's e4m3 codes, folded in the ring by a converter warp group): 64-wide
@@ -65,23 +68,37 @@ def _neg_zeros(shape: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _steps(KS, CHUNKS, RANGES, GRANULE: gl.constexpr, J: gl.constexpr, SPLIT: gl.constexpr):
-    """The swapped tiles' K: SPLIT, range r = program_id(1)'s 32-blocks [b0, b1) in the ring
-    steps [ks0, ks1) that hold them (J blocks a step); else all KS steps. Returns (r, b0, b1,
-    ks0, ks1). (The square tiles keep the same lines inline: their GPU-tested form.)"""
+def _item_k(w, TILES, KS, CHUNKS, RANGES, GRANULE: gl.constexpr, J: gl.constexpr,
+            SPLIT: gl.constexpr):
+    """Work item w of a launch: (its output tile, its K range r, the range's 32-blocks [b0, b1)
+    and the ring steps [ks0, ks1) that hold them, J blocks a step). SPLIT: item w is tile
+    w % TILES of range w // TILES (a range's tiles next to each other, as a grid of (tiles,
+    ranges) programs ran them); else tile w over all KS steps, r = 0."""
     if SPLIT:
-        r = gl.program_id(1)
+        t = w % TILES
+        r = w // TILES
         b0 = r * CHUNKS // RANGES * GRANULE
         b1 = (r + 1) * CHUNKS // RANGES * GRANULE
         ks0 = b0 // J
         ks1 = (b1 + J - 1) // J
     else:
+        t = w
         r = 0
         b0 = 0
         b1 = KS * J
         ks0 = 0
         ks1 = KS
-    return r, b0, b1, ks0, ks1
+    return t, r, b0, b1, ks0, ks1
+
+
+@gluon.jit
+def _range_out(c_ptr, r, M, N, SPLIT: gl.constexpr):
+    """Where an item's output goes: SPLIT, range r's fp32 partial in c [RANGES, M, N]; else
+    c [M, N] itself."""
+    if SPLIT:
+        return c_ptr + r.to(gl.int64) * M * N
+    else:
+        return c_ptr
 
 
 @gluon.jit
@@ -113,21 +130,28 @@ def _producer_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, K
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, KS0, KS1,
-              STAGES: gl.constexpr, PERSIST: gl.constexpr):
-    """The TMA partition: this program's tiles (PERSIST: tiles p, p + G, ..., G programs;
-    else tile p) in turn, each's K steps [KS0, KS1) (_producer_tile)."""
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, KS, CHUNKS, RANGES,
+              GRANULE: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+              PERSIST: gl.constexpr):
+    """The TMA partition: this program's items (PERSIST: items p, p + G, ..., G programs; else
+    item p), each an output tile over its K steps (_item_k, _producer_tile)."""
     BN: gl.constexpr = b_desc.block_type.shape[0]
+    J: gl.constexpr = a_desc.block_type.shape[1] // 32
+    tiles = gl.cdiv(M, 128) * gl.cdiv(N, BN)
     if PERSIST:
         n0 = 0
-        for t in range(gl.program_id(0), gl.cdiv(M, 128) * gl.cdiv(N, BN), gl.num_programs(0)):
+        for w in range(gl.program_id(0), tiles * RANGES if SPLIT else tiles,
+                       gl.num_programs(0)):
+            t, r, b0, b1, ks0, ks1 = _item_k(w, tiles, KS, CHUNKS, RANGES, GRANULE, J, SPLIT)
             off_m, off_n = _tile(t, M, N, BN)
-            _producer_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, KS0,
-                           KS1, n0, STAGES)
-            n0 += KS1 - KS0
+            _producer_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, ks0,
+                           ks1, n0, STAGES)
+            n0 += ks1 - ks0
     else:
-        off_m, off_n = _tile(gl.program_id(0), M, N, BN)
-        _producer_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, KS0, KS1,
+        t, r, b0, b1, ks0, ks1 = _item_k(gl.program_id(0), tiles, KS, CHUNKS, RANGES, GRANULE,
+                                         J, SPLIT)
+        off_m, off_n = _tile(t, M, N, BN)
+        _producer_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, ks0, ks1,
                        0, STAGES)
 
 
@@ -159,20 +183,27 @@ def _converter_tile(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, KS0,
 
 
 @gluon.jit
-def _converter(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, M, N, KS0, KS1,
-               STAGES: gl.constexpr, PERSIST: gl.constexpr):
-    """The converter partition: this program's tiles in turn, as _producer's."""
+def _converter(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, M, N, KS, CHUNKS, RANGES,
+               GRANULE: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+               PERSIST: gl.constexpr):
+    """The converter partition: this program's items in turn, as _producer's."""
     BN: gl.constexpr = w8_bufs.type.shape[1]
+    J: gl.constexpr = w8_bufs.type.shape[2] // 32
+    tiles = gl.cdiv(M, 128) * gl.cdiv(N, BN)
     if PERSIST:
         n0 = 0
-        for t in range(gl.program_id(0), gl.cdiv(M, 128) * gl.cdiv(N, BN), gl.num_programs(0)):
+        for w in range(gl.program_id(0), tiles * RANGES if SPLIT else tiles,
+                       gl.num_programs(0)):
+            t, r, b0, b1, ks0, ks1 = _item_k(w, tiles, KS, CHUNKS, RANGES, GRANULE, J, SPLIT)
             off_m, off_n = _tile(t, M, N, BN)
-            _converter_tile(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, KS0, KS1,
+            _converter_tile(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, ks0, ks1,
                             n0, STAGES)
-            n0 += KS1 - KS0
+            n0 += ks1 - ks0
     else:
-        off_m, off_n = _tile(gl.program_id(0), M, N, BN)
-        _converter_tile(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, KS0, KS1, 0,
+        t, r, b0, b1, ks0, ks1 = _item_k(gl.program_id(0), tiles, KS, CHUNKS, RANGES, GRANULE,
+                                         J, SPLIT)
+        off_m, off_n = _tile(t, M, N, BN)
+        _converter_tile(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, ks0, ks1, 0,
                         STAGES)
 
 
@@ -237,26 +268,33 @@ def _consumer_tile(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS0, KS1, B0
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS0, KS1, B0, B1, CHUNKS,
-              RANGES, half, GRANULE: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+def _consumer(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS, CHUNKS, RANGES, half,
+              GRANULE: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
               SPLIT: gl.constexpr, CODES: gl.constexpr, OUT_BF16: gl.constexpr,
               PERSIST: gl.constexpr):
-    """A consumer partition (rows 64 half .. of each tile): this program's tiles in turn, as
-    _producer's (_consumer_tile). A tile's output is stored from the accumulator's registers
-    while the producer already fills the ring with the next tile's first steps."""
+    """A consumer partition (rows 64 half .. of each tile): this program's items in turn, as
+    _producer's (_consumer_tile; SPLIT: each range's partial at c + r M N). An item's output
+    is stored from the accumulator's registers while the producer already fills the ring with
+    the next item's first steps."""
+    J: gl.constexpr = a_bufs.type.shape[2] // 32
+    tiles = gl.cdiv(M, 128) * gl.cdiv(N, BN)
     if PERSIST:
         n0 = 0
-        for t in range(gl.program_id(0), gl.cdiv(M, 128) * gl.cdiv(N, BN), gl.num_programs(0)):
+        for w in range(gl.program_id(0), tiles * RANGES if SPLIT else tiles,
+                       gl.num_programs(0)):
+            t, r, b0, b1, ks0, ks1 = _item_k(w, tiles, KS, CHUNKS, RANGES, GRANULE, J, SPLIT)
             off_m, off_n = _tile(t, M, N, BN)
-            _consumer_tile(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS0, KS1, B0, B1,
-                           CHUNKS, RANGES, off_m, off_n, half, n0, GRANULE, BN, STAGES, SPLIT,
-                           CODES, OUT_BF16)
-            n0 += KS1 - KS0
+            _consumer_tile(a_bufs, b_bufs, ready, conv, empty, _range_out(c_ptr, r, M, N, SPLIT),
+                           M, N, ks0, ks1, b0, b1, CHUNKS, RANGES, off_m, off_n, half, n0,
+                           GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16)
+            n0 += ks1 - ks0
     else:
-        off_m, off_n = _tile(gl.program_id(0), M, N, BN)
-        _consumer_tile(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS0, KS1, B0, B1,
-                       CHUNKS, RANGES, off_m, off_n, half, 0, GRANULE, BN, STAGES, SPLIT, CODES,
-                       OUT_BF16)
+        t, r, b0, b1, ks0, ks1 = _item_k(gl.program_id(0), tiles, KS, CHUNKS, RANGES, GRANULE,
+                                         J, SPLIT)
+        off_m, off_n = _tile(t, M, N, BN)
+        _consumer_tile(a_bufs, b_bufs, ready, conv, empty, _range_out(c_ptr, r, M, N, SPLIT),
+                       M, N, ks0, ks1, b0, b1, CHUNKS, RANGES, off_m, off_n, half, 0, GRANULE,
+                       BN, STAGES, SPLIT, CODES, OUT_BF16)
 
 
 @gluon.jit
@@ -270,26 +308,13 @@ def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CH
     through b_desc ([N, K], [BN, BK] boxes), or (CODES) its e4m3 codes, which a converter
     partition folds with ws [SROWS, KB] (e8m0 bytes) into B_LAYOUT bf16 tiles in the ring;
     c [M, N] fp32 or bf16. KS = K / BK steps; K cut as k_order's (CHUNKS chunks of GRANULE
-    32-blocks, RANGES ranges). SPLIT: grid axis 1 is the range, written as an fp32 partial
-    into c [RANGES, M, N]. One tile a program, tile program_id(0); PERSIST (not with SPLIT):
-    G programs, program p taking tiles p, p + G, ... in turn, its ring running on across
-    them. A tile's arithmetic is the same either way: no bit depends on the programs."""
+    32-blocks, RANGES ranges). An item is an output tile, or (SPLIT) an output tile's K
+    range, written as that range's fp32 partial into c [RANGES, M, N] (_item_k: a range's
+    tiles next to each other). One item a program, item program_id(0); PERSIST: G programs,
+    program p taking items p, p + G, ... in turn, its ring running on across them. An item's
+    arithmetic is the same either way: no bit depends on the programs."""
     BN: gl.constexpr = b_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
-    J: gl.constexpr = BK // 32
-    gl.static_assert(not (PERSIST and SPLIT))
-    if SPLIT:  # range r's 32-blocks [b0, b1), in the K steps that hold them
-        r = gl.program_id(1)
-        b0 = r * CHUNKS // RANGES * GRANULE
-        b1 = (r + 1) * CHUNKS // RANGES * GRANULE
-        ks0 = b0 // J
-        ks1 = (b1 + J - 1) // J
-        c_ptr += r.to(gl.int64) * M * N
-    else:
-        b0 = 0
-        b1 = KS * J
-        ks0 = 0
-        ks1 = KS
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], B_LAYOUT)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -304,28 +329,24 @@ def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CH
             mbarrier.init(conv.index(i), count=1)
         fence_async_shared()
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, ks0, ks1, b0, b1,
-                         CHUNKS, RANGES, 0, GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16,
-                         PERSIST)),
-            (_consumer, (a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, ks0, ks1, b0, b1,
-                         CHUNKS, RANGES, 1, GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16,
-                         PERSIST)),
-            (_producer, (a_desc, b_desc, a_bufs, w8_bufs, ready, empty, M, N, ks0, ks1, STAGES,
-                         PERSIST)),
-            (_converter, (w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, M, N, ks0, ks1,
-                          STAGES, PERSIST)),
+            (_consumer, (a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS, CHUNKS, RANGES,
+                         0, GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16, PERSIST)),
+            (_consumer, (a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS, CHUNKS, RANGES,
+                         1, GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16, PERSIST)),
+            (_producer, (a_desc, b_desc, a_bufs, w8_bufs, ready, empty, M, N, KS, CHUNKS,
+                         RANGES, GRANULE, SPLIT, STAGES, PERSIST)),
+            (_converter, (w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, M, N, KS, CHUNKS,
+                          RANGES, GRANULE, SPLIT, STAGES, PERSIST)),
         ], [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, CONVERTER_REGS])
     else:  # (no converter: the consumers wait on ready alone; conv is not read)
         fence_async_shared()
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, ready, empty, c_ptr, M, N, ks0, ks1, b0, b1,
-                         CHUNKS, RANGES, 0, GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16,
-                         PERSIST)),
-            (_consumer, (a_bufs, b_bufs, ready, ready, empty, c_ptr, M, N, ks0, ks1, b0, b1,
-                         CHUNKS, RANGES, 1, GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16,
-                         PERSIST)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, ks0, ks1, STAGES,
-                         PERSIST)),
+            (_consumer, (a_bufs, b_bufs, ready, ready, empty, c_ptr, M, N, KS, CHUNKS, RANGES,
+                         0, GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16, PERSIST)),
+            (_consumer, (a_bufs, b_bufs, ready, ready, empty, c_ptr, M, N, KS, CHUNKS, RANGES,
+                         1, GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16, PERSIST)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, KS, CHUNKS,
+                         RANGES, GRANULE, SPLIT, STAGES, PERSIST)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -352,11 +373,11 @@ def fp8_values_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, out: torch.Tenso
     K cut as k_order's (chunks, ranges, granule): the bits of ``_fp8_gemm_kernel``'s PRESCALED
     tiles on the unfolded weight. split: the ranges run as separate programs, each writing its
     fp32 partial into out [ranges, M, N] (for ``triton._split_sum_kernel``, which adds them in
-    range order). programs: the programs launched on the folded values without split, each
-    taking output tiles in turn (None: one an SM where PERSISTENT, else one a tile; never more
-    than the tiles): the same bits whatever it is. (The codes' converter, at 64 registers,
-    spills in the tile loop: those launches run one program a tile.) The caller checked
-    ``unsupported``."""
+    range order). programs: the programs launched on the folded values, each taking items (an
+    output tile, or with split a tile's range) in turn (None: one an SM where PERSISTENT, and
+    PERSISTENT_SPLIT with split, else one an item; never more than the items): the same bits
+    whatever it is. (The codes' converter, at 64 registers, spills in the item loop: those
+    launches run one program an item.) The caller checked ``unsupported``."""
     if programs is not None and (not isinstance(programs, int) or programs < 1):
         raise ValueError(f"programs must be a positive int or None, got {programs!r}")
     x_values = x_values.contiguous()
@@ -381,20 +402,17 @@ def fp8_values_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, out: torch.Tenso
     split = bool(split and ranges > 1)
     assert out.shape == ((ranges, m, n) if split else (m, n))
     assert not split or out.dtype == torch.float32
-    tiles = cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N)
+    items = cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N) * (ranges if split else 1)
     if programs is None:
-        programs = sm_count(x_values.device) if PERSISTENT and not split and not codes \
-            else tiles
-    programs = tiles if split or codes else min(programs, tiles)
-    grid = (programs, ranges if split else 1)
-    _fp8_values_ws_kernel[grid](a_desc, b_desc, out, ws, m, n, kb, srows, k // bk, chunks,
-                                ranges, GRANULE=granule, STAGES=stages, SPLIT=split,
-                                CODES=codes, B_LAYOUT=b_layout,
-                                OUT_BF16=out.dtype == torch.bfloat16,
-                                PERSIST=programs < tiles,
-                                CONSUMER_REGS=CODES_CONSUMER_REGS if codes else CONSUMER_REGS,
-                                PRODUCER_REGS=PRODUCER_REGS, CONVERTER_REGS=CONVERTER_REGS,
-                                num_warps=4)
+        programs = sm_count(x_values.device) if PERSISTENT and not codes \
+            and (PERSISTENT_SPLIT or not split) else items
+    programs = items if codes else min(programs, items)
+    _fp8_values_ws_kernel[(programs,)](
+        a_desc, b_desc, out, ws, m, n, kb, srows, k // bk, chunks, ranges, GRANULE=granule,
+        STAGES=stages, SPLIT=split, CODES=codes, B_LAYOUT=b_layout,
+        OUT_BF16=out.dtype == torch.bfloat16, PERSIST=programs < items,
+        CONSUMER_REGS=CODES_CONSUMER_REGS if codes else CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, CONVERTER_REGS=CONVERTER_REGS, num_warps=4)
     return out
 
 
@@ -415,9 +433,11 @@ SWAP_INFLIGHT = True  # several of a stage's block dots in flight per wait (_swa
 # of the FMA rate): exact for every code but the NaNs, so the caller runs these tiles only on
 # weights without them (triton.nan_free_codes)
 SWAP_CODE_BITS = True
-# a launch's programs (without split): one an SM, each taking the tiles in turn with its ring
-# running on across them, as the square tiles' PERSISTENT (off: one program a tile)
+# a launch's programs: one an SM, each taking the items (tiles) in turn with its ring running
+# on across them, as the square tiles' PERSISTENT (off: one program an item); and where K's
+# ranges run as items of their own (split: wo_b at 65-511 rows)
 SWAP_PERSISTENT = True
+SWAP_PERSISTENT_SPLIT = True
 
 
 @gluon.jit
@@ -480,48 +500,64 @@ def _swap_tile_at(t, M, BT: gl.constexpr):
 
 
 @gluon.jit
-def _swap_producer(w_desc, x_desc, w_bufs, x_bufs, ready, empty, M, N, KS0, KS1,
-                   STAGES: gl.constexpr, PERSIST: gl.constexpr):
-    """The swapped tiles' TMA partition: this program's tiles (PERSIST: tiles p, p + G, ...,
-    G programs; else tile p) in turn, each's weight tile [128, BK] and token tile [BT, BK] a
-    K step (_producer_tile, the weight's first: its rows are the MMA's)."""
+def _swap_producer(w_desc, x_desc, w_bufs, x_bufs, ready, empty, M, N, KS, CHUNKS, RANGES,
+                   GRANULE: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                   PERSIST: gl.constexpr):
+    """The swapped tiles' TMA partition: this program's items (PERSIST: items p, p + G, ...,
+    G programs; else item p) in turn (_item_k: a tile, or with SPLIT a tile's K range), each
+    K step's weight tile [128, BK] and token tile [BT, BK] (_producer_tile, the weight's
+    first: its rows are the MMA's)."""
     BT: gl.constexpr = x_desc.block_type.shape[0]
+    J: gl.constexpr = x_desc.block_type.shape[1] // 32
+    tiles = gl.cdiv(N, 128) * gl.cdiv(M, BT)
     if PERSIST:
         n0 = 0
-        for t in range(gl.program_id(0), gl.cdiv(N, 128) * gl.cdiv(M, BT), gl.num_programs(0)):
+        for w in range(gl.program_id(0), tiles * RANGES if SPLIT else tiles,
+                       gl.num_programs(0)):
+            t, r, b0, b1, ks0, ks1 = _item_k(w, tiles, KS, CHUNKS, RANGES, GRANULE, J, SPLIT)
             off_n, off_m = _swap_tile_at(t, M, BT)
-            _producer_tile(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_m, KS0, KS1,
+            _producer_tile(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_m, ks0, ks1,
                            n0, STAGES)
-            n0 += KS1 - KS0
+            n0 += ks1 - ks0
     else:
-        off_n, off_m = _swap_tile_at(gl.program_id(0), M, BT)
-        _producer_tile(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_m, KS0, KS1, 0,
+        t, r, b0, b1, ks0, ks1 = _item_k(gl.program_id(0), tiles, KS, CHUNKS, RANGES, GRANULE,
+                                         J, SPLIT)
+        off_n, off_m = _swap_tile_at(t, M, BT)
+        _producer_tile(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_m, ks0, ks1, 0,
                        STAGES)
 
 
 @gluon.jit
-def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, KS0, KS1, B0,
-                   B1, CHUNKS, RANGES, half, GRANULE: gl.constexpr, STAGES: gl.constexpr,
+def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, KS, CHUNKS,
+                   RANGES, half, GRANULE: gl.constexpr, STAGES: gl.constexpr,
                    SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, OUT_BF16: gl.constexpr,
                    BITS: gl.constexpr, PERSIST: gl.constexpr):
-    """A consumer partition (weight rows 64 half .. of each tile): this program's tiles in
-    turn, as _swap_producer's (_swap_consumer_tile). A tile's output is stored from the
-    accumulator's registers while the producer already fills the ring with the next tile's
-    first steps."""
+    """A consumer partition (weight rows 64 half .. of each tile): this program's items in
+    turn, as _swap_producer's (_swap_consumer_tile; SPLIT: each range's partial at c + r M N).
+    An item's output is stored from the accumulator's registers while the producer already
+    fills the ring with the next item's first steps."""
     BT: gl.constexpr = x_bufs.type.shape[1]
+    J: gl.constexpr = x_bufs.type.shape[2] // 32
+    tiles = gl.cdiv(N, 128) * gl.cdiv(M, BT)
     if PERSIST:
         n0 = 0
-        for t in range(gl.program_id(0), gl.cdiv(N, 128) * gl.cdiv(M, BT), gl.num_programs(0)):
+        for w in range(gl.program_id(0), tiles * RANGES if SPLIT else tiles,
+                       gl.num_programs(0)):
+            t, r, b0, b1, ks0, ks1 = _item_k(w, tiles, KS, CHUNKS, RANGES, GRANULE, J, SPLIT)
             off_n, off_m = _swap_tile_at(t, M, BT)
-            _swap_consumer_tile(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS,
-                                KS0, KS1, B0, B1, CHUNKS, RANGES, off_n, off_m, half, n0,
-                                GRANULE, STAGES, SPLIT, INFLIGHT, OUT_BF16, BITS)
-            n0 += KS1 - KS0
+            _swap_consumer_tile(w_bufs, x_bufs, ready, empty, ws_ptr,
+                                _range_out(c_ptr, r, M, N, SPLIT), M, N, KB, SROWS, ks0, ks1,
+                                b0, b1, CHUNKS, RANGES, off_n, off_m, half, n0, GRANULE, STAGES,
+                                SPLIT, INFLIGHT, OUT_BF16, BITS)
+            n0 += ks1 - ks0
     else:
-        off_n, off_m = _swap_tile_at(gl.program_id(0), M, BT)
-        _swap_consumer_tile(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, KS0,
-                            KS1, B0, B1, CHUNKS, RANGES, off_n, off_m, half, 0, GRANULE,
-                            STAGES, SPLIT, INFLIGHT, OUT_BF16, BITS)
+        t, r, b0, b1, ks0, ks1 = _item_k(gl.program_id(0), tiles, KS, CHUNKS, RANGES, GRANULE,
+                                         J, SPLIT)
+        off_n, off_m = _swap_tile_at(t, M, BT)
+        _swap_consumer_tile(w_bufs, x_bufs, ready, empty, ws_ptr,
+                            _range_out(c_ptr, r, M, N, SPLIT), M, N, KB, SROWS, ks0, ks1, b0,
+                            b1, CHUNKS, RANGES, off_n, off_m, half, 0, GRANULE, STAGES, SPLIT,
+                            INFLIGHT, OUT_BF16, BITS)
 
 
 @gluon.jit
@@ -646,18 +682,13 @@ def _fp8_swap_ws_kernel(w_desc, x_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CHUN
     w_desc ([N, K], [128, BK] boxes), x's bf16 values (act_quant's, exact) through x_desc ([M,
     K], [BT, BK] boxes), ws [SROWS, KB] the weight's e8m0 block scales; c [M, N] fp32 or bf16.
     KS = K / BK steps; K cut as k_order's (CHUNKS chunks of GRANULE 32-blocks, RANGES ranges).
-    SPLIT: grid axis 1 is the range, written as an fp32 partial into c [RANGES, M, N].
-    INFLIGHT: see _swap_consumer_tile. BITS: SWAP_CODE_BITS (the weight holds no NaN code).
-    One tile a program, tile program_id(0); PERSIST (not
-    with SPLIT): G programs, program p taking tiles p, p + G, ... in turn, its ring running on
-    across them. A tile's arithmetic is the same either way: no bit depends on the programs."""
+    An item is a tile, or (SPLIT) a tile's K range, written as that range's fp32 partial into
+    c [RANGES, M, N] (_item_k). INFLIGHT: see _swap_consumer_tile. BITS: SWAP_CODE_BITS (the
+    weight holds no NaN code). One item a program, item program_id(0); PERSIST: G programs,
+    program p taking items p, p + G, ... in turn, its ring running on across them. An item's
+    arithmetic is the same either way: no bit depends on the programs."""
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BT: gl.constexpr = x_desc.block_type.shape[0]
-    J: gl.constexpr = BK // 32
-    gl.static_assert(not (PERSIST and SPLIT))
-    r, b0, b1, ks0, ks1 = _steps(KS, CHUNKS, RANGES, GRANULE, J, SPLIT)
-    if SPLIT:  # range r's partial
-        c_ptr += r.to(gl.int64) * M * N
     w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, BK], w_desc.layout)
     x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BK], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -667,14 +698,14 @@ def _fp8_swap_ws_kernel(w_desc, x_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CHUN
         mbarrier.init(empty.index(i), count=2)  # both consumers
     fence_async_shared()
     gl.warp_specialize([
-        (_swap_consumer, (w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, ks0,
-                          ks1, b0, b1, CHUNKS, RANGES, 0, GRANULE, STAGES, SPLIT, INFLIGHT,
-                          OUT_BF16, BITS, PERSIST)),
-        (_swap_consumer, (w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, ks0,
-                          ks1, b0, b1, CHUNKS, RANGES, 1, GRANULE, STAGES, SPLIT, INFLIGHT,
-                          OUT_BF16, BITS, PERSIST)),
-        (_swap_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, M, N, ks0, ks1, STAGES,
+        (_swap_consumer, (w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, KS,
+                          CHUNKS, RANGES, 0, GRANULE, STAGES, SPLIT, INFLIGHT, OUT_BF16, BITS,
                           PERSIST)),
+        (_swap_consumer, (w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, KS,
+                          CHUNKS, RANGES, 1, GRANULE, STAGES, SPLIT, INFLIGHT, OUT_BF16, BITS,
+                          PERSIST)),
+        (_swap_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, M, N, KS, CHUNKS,
+                          RANGES, GRANULE, SPLIT, STAGES, PERSIST)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -704,9 +735,9 @@ def fp8_swap_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, w_scale: torch.Ten
     ranges, granule): the bits of ``_fp8_decode_kernel``'s VALUES tiles. split: the ranges run
     as separate programs, each writing its fp32 partial into out [ranges, M, N] (for
     ``triton._split_sum_kernel``). bt: the token rows a tile (swap_tile's; 0: swap_tile(M)).
-    programs: the programs launched without split, each taking tiles in turn (None: one an SM
-    where SWAP_PERSISTENT, else one a tile; never more than the tiles): the same bits whatever
-    it is. The caller checked ``unsupported(K, device, out, SWAP_BK)``."""
+    programs: the programs launched, each taking items (a tile, or with split a tile's range)
+    in turn (None: one an SM where SWAP_PERSISTENT, and SWAP_PERSISTENT_SPLIT with split,
+    else one an item; never more than the items): the same bits whatever it is. The caller checked ``unsupported(K, device, out, SWAP_BK)``."""
     if programs is not None and (not isinstance(programs, int) or programs < 1):
         raise ValueError(f"programs must be a positive int or None, got {programs!r}")
     x_values = x_values.contiguous()
@@ -723,13 +754,14 @@ def fp8_swap_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, w_scale: torch.Ten
     assert out.shape == ((ranges, m, n) if split else (m, n))
     assert not split or out.dtype == torch.float32
     assert m * n < 2 ** 31  # the tile's output offsets in int32
-    tiles = cdiv(n, SWAP_BN) * cdiv(m, bt)
+    items = cdiv(n, SWAP_BN) * cdiv(m, bt) * (ranges if split else 1)
     if programs is None:
-        programs = sm_count(x_values.device) if SWAP_PERSISTENT and not split else tiles
-    programs = tiles if split else min(programs, tiles)
-    _fp8_swap_ws_kernel[(programs, ranges if split else 1)](
+        programs = sm_count(x_values.device) if SWAP_PERSISTENT \
+            and (SWAP_PERSISTENT_SPLIT or not split) else items
+    programs = min(programs, items)
+    _fp8_swap_ws_kernel[(programs,)](
         w_desc, x_desc, out, ws, m, n, ws.shape[1], ws.shape[0], k // SWAP_BK, chunks, ranges,
         GRANULE=granule, STAGES=stages, SPLIT=split, INFLIGHT=SWAP_INFLIGHT,
-        OUT_BF16=out.dtype == torch.bfloat16, BITS=SWAP_CODE_BITS, PERSIST=programs < tiles,
+        OUT_BF16=out.dtype == torch.bfloat16, BITS=SWAP_CODE_BITS, PERSIST=programs < items,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return out
