@@ -231,23 +231,27 @@ def test_gluon_tiles_equal_triton_tiles(case, out_dtype, codes, monkeypatch):
     _against_triton_tiles(monkeypatch, "SQUARE_WS", x, w, splits, out_dtype)
 
 
-# (M, N, K, ranges): more output tiles than a few programs, ragged row and column tiles,
-# ranges summed in each tile, 64- and 128-wide ring stages
-TURN_CASES = {"m640-n4096-k1024-r1": (640, 4096, 1024, 1),
-              "m300-n1000-k1280-r1": (300, 1000, 1280, 1),
-              "m520-n640-k5120-r4": (520, 640, 5120, 4)}
+# (kind, M, N, K, ranges): more items than a few programs, ragged row and column tiles, ranges
+# summed in each tile or (split) items of their own; the square tiles at 64- and 128-wide ring
+# stages, the swapped tiles at 128- and 64-row token tiles
+TURN_CASES = {"square-m640-n4096-k1024-r1": ("square", 640, 4096, 1024, 1),
+              "square-m300-n1000-k1280-r1": ("square", 300, 1000, 1280, 1),
+              "square-m520-n640-k5120-r4": ("square", 520, 640, 5120, 4),
+              "swap-m256-n32768-k1280-r1": ("swap", 256, 32768, 1280, 1),
+              "swap-m100-n8200-k2048-r4": ("swap", 100, 8200, 2048, 4)}
 
 
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
 @pytest.mark.parametrize("case", list(TURN_CASES), ids=list(TURN_CASES))
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, "split"])
-def test_programs_take_tiles_in_turn_with_the_same_bits(case, out_dtype):
-    """Persistent programs (each taking items p, p + G, ... in turn, its ring running on
-    across them: output tiles, or with split each tile's K ranges, their fp32 partials) give
-    the bits of one program an item, for G = 1, 2, 3, 7 and the default (one an SM), every
-    output written (NaN-filled buffers); a bad program count is refused."""
+def test_programs_take_items_in_turn_with_the_same_bits(case, out_dtype):
+    """Persistent programs of the square and the swapped Gluon tiles (each taking items p, p
+    + G, ... in turn, its ring running on across them: output tiles, or with split each
+    tile's K ranges, their fp32 partials) give the bits of one program an item, for G = 1,
+    2, 3, 7 and the default (one an SM), every output written (NaN-filled buffers); a bad
+    program count is refused."""
     from dsv41attn.ops.linear import gluon as G
-    m, n, k, ranges = TURN_CASES[case]
+    kind, m, n, k, ranges = TURN_CASES[case]
     split = out_dtype == "split"
     if split and ranges == 1:
         pytest.skip("one range: nothing to split")
@@ -256,18 +260,24 @@ def test_programs_take_tiles_in_turn_with_the_same_bits(case, out_dtype):
     w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5)
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     x[3] = 0
-    folded = T.e4m3_to_bf16(w.weight, w.scale)
     order = T.k_order(1, k // 32, 1, ranges=ranges)
+    if kind == "square":
+        folded = T.e4m3_to_bf16(w.weight, w.scale)
+        tiles = -(-m // G.BLOCK_M) * -(-n // G.BLOCK_N)
+    else:
+        tiles = -(-n // G.SWAP_BN) * -(-m // G.swap_tile(m)[0])
+    assert tiles > 7
 
     def run(programs):
         out = torch.full((ranges, m, n) if split else (m, n), float("nan"), dtype=out_dtype,
                          device="cuda")
-        return G.fp8_values_gemm_ws(x, folded, out, order.chunks, order.ranges, order.granule,
-                                    split=split, programs=programs)
+        if kind == "square":
+            return G.fp8_values_gemm_ws(x, folded, out, order.chunks, order.ranges,
+                                        order.granule, split=split, programs=programs)
+        return G.fp8_swap_gemm_ws(x, w.weight, w.scale, out, order.chunks, order.ranges,
+                                  order.granule, split=split, programs=programs)
 
-    tiles = -(-m // G.BLOCK_M) * -(-n // G.BLOCK_N)
-    assert tiles > 7
-    want = run(10 ** 6)  # one a tile
+    want = run(10 ** 6)  # one an item
     assert not want.isnan().any()
     bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
     for programs in (1, 2, 3, 7, None):
@@ -465,50 +475,6 @@ def test_codes_by_their_bits_give_the_conversion_units_bits(m, monkeypatch):
     assert not want.view(torch.bfloat16)[:, 8].isnan().any()
     for swap in (False, True):
         assert torch.equal(run(bad, swap, True), want), swap
-
-
-# (M, N, K, ranges): more swapped tiles than a few programs, ragged token and weight tiles,
-# ranges summed in each tile
-SWAP_TURN_CASES = {"m256-n32768-k1280-r1": (256, 32768, 1280, 1),
-                   "m100-n8200-k2048-r4": (100, 8200, 2048, 4)}
-
-
-@pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
-@pytest.mark.parametrize("case", list(SWAP_TURN_CASES), ids=list(SWAP_TURN_CASES))
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, "split"])
-def test_swap_programs_take_tiles_in_turn_with_the_same_bits(case, out_dtype):
-    """Persistent programs on the swapped tiles (each taking items p, p + G, ... in turn, its
-    ring running on across them: tiles, or with split each tile's K ranges, their fp32
-    partials) give the bits of one program an item, for G = 1, 2, 3, 7 and the default (one
-    an SM), every output written (NaN-filled buffers); a bad program count is refused."""
-    from dsv41attn.ops.linear import gluon as G
-    m, n, k, ranges = SWAP_TURN_CASES[case]
-    split = out_dtype == "split"
-    if split and ranges == 1:
-        pytest.skip("one range: nothing to split")
-    out_dtype = torch.float32 if split else out_dtype
-    g = torch.Generator(device="cuda").manual_seed(m + k)
-    w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5)
-    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-    x[3] = 0
-    order = T.k_order(1, k // 32, 1, ranges=ranges)
-
-    def run(programs):
-        out = torch.full((ranges, m, n) if split else (m, n), float("nan"), dtype=out_dtype,
-                         device="cuda")
-        return G.fp8_swap_gemm_ws(x, w.weight, w.scale, out, order.chunks, order.ranges,
-                                  order.granule, split=split, programs=programs)
-
-    assert -(-n // G.SWAP_BN) * -(-m // G.swap_tile(m)[0]) > 7
-    want = run(10 ** 6)  # one a tile
-    assert not want.isnan().any()
-    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
-    for programs in (1, 2, 3, 7, None):
-        got = run(programs)
-        diff = (got.view(bits) != want.view(bits)).sum().item()
-        assert diff == 0, f"programs {programs}: {diff} of {got.numel()} outputs differ"
-    with pytest.raises(ValueError, match="programs must be a positive int"):
-        run(0)
 
 
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
