@@ -102,6 +102,30 @@ def _range_out(c_ptr, r, M, N, SPLIT: gl.constexpr):
 
 
 @gluon.jit
+def _each_item(fn: gl.constexpr, args, where: gl.constexpr, where_args, TILES, KS, CHUNKS,
+               RANGES, GRANULE: gl.constexpr, J: gl.constexpr, SPLIT: gl.constexpr,
+               PERSIST: gl.constexpr):
+    """A partition's items: fn(*args, o0, o1, r, b0, b1, ks0, ks1, n0) for each (_item_k: a
+    tile, or with SPLIT a tile's K range r, its 32-blocks [b0, b1) in ring steps [ks0, ks1)),
+    (o0, o1) = where(t, *where_args) its tile's offsets, n0 the ring steps this program's
+    earlier items took (the ring's stages and phases run on across items). PERSIST: items p,
+    p + G, ... of G programs; else item p alone, with no item loop."""
+    if PERSIST:
+        n0 = 0
+        for w in range(gl.program_id(0), TILES * RANGES if SPLIT else TILES,
+                       gl.num_programs(0)):
+            t, r, b0, b1, ks0, ks1 = _item_k(w, TILES, KS, CHUNKS, RANGES, GRANULE, J, SPLIT)
+            o0, o1 = where(t, *where_args)
+            fn(*args, o0, o1, r, b0, b1, ks0, ks1, n0)
+            n0 += ks1 - ks0
+    else:
+        t, r, b0, b1, ks0, ks1 = _item_k(gl.program_id(0), TILES, KS, CHUNKS, RANGES, GRANULE,
+                                         J, SPLIT)
+        o0, o1 = where(t, *where_args)
+        fn(*args, o0, o1, r, b0, b1, ks0, ks1, 0)
+
+
+@gluon.jit
 def _tile(t, M, N, BN: gl.constexpr):
     """Output tile t's (off_m, off_n): GROUP row tiles at a time along N (a group shares its
     weight tiles in L2), as _fp8_gemm_kernel orders its programs."""
@@ -113,13 +137,15 @@ def _tile(t, M, N, BN: gl.constexpr):
 
 
 @gluon.jit
-def _producer_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, KS0, KS1, n0,
-                   STAGES: gl.constexpr):
-    """Fill ring stage n % STAGES (n = n0 + k - KS0: the ring's count runs on across a
-    program's tiles) with K step k's x tile [128, BK] and weight tile [BN, BK] (rows past M or
-    N read as 0), k in [KS0, KS1), once both consumers released it."""
+def _producer_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, r, B0, B1, KS0,
+                   KS1, n0):
+    """An item of the TMA partition (_each_item): fill ring stage n % STAGES (n = n0 + k -
+    KS0: the ring's count runs on across a program's items) with K step k's a tile [rows, BK]
+    from row off_m and b tile [rows, BK] from row off_n (rows past the ends read as 0), k in
+    [KS0, KS1), once both consumers released it."""
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     BK: gl.constexpr = a_desc.block_type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
     for i in range(KS1 - KS0):
         n = n0 + i
         s = n % STAGES
@@ -131,38 +157,25 @@ def _producer_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, K
 
 @gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, KS, CHUNKS, RANGES,
-              GRANULE: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-              PERSIST: gl.constexpr):
-    """The TMA partition: this program's items (PERSIST: items p, p + G, ..., G programs; else
-    item p), each an output tile over its K steps (_item_k, _producer_tile)."""
+              GRANULE: gl.constexpr, SPLIT: gl.constexpr, PERSIST: gl.constexpr):
+    """The square tiles' TMA partition: this program's items in turn (_each_item,
+    _producer_tile)."""
     BN: gl.constexpr = b_desc.block_type.shape[0]
-    J: gl.constexpr = a_desc.block_type.shape[1] // 32
-    tiles = gl.cdiv(M, 128) * gl.cdiv(N, BN)
-    if PERSIST:
-        n0 = 0
-        for w in range(gl.program_id(0), tiles * RANGES if SPLIT else tiles,
-                       gl.num_programs(0)):
-            t, r, b0, b1, ks0, ks1 = _item_k(w, tiles, KS, CHUNKS, RANGES, GRANULE, J, SPLIT)
-            off_m, off_n = _tile(t, M, N, BN)
-            _producer_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, ks0,
-                           ks1, n0, STAGES)
-            n0 += ks1 - ks0
-    else:
-        t, r, b0, b1, ks0, ks1 = _item_k(gl.program_id(0), tiles, KS, CHUNKS, RANGES, GRANULE,
-                                         J, SPLIT)
-        off_m, off_n = _tile(t, M, N, BN)
-        _producer_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, ks0, ks1,
-                       0, STAGES)
+    _each_item(_producer_tile, (a_desc, b_desc, a_bufs, b_bufs, ready, empty), _tile,
+               (M, N, BN), gl.cdiv(M, 128) * gl.cdiv(N, BN), KS, CHUNKS, RANGES, GRANULE,
+               a_desc.block_type.shape[1] // 32, SPLIT, PERSIST)
 
 
 @gluon.jit
-def _converter_tile(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, KS0, KS1, n0,
-                    STAGES: gl.constexpr):
-    """The fold in the ring (CODES): once stage n % STAGES (n = n0 + k - KS0) holds K step k's
+def _converter_tile(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_m, off_n, r, B0, B1,
+                    KS0, KS1, n0):
+    """An item of the converter partition (_each_item), the fold in the ring (CODES): once
+    stage n % STAGES (n = n0 + k - KS0) holds K step k's
     e4m3 weight tile [BN, BK], write its bf16 values times their 32 x 32 blocks' scales
     (2^(e - 127), e from ws [SROWS, KB] bytes) into the stage's bf16 tile, as
     ``triton.e4m3_to_bf16(weight, scale)`` does (exact for foldable scales), and tell the
     consumers (conv). Rows past N are TMA's zeros (their scale row clamped in range)."""
+    STAGES: gl.constexpr = w8_bufs.type.shape[0]
     BN: gl.constexpr = w8_bufs.type.shape[1]
     BK: gl.constexpr = w8_bufs.type.shape[2]
     J: gl.constexpr = BK // 32
@@ -184,43 +197,31 @@ def _converter_tile(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, KS0,
 
 @gluon.jit
 def _converter(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, M, N, KS, CHUNKS, RANGES,
-               GRANULE: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-               PERSIST: gl.constexpr):
+               GRANULE: gl.constexpr, SPLIT: gl.constexpr, PERSIST: gl.constexpr):
     """The converter partition: this program's items in turn, as _producer's."""
     BN: gl.constexpr = w8_bufs.type.shape[1]
-    J: gl.constexpr = w8_bufs.type.shape[2] // 32
-    tiles = gl.cdiv(M, 128) * gl.cdiv(N, BN)
-    if PERSIST:
-        n0 = 0
-        for w in range(gl.program_id(0), tiles * RANGES if SPLIT else tiles,
-                       gl.num_programs(0)):
-            t, r, b0, b1, ks0, ks1 = _item_k(w, tiles, KS, CHUNKS, RANGES, GRANULE, J, SPLIT)
-            off_m, off_n = _tile(t, M, N, BN)
-            _converter_tile(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, ks0, ks1,
-                            n0, STAGES)
-            n0 += ks1 - ks0
-    else:
-        t, r, b0, b1, ks0, ks1 = _item_k(gl.program_id(0), tiles, KS, CHUNKS, RANGES, GRANULE,
-                                         J, SPLIT)
-        off_m, off_n = _tile(t, M, N, BN)
-        _converter_tile(w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, off_n, ks0, ks1, 0,
-                        STAGES)
+    _each_item(_converter_tile, (w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS), _tile,
+               (M, N, BN), gl.cdiv(M, 128) * gl.cdiv(N, BN), KS, CHUNKS, RANGES, GRANULE,
+               w8_bufs.type.shape[2] // 32, SPLIT, PERSIST)
 
 
 @gluon.jit
-def _consumer_tile(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS0, KS1, B0, B1, CHUNKS,
-                   RANGES, off_m, off_n, half, n0, GRANULE: gl.constexpr, BN: gl.constexpr,
-                   STAGES: gl.constexpr, SPLIT: gl.constexpr, CODES: gl.constexpr,
-                   OUT_BF16: gl.constexpr):
-    """Rows [off_m + 64 half, +64) of the tile: every 32-block's wgmma from zero, added in K
+def _consumer_tile(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, CHUNKS, RANGES, half,
+                   GRANULE: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr,
+                   CODES: gl.constexpr, OUT_BF16: gl.constexpr, off_m, off_n, rng, B0, B1,
+                   KS0, KS1, n0):
+    """An item of a consumer partition (_each_item): rows [off_m + 64 half, +64) of the tile: every 32-block's wgmma from zero, added in K
     order into its range's accumulator; the ranges added in order; stored fp32, or rounded
     once to bf16 (RNE). SPLIT: this program's K steps [KS0, KS1) hold one range, its 32-blocks
     [B0, B1) (a step it shares with a neighbouring range adds only its own blocks), stored as
-    that range's fp32 partial. CODES: a stage's weight tile is ready once the converter says
-    so (conv), after TMA's (ready). Ring stage n % STAGES (n = n0 + k - KS0) holds K step k."""
+    range rng's fp32 partial at c + rng M N. CODES: a stage's weight tile is ready once the
+    converter says so (conv), after TMA's (ready). Ring stage n % STAGES (n = n0 + k - KS0)
+    holds K step k."""
     L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                 instr_shape=[16, BN, 16])
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
     BK: gl.constexpr = a_bufs.type.shape[2]
+    c_ptr = _range_out(c_ptr, rng, M, N, SPLIT)
     J: gl.constexpr = BK // 32
     EDGES: gl.constexpr = SPLIT and GRANULE % J != 0  # ranges may end inside a step
     acc = _neg_zeros([64, BN], L)  # -0 + p == p for every p
@@ -269,32 +270,15 @@ def _consumer_tile(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS0, KS1, B0
 
 @gluon.jit
 def _consumer(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS, CHUNKS, RANGES, half,
-              GRANULE: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-              SPLIT: gl.constexpr, CODES: gl.constexpr, OUT_BF16: gl.constexpr,
-              PERSIST: gl.constexpr):
+              GRANULE: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr,
+              CODES: gl.constexpr, OUT_BF16: gl.constexpr, PERSIST: gl.constexpr):
     """A consumer partition (rows 64 half .. of each tile): this program's items in turn, as
-    _producer's (_consumer_tile; SPLIT: each range's partial at c + r M N). An item's output
-    is stored from the accumulator's registers while the producer already fills the ring with
-    the next item's first steps."""
-    J: gl.constexpr = a_bufs.type.shape[2] // 32
-    tiles = gl.cdiv(M, 128) * gl.cdiv(N, BN)
-    if PERSIST:
-        n0 = 0
-        for w in range(gl.program_id(0), tiles * RANGES if SPLIT else tiles,
-                       gl.num_programs(0)):
-            t, r, b0, b1, ks0, ks1 = _item_k(w, tiles, KS, CHUNKS, RANGES, GRANULE, J, SPLIT)
-            off_m, off_n = _tile(t, M, N, BN)
-            _consumer_tile(a_bufs, b_bufs, ready, conv, empty, _range_out(c_ptr, r, M, N, SPLIT),
-                           M, N, ks0, ks1, b0, b1, CHUNKS, RANGES, off_m, off_n, half, n0,
-                           GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16)
-            n0 += ks1 - ks0
-    else:
-        t, r, b0, b1, ks0, ks1 = _item_k(gl.program_id(0), tiles, KS, CHUNKS, RANGES, GRANULE,
-                                         J, SPLIT)
-        off_m, off_n = _tile(t, M, N, BN)
-        _consumer_tile(a_bufs, b_bufs, ready, conv, empty, _range_out(c_ptr, r, M, N, SPLIT),
-                       M, N, ks0, ks1, b0, b1, CHUNKS, RANGES, off_m, off_n, half, 0, GRANULE,
-                       BN, STAGES, SPLIT, CODES, OUT_BF16)
+    _producer's (_consumer_tile). An item's output is stored from the accumulator's
+    registers while the producer already fills the ring with the next item's first steps."""
+    _each_item(_consumer_tile, (a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, CHUNKS,
+                                RANGES, half, GRANULE, BN, SPLIT, CODES, OUT_BF16),
+               _tile, (M, N, BN), gl.cdiv(M, 128) * gl.cdiv(N, BN), KS, CHUNKS, RANGES,
+               GRANULE, a_bufs.type.shape[2] // 32, SPLIT, PERSIST)
 
 
 @gluon.jit
@@ -330,23 +314,23 @@ def _fp8_values_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CH
         fence_async_shared()
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS, CHUNKS, RANGES,
-                         0, GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16, PERSIST)),
+                         0, GRANULE, BN, SPLIT, CODES, OUT_BF16, PERSIST)),
             (_consumer, (a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, KS, CHUNKS, RANGES,
-                         1, GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16, PERSIST)),
+                         1, GRANULE, BN, SPLIT, CODES, OUT_BF16, PERSIST)),
             (_producer, (a_desc, b_desc, a_bufs, w8_bufs, ready, empty, M, N, KS, CHUNKS,
-                         RANGES, GRANULE, SPLIT, STAGES, PERSIST)),
+                         RANGES, GRANULE, SPLIT, PERSIST)),
             (_converter, (w8_bufs, b_bufs, ready, conv, ws_ptr, KB, SROWS, M, N, KS, CHUNKS,
-                          RANGES, GRANULE, SPLIT, STAGES, PERSIST)),
+                          RANGES, GRANULE, SPLIT, PERSIST)),
         ], [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, CONVERTER_REGS])
     else:  # (no converter: the consumers wait on ready alone; conv is not read)
         fence_async_shared()
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, ready, empty, c_ptr, M, N, KS, CHUNKS, RANGES,
-                         0, GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16, PERSIST)),
+                         0, GRANULE, BN, SPLIT, CODES, OUT_BF16, PERSIST)),
             (_consumer, (a_bufs, b_bufs, ready, ready, empty, c_ptr, M, N, KS, CHUNKS, RANGES,
-                         1, GRANULE, BN, STAGES, SPLIT, CODES, OUT_BF16, PERSIST)),
+                         1, GRANULE, BN, SPLIT, CODES, OUT_BF16, PERSIST)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, KS, CHUNKS,
-                         RANGES, GRANULE, SPLIT, STAGES, PERSIST)),
+                         RANGES, GRANULE, SPLIT, PERSIST)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -501,81 +485,52 @@ def _swap_tile_at(t, M, BT: gl.constexpr):
 
 @gluon.jit
 def _swap_producer(w_desc, x_desc, w_bufs, x_bufs, ready, empty, M, N, KS, CHUNKS, RANGES,
-                   GRANULE: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                   PERSIST: gl.constexpr):
-    """The swapped tiles' TMA partition: this program's items (PERSIST: items p, p + G, ...,
-    G programs; else item p) in turn (_item_k: a tile, or with SPLIT a tile's K range), each
-    K step's weight tile [128, BK] and token tile [BT, BK] (_producer_tile, the weight's
-    first: its rows are the MMA's)."""
+                   GRANULE: gl.constexpr, SPLIT: gl.constexpr, PERSIST: gl.constexpr):
+    """The swapped tiles' TMA partition: this program's items in turn (_each_item), each K
+    step's weight tile [128, BK] and token tile [BT, BK] (_producer_tile, the weight's first:
+    its rows are the MMA's)."""
     BT: gl.constexpr = x_desc.block_type.shape[0]
-    J: gl.constexpr = x_desc.block_type.shape[1] // 32
-    tiles = gl.cdiv(N, 128) * gl.cdiv(M, BT)
-    if PERSIST:
-        n0 = 0
-        for w in range(gl.program_id(0), tiles * RANGES if SPLIT else tiles,
-                       gl.num_programs(0)):
-            t, r, b0, b1, ks0, ks1 = _item_k(w, tiles, KS, CHUNKS, RANGES, GRANULE, J, SPLIT)
-            off_n, off_m = _swap_tile_at(t, M, BT)
-            _producer_tile(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_m, ks0, ks1,
-                           n0, STAGES)
-            n0 += ks1 - ks0
-    else:
-        t, r, b0, b1, ks0, ks1 = _item_k(gl.program_id(0), tiles, KS, CHUNKS, RANGES, GRANULE,
-                                         J, SPLIT)
-        off_n, off_m = _swap_tile_at(t, M, BT)
-        _producer_tile(w_desc, x_desc, w_bufs, x_bufs, ready, empty, off_n, off_m, ks0, ks1, 0,
-                       STAGES)
+    _each_item(_producer_tile, (w_desc, x_desc, w_bufs, x_bufs, ready, empty), _swap_tile_at,
+               (M, BT), gl.cdiv(N, 128) * gl.cdiv(M, BT), KS, CHUNKS, RANGES, GRANULE,
+               x_desc.block_type.shape[1] // 32, SPLIT, PERSIST)
 
 
 @gluon.jit
 def _swap_consumer(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, KS, CHUNKS,
-                   RANGES, half, GRANULE: gl.constexpr, STAGES: gl.constexpr,
-                   SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, OUT_BF16: gl.constexpr,
-                   BITS: gl.constexpr, PERSIST: gl.constexpr):
+                   RANGES, half, GRANULE: gl.constexpr, SPLIT: gl.constexpr,
+                   INFLIGHT: gl.constexpr, OUT_BF16: gl.constexpr, BITS: gl.constexpr,
+                   PERSIST: gl.constexpr):
     """A consumer partition (weight rows 64 half .. of each tile): this program's items in
-    turn, as _swap_producer's (_swap_consumer_tile; SPLIT: each range's partial at c + r M N).
-    An item's output is stored from the accumulator's registers while the producer already
-    fills the ring with the next item's first steps."""
+    turn, as _swap_producer's (_swap_consumer_tile). An item's output is stored from the
+    accumulator's registers while the producer already fills the ring with the next item's
+    first steps."""
     BT: gl.constexpr = x_bufs.type.shape[1]
-    J: gl.constexpr = x_bufs.type.shape[2] // 32
-    tiles = gl.cdiv(N, 128) * gl.cdiv(M, BT)
-    if PERSIST:
-        n0 = 0
-        for w in range(gl.program_id(0), tiles * RANGES if SPLIT else tiles,
-                       gl.num_programs(0)):
-            t, r, b0, b1, ks0, ks1 = _item_k(w, tiles, KS, CHUNKS, RANGES, GRANULE, J, SPLIT)
-            off_n, off_m = _swap_tile_at(t, M, BT)
-            _swap_consumer_tile(w_bufs, x_bufs, ready, empty, ws_ptr,
-                                _range_out(c_ptr, r, M, N, SPLIT), M, N, KB, SROWS, ks0, ks1,
-                                b0, b1, CHUNKS, RANGES, off_n, off_m, half, n0, GRANULE, STAGES,
-                                SPLIT, INFLIGHT, OUT_BF16, BITS)
-            n0 += ks1 - ks0
-    else:
-        t, r, b0, b1, ks0, ks1 = _item_k(gl.program_id(0), tiles, KS, CHUNKS, RANGES, GRANULE,
-                                         J, SPLIT)
-        off_n, off_m = _swap_tile_at(t, M, BT)
-        _swap_consumer_tile(w_bufs, x_bufs, ready, empty, ws_ptr,
-                            _range_out(c_ptr, r, M, N, SPLIT), M, N, KB, SROWS, ks0, ks1, b0,
-                            b1, CHUNKS, RANGES, off_n, off_m, half, 0, GRANULE, STAGES, SPLIT,
-                            INFLIGHT, OUT_BF16, BITS)
+    _each_item(_swap_consumer_tile, (w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB,
+                                     SROWS, CHUNKS, RANGES, half, GRANULE, SPLIT, INFLIGHT,
+                                     OUT_BF16, BITS),
+               _swap_tile_at, (M, BT), gl.cdiv(N, 128) * gl.cdiv(M, BT), KS, CHUNKS, RANGES,
+               GRANULE, x_bufs.type.shape[2] // 32, SPLIT, PERSIST)
 
 
 @gluon.jit
-def _swap_consumer_tile(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, KS0, KS1,
-                        B0, B1, CHUNKS, RANGES, off_n, off_m, half, n0, GRANULE: gl.constexpr,
-                        STAGES: gl.constexpr, SPLIT: gl.constexpr, INFLIGHT: gl.constexpr,
-                        OUT_BF16: gl.constexpr, BITS: gl.constexpr):
-    """Weight rows [off_n + 64 half, +64) of the tile against its BT token rows: each
+def _swap_consumer_tile(w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, CHUNKS,
+                        RANGES, half, GRANULE: gl.constexpr, SPLIT: gl.constexpr,
+                        INFLIGHT: gl.constexpr, OUT_BF16: gl.constexpr, BITS: gl.constexpr,
+                        off_n, off_m, rng, B0, B1, KS0, KS1, n0):
+    """An item of a consumer partition (_each_item): weight rows [off_n + 64 half, +64) of
+    the tile against its BT token rows: each
     32-block's dot (the weight's e4m3 values, exact in bf16, from the stage into the wgmma's
     register operand; the token rows' bf16 values from the stage) from no accumulator, times
     the rows' block scale, added in K order into its range's fp32 accumulator from -0; the
     ranges added in order; y^T's tile stored into c [M, N] as fp32 or rounded once to bf16.
-    SPLIT: as _consumer's. One block dot at a time (issued, waited for, added); INFLIGHT
+    SPLIT: as _consumer_tile's. One block dot at a time (issued, waited for, added); INFLIGHT
     (SWAP_INFLIGHT): up to 32 token rows a stage's four dots in flight together (one wait),
     then added in K order; at 64 two at a time (each added while the next runs: four [64, 64]
     fp32 dots beside the accumulators spill); at 128 one at a time still. Ring stage
     n % STAGES (n = n0 + k - KS0: the ring's count runs on across a program's tiles) holds
     K step k."""
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    c_ptr = _range_out(c_ptr, rng, M, N, SPLIT)
     BT: gl.constexpr = x_bufs.type.shape[1]
     BK: gl.constexpr = x_bufs.type.shape[2]
     gl.static_assert(BK == 128)  # four blocks a stage: the scales s0..s3
@@ -699,13 +654,13 @@ def _fp8_swap_ws_kernel(w_desc, x_desc, c_ptr, ws_ptr, M, N, KB, SROWS, KS, CHUN
     fence_async_shared()
     gl.warp_specialize([
         (_swap_consumer, (w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, KS,
-                          CHUNKS, RANGES, 0, GRANULE, STAGES, SPLIT, INFLIGHT, OUT_BF16, BITS,
+                          CHUNKS, RANGES, 0, GRANULE, SPLIT, INFLIGHT, OUT_BF16, BITS,
                           PERSIST)),
         (_swap_consumer, (w_bufs, x_bufs, ready, empty, ws_ptr, c_ptr, M, N, KB, SROWS, KS,
-                          CHUNKS, RANGES, 1, GRANULE, STAGES, SPLIT, INFLIGHT, OUT_BF16, BITS,
+                          CHUNKS, RANGES, 1, GRANULE, SPLIT, INFLIGHT, OUT_BF16, BITS,
                           PERSIST)),
         (_swap_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, M, N, KS, CHUNKS,
-                          RANGES, GRANULE, SPLIT, STAGES, PERSIST)),
+                          RANGES, GRANULE, SPLIT, PERSIST)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
