@@ -49,8 +49,11 @@ WIDE_K, WIDE_MIN_K, WIDE_STAGES = 128, 4096, 3
 # program pays the ring's fill alone (off: one program a tile)
 PERSISTENT = True
 # ... also where K's ranges run as items of their own (split: each item a tile's range, its
-# fp32 partial summed after; wq_a and wkv at 128-511 rows, 25 and 32 ranges of a few blocks)
-PERSISTENT_SPLIT = True
+# fp32 partial summed after; wq_a and wkv at 128-511 rows, 25 and 32 ranges of a few blocks).
+# Off until timed: built and compiled (no spills, both Tritons) in the forty-sixth session,
+# which had no device time left to run it; its GPU test is
+# test_programs_take_items_in_turn_with_the_same_bits (split)
+PERSISTENT_SPLIT = False
 GROUP = gl.constexpr(8)  # row tiles taken together along N (a group shares its weight tiles in L2)
 CONSUMER_REGS, PRODUCER_REGS = 232, 40  # setmaxnreg: the consumers' accumulators, the TMA group's
 # CODES (the weight's e4m3 codes, folded in the ring by a converter warp group): 64-wide
@@ -419,9 +422,10 @@ SWAP_INFLIGHT = True  # several of a stage's block dots in flight per wait (_swa
 SWAP_CODE_BITS = True
 # a launch's programs: one an SM, each taking the items (tiles) in turn with its ring running
 # on across them, as the square tiles' PERSISTENT (off: one program an item); and where K's
-# ranges run as items of their own (split: wo_b at 65-511 rows)
+# ranges run as items of their own (split: wo_b at 65-511 rows; off until timed, as
+# PERSISTENT_SPLIT)
 SWAP_PERSISTENT = True
-SWAP_PERSISTENT_SPLIT = True
+SWAP_PERSISTENT_SPLIT = False
 
 
 @gluon.jit
