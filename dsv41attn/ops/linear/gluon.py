@@ -14,7 +14,11 @@ CODES, TMA brings the weight's e4m3 tile instead and a converter warp group fold
 stage's bf16 tile (no pass over the weight per call). A launch runs one program an SM, each
 taking output tiles in turn with its ring running on across them (``PERSISTENT``), so a
 tile's first loads overlap the previous tile's stores: one program a tile paid the ring's
-fill and its epilogue alone (H100, 8K rows: wq_b 1768 -> 1616 us).
+fill and its epilogue alone (H100, 8K rows: wq_b 1768 -> 1616 us). Where K's ranges run as
+items of their own (split), programs may take those in turn too (``PERSISTENT_SPLIT``, off
+until timed). Every partition walks its items through ``_each_item``.
+
+The second kernel below, the swapped tiles, serves decode steps past 64 rows (see there).
 
 Numerics: those of the Triton tiles (their reference beside them, ``_fp8_gemm_kernel``): each
 32-block's dot is one wgmma chain over its K from no accumulator, added into its range's fp32
@@ -213,11 +217,12 @@ def _consumer_tile(a_bufs, b_bufs, ready, conv, empty, c_ptr, M, N, CHUNKS, RANG
                    GRANULE: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr,
                    CODES: gl.constexpr, OUT_BF16: gl.constexpr, off_m, off_n, rng, B0, B1,
                    KS0, KS1, n0):
-    """An item of a consumer partition (_each_item): rows [off_m + 64 half, +64) of the tile: every 32-block's wgmma from zero, added in K
-    order into its range's accumulator; the ranges added in order; stored fp32, or rounded
-    once to bf16 (RNE). SPLIT: this program's K steps [KS0, KS1) hold one range, its 32-blocks
-    [B0, B1) (a step it shares with a neighbouring range adds only its own blocks), stored as
-    range rng's fp32 partial at c + rng M N. CODES: a stage's weight tile is ready once the
+    """An item of a consumer partition (_each_item): rows [off_m + 64 half, +64) of the tile,
+    every 32-block's wgmma from zero, added in K order into its range's accumulator; the
+    ranges added in order; stored fp32, or rounded once to bf16 (RNE). SPLIT: the item's K
+    steps [KS0, KS1) hold one range, its 32-blocks [B0, B1) (a step it shares with a
+    neighbouring range adds only its own blocks), stored as range rng's fp32 partial at c +
+    rng M N. CODES: a stage's weight tile is ready once the
     converter says so (conv), after TMA's (ready). Ring stage n % STAGES (n = n0 + k - KS0)
     holds K step k."""
     L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -696,7 +701,8 @@ def fp8_swap_gemm_ws(x_values: torch.Tensor, w: torch.Tensor, w_scale: torch.Ten
     ``triton._split_sum_kernel``). bt: the token rows a tile (swap_tile's; 0: swap_tile(M)).
     programs: the programs launched, each taking items (a tile, or with split a tile's range)
     in turn (None: one an SM where SWAP_PERSISTENT, and SWAP_PERSISTENT_SPLIT with split,
-    else one an item; never more than the items): the same bits whatever it is. The caller checked ``unsupported(K, device, out, SWAP_BK)``."""
+    else one an item; never more than the items): the same bits whatever it is. The caller
+    checked ``unsupported(K, device, out, SWAP_BK)``."""
     if programs is not None and (not isinstance(programs, int) or programs < 1):
         raise ValueError(f"programs must be a positive int or None, got {programs!r}")
     x_values = x_values.contiguous()

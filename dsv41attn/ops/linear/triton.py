@@ -66,11 +66,11 @@ try:  # the Gluon square and swapped tiles (Hopper): a Triton with Gluon
 except (ImportError, AttributeError):  # pragma: no cover - no usable Gluon
     fp8_values_gemm_ws = fp8_swap_gemm_ws = None
 from ..common.buffers import out_buffer
-from ..common.triton import (E4M3_BF16_BITS_ASM, FP8_BLOCK, INV_FP8_MAX, any_nan, cdiv, check_device, cos_sin,
-                             e4m3_code, e4m3_to_fp32, e8m0_to_fp32, e8m0x4_to_fp32, interpreting,
-                             is_hopper, neg_zeros, next_pow2, require, rms_norm_warps,
-                             rms_row_scale, rope_heads, rope_rotate, round_bf16, sm_count, to_bf16,
-                             ue8m0_exponent)
+from ..common.triton import (E4M3_BF16_BITS_ASM, FP8_BLOCK, INV_FP8_MAX, any_nan, cdiv,
+                             check_device, cos_sin, e4m3_code, e4m3_to_fp32, e8m0_to_fp32,
+                             e8m0x4_to_fp32, interpreting, is_hopper, neg_zeros, next_pow2,
+                             require, rms_norm_warps, rms_row_scale, rope_heads, rope_rotate,
+                             round_bf16, sm_count, to_bf16, ue8m0_exponent)
 
 QUANT_BLOCKS = 16  # act_quant: scale blocks per program (512 elements of a row)
 QUANT_WIDE_MIN_M = 512  # from this many rows a program takes up to QUANT_BLOCKS_WIDE blocks
@@ -186,9 +186,10 @@ def foldable_scales(scale: torch.Tensor) -> bool:
 
 
 def nan_free_codes(weight: torch.Tensor) -> bool:
-    """Whether no e4m3 code of ``weight`` is a NaN (0x7f or 0xff), so that the swapped Gluon
-    tiles may turn its codes into bf16 by their bits (``gluon.SWAP_CODE_BITS``, which reads a
-    NaN code as 480). Cached and capture-safe as ``foldable_scales``."""
+    """Whether no e4m3 code of ``weight`` is a NaN (0x7f or 0xff), so that the decode tiles may
+    turn its codes into bf16 by their bits (``gluon.SWAP_CODE_BITS``, ``VALUES_CODE_BITS``:
+    common.triton's E4M3_BF16_BITS_ASM reads a NaN code as +-480). Cached and capture-safe
+    as ``foldable_scales``."""
     return _weight_verdict(_NAN_FREE, weight,
                            lambda t: ((t.view(torch.uint8) & 0x7F) != 0x7F).all())
 
