@@ -81,6 +81,54 @@ def test_nan_free_codes_and_cache():
     assert T.nan_free_codes(w)
 
 
+def _bits_recipe(pairs: torch.Tensor) -> torch.Tensor:
+    """E4M3_BF16_BITS_ASM's steps, read from its PTX and carried out on the CPU: pairs [n]
+    int64 (two code bytes in the low 16 bits, as cvt.u32.u16 gives them) -> [n, 2] the bf16
+    bits of its two results."""
+    import re
+    from dsv41attn.ops.common.triton import E4M3_BF16_BITS_ASM as asm
+    sel = int(re.search(r"prmt\.b32 t, t, 0, (0x[0-9A-Fa-f]+);", asm)[1], 16)
+    shift = int(re.search(r"shl\.b32 t, t, (\d+);", asm)[1])
+    mask = int(re.search(r"and\.b32 t, t, (0x[0-9A-Fa-f]+);", asm)[1], 16)
+    k = int(re.search(r"mov\.b32 k, (0x[0-9A-Fa-f]+);", asm)[1], 16)
+    z = int(re.search(r"mov\.b32 z, (0x[0-9A-Fa-f]+);", asm)[1], 16)
+    assert "fma.rn.bf16x2 $0, t, k, z;" in asm
+    src = [(pairs >> (8 * i)) & 0xFF for i in range(4)] + [torch.zeros_like(pairs)] * 4
+    t = torch.zeros_like(pairs)
+    for i in range(4):  # prmt: byte i from its selector nibble (bit 3: the byte's sign, spread)
+        nib = (sel >> (4 * i)) & 0xF
+        b = src[nib & 7]
+        if nib & 8:
+            b = torch.where(b & 0x80 != 0, 0xFF, 0)
+        t |= b << (8 * i)
+    t = ((t << shift) & 0xFFFFFFFF) & mask
+    out = []
+    for h in range(2):  # each half: bf16 t * k + z, rounded once (the product is exact here)
+        def bf(bits):
+            return (bits & 0xFFFF).to(torch.int16).view(torch.bfloat16).double()
+        v = bf(t >> (16 * h)) * bf(torch.tensor(k >> (16 * h))) + bf(torch.tensor(z >> (16 * h)))
+        out.append(v.to(torch.bfloat16).view(torch.int16).long() & 0xFFFF)
+    return torch.stack(out, 1)
+
+
+def test_code_bits_recipe_gives_every_codes_bf16_bits():
+    """E4M3_BF16_BITS_ASM (the decode tiles' e4m3 -> bf16 by bits), its PTX's constants run on
+    the CPU over every pair of codes: each result is torch's e4m3 -> bf16 of its byte, bit for
+    bit (zeros of both signs and the subnormals included), the high byte's result unmoved by
+    the low byte's spilled sign bits; only the NaN codes (0x7f, 0xff) differ, read as +-480,
+    which is why nan_free_codes guards it."""
+    pairs = torch.arange(1 << 16, dtype=torch.int64)
+    got = _bits_recipe(pairs)
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).to(torch.bfloat16).view(torch.int16).long() & 0xFFFF
+    for h in range(2):
+        byte = (pairs >> (8 * h)) & 0xFF
+        nan = (byte & 0x7F) == 0x7F
+        assert torch.equal(got[~nan, h], want[byte[~nan]]), h
+        val = got[nan, h].to(torch.int16).view(torch.bfloat16).float()
+        assert torch.equal(val.abs(), torch.full_like(val, 480.0))
+
+
 def test_square_tiles_from_fewer_rows_only_with_the_fold_in_the_ring(monkeypatch):
     """The plan takes the square tiles from SQUARE_WS_MIN_M rows instead of PRESCALE_MIN_M only
     where the Gluon tiles fold the weight in their ring (both flags, a Hopper GPU): with either
