@@ -222,7 +222,7 @@ def e4m3_to_fp32(codes):
 
 # Two e4m3 codes ($1: a 16-bit pair) -> two bf16 ($0) on a GPU by their bits, where the
 # hardware's path is an e4m3 -> f16 unpack a pair then an f16 -> bf16 conversion an element,
-# both on the quarter-rate conversion units: each byte sign-extended to 16 bits (prmt), shifted
+# both on the conversion units (16 results a clock an SM): each byte sign-extended (prmt), shifted
 # left 4 and masked to s 0000 eeee mmm 0000, which as bf16 is the code's value times 2^-120
 # (e4m3 subnormals become bf16 subnormals), then times 2^120 (0x7B80) by a bf16 FMA with -0
 # (which keeps every product's sign of zero). Exact for every code but the NaNs (0x7F, 0xFF),

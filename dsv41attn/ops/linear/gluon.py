@@ -421,8 +421,8 @@ SWAP_NARROW = False  # narrower token tiles where the widest would leave SMs idl
 SWAP_INFLIGHT = True  # several of a stage's block dots in flight per wait (_swap_consumer_tile)
 # the weight's e4m3 codes into the wgmma's bf16 operand by their bits (common.triton's
 # E4M3_BF16_BITS_ASM: integer ops and one bf16 FMA a pair) rather than by the conversion
-# units (an e4m3 -> f16 unpack a pair, then an f16 -> bf16 conversion an element, at a quarter
-# of the FMA rate): exact for every code but the NaNs, so the caller runs these tiles only on
+# units (an e4m3 -> f16 unpack a pair, then an f16 -> bf16 conversion an element, 16 results
+# a clock an SM): exact for every code but the NaNs, so the caller runs these tiles only on
 # weights without them (triton.nan_free_codes)
 SWAP_CODE_BITS = True
 # a launch's programs: one an SM, each taking the items (tiles) in turn with its ring running
