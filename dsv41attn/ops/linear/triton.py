@@ -61,10 +61,11 @@ except ImportError:  # pragma: no cover - older Triton: plain loads
 
 from .reference import check_rope
 try:  # the Gluon square and swapped tiles (Hopper): a Triton with Gluon
+    from . import gluon as _gluon  # (its settings read at each call: bench --variant flips them)
     from .gluon import (SWAP_BK, SWAP_BN, fp8_swap_gemm_ws, fp8_values_gemm_ws, swap_tile,
                         unsupported as _ws_unsupported)
 except (ImportError, AttributeError):  # pragma: no cover - no usable Gluon
-    fp8_values_gemm_ws = fp8_swap_gemm_ws = None
+    _gluon = fp8_values_gemm_ws = fp8_swap_gemm_ws = None
 from ..common.buffers import out_buffer
 from ..common.triton import (E4M3_BF16_BITS_ASM, FP8_BLOCK, INV_FP8_MAX, any_nan, cdiv,
                              check_device, cos_sin, e4m3_code, e4m3_to_fp32, e8m0_to_fp32,
@@ -1030,12 +1031,6 @@ def _values_code_bits(plan: _GemmPlan, weight: torch.Tensor) -> bool:
                 and nan_free_codes(weight))
 
 
-def swap_code_bits() -> bool:
-    """gluon.SWAP_CODE_BITS, read at each call (a setting ``bench --variant`` flips)."""
-    from . import gluon
-    return bool(gluon.SWAP_CODE_BITS)
-
-
 def _swap_ws(plan: _GemmPlan, x, weight, out) -> bool:
     """Whether the decode kernel's VALUES tiles run as gluon.fp8_swap_gemm_ws on these
     operands: _swap_tiles, the weight and x's values readable by TMA, out bf16 or fp32, and
@@ -1045,7 +1040,7 @@ def _swap_ws(plan: _GemmPlan, x, weight, out) -> bool:
                 and weight.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16
                 and _ws_unsupported(x.shape[1], x.device, out, SWAP_BK) is None
                 and _tma_weight(weight) and x.is_contiguous() and x.data_ptr() % 16 == 0
-                and (not swap_code_bits() or nan_free_codes(weight)))  # checked last: a sync
+                and (not _gluon.SWAP_CODE_BITS or nan_free_codes(weight)))  # last: a sync
 
 
 def _gluon_tiles(device: torch.device) -> bool:
