@@ -66,7 +66,7 @@ def test_foldable_scales_range_and_cache():
 
 
 def test_nan_free_codes_and_cache():
-    """The swapped tiles' guard for reading codes by their bits: any e4m3 NaN code (0x7f,
+    """The decode tiles' guard for reading codes by their bits: any e4m3 NaN code (0x7f,
     0xff) says no, every other byte yes; cached per tensor, dropped when it is written."""
     w = torch.arange(256, dtype=torch.uint8)
     w = w[(w & 0x7F) != 0x7F].repeat(3, 1).view(torch.float8_e4m3fn)
