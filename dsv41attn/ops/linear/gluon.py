@@ -53,9 +53,9 @@ WIDE_K, WIDE_MIN_K, WIDE_STAGES = 128, 4096, 3
 # program pays the ring's fill alone (off: one program a tile)
 PERSISTENT = True
 # ... also where K's ranges run as items of their own (split: each item a tile's range, its
-# fp32 partial summed after; wq_a and wkv at 128-511 rows, 25 and 32 ranges of a few blocks).
-# Off until timed: built and compiled (no spills, both Tritons) in the forty-sixth session,
-# which had no device time left to run it; its GPU test is
+# fp32 partial summed after; wq_a and wkv at 128-511 rows, 20 and 40 ranges of a few blocks).
+# Off: timed on an H100 (act_quant + GEMM, the same bits) it changed nothing beyond 0.5%
+# (wq_a and wkv at 256 and 511 rows; the layers at b = 1 and 256 within 0.5%); its GPU test is
 # test_programs_take_items_in_turn_with_the_same_bits (split)
 PERSISTENT_SPLIT = False
 GROUP = gl.constexpr(8)  # row tiles taken together along N (a group shares its weight tiles in L2)
@@ -427,8 +427,8 @@ SWAP_INFLIGHT = True  # several of a stage's block dots in flight per wait (_swa
 SWAP_CODE_BITS = True
 # a launch's programs: one an SM, each taking the items (tiles) in turn with its ring running
 # on across them, as the square tiles' PERSISTENT (off: one program an item); and where K's
-# ranges run as items of their own (split: wo_b at 65-511 rows; off until timed, as
-# PERSISTENT_SPLIT)
+# ranges run as items of their own (split: wo_b at 65-511 rows; off: timed on an H100, wo_b
+# at 256 rows 81.8 -> 84.0 us, at 511 186.1 -> 186.2)
 SWAP_PERSISTENT = True
 SWAP_PERSISTENT_SPLIT = False
 

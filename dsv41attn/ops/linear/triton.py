@@ -81,8 +81,13 @@ SPLIT_MAX_M = 64  # decode-sized M: narrow tiles, long K steps (weight-bandwidth
 SPLIT_PROGRAMS_PER_SM = 3  # K ranges: ~2 resident programs per SM at M = 1, plus slack
 SPLIT_TRAFFIC_SHARE = 4  # split-K partials (written + read) <= 1/4 of the weight bytes,
 # or for fp8 weights at most SPLIT_PARTIAL_BYTES (H200, fp8_linear on the five V4.1 fp8 weights
-# together, e4m3 codes: M = 65 629 -> 240 us, 128: 797 -> 282, 256: 849 -> 497)
-SPLIT_PARTIAL_BYTES = 64 << 20
+# together, e4m3 codes: M = 65 629 -> 240 us, 128: 797 -> 282, 256: 849 -> 497). 64 -> 96 MB
+# (H100, act_quant + GEMM, the same bits): wkv's 40 ranges split up to 614 rows instead of
+# 409, 448 / 511 rows 94.6 / 107.5 -> 53.0 / 59.7 us (the wide tiles' unsplit alternative),
+# 512 rows 62.9 -> 60.6; wq_a's 20 from 328 to 384 rows, 384 rows 82.2 -> 72.4 us. Past
+# 96 MB the split lost: wq_a at 512 / 768 rows 65.2 / 69.0 -> 86.8 / 121.7 us, wkv at 768 /
+# 1024 65.4 / 68.2 -> 87.1 / 109.8 (256 MB)
+SPLIT_PARTIAL_BYTES = 96 << 20
 SPLIT_SUM_BLOCK = 256  # outputs per program of the split-sum kernel (2 warps, 16 B each)
 # fp8_linear: bf16 values into _fp8_gemm_kernel from this many rows (H200, the five V4.1 fp8
 # weights together: 1029 us against 1277 with e4m3 codes at M = 512, 653 against 497 at 256)
@@ -1209,11 +1214,12 @@ def _wide_swap(m: int, n: int, kb: int, sms: int, order: KOrder) -> bool:
     WIDE_MIN_BYTES) run the decode kernel's wide tiles (_FP8_WIDE_SMALL_TILES) rather than
     _fp8_gemm_kernel's square ones: where those would leave SMs idle, and either could not
     run K's ranges as programs (their partials past the traffic cap) or the wide tiles alone
-    fill the SMs (no split either way): wq_a from 384 rows, wkv at 511, the index wq_b from
-    129 (V4.1-Flash, 132 SMs; H100, act_quant and GEMM at 192 / 256 rows: the square tiles'
+    fill the SMs (no split either way): wq_a from 385 rows, the index wq_b from 129, wkv at
+    no M (V4.1-Flash, 132 SMs; H100, act_quant and GEMM at 192 / 256 rows: the square tiles'
     7 ranges split 38.0 / 43.9 us, 192 / 256 wide tiles 21.0 / 21.4; at 128 rows, 128 wide
     tiles split: 29.0 against 24.1, and wq_a's and wkv's wide tiles lost at every M below
-    their switch, 1.1-2.9x)."""
+    their switch, 1.1-2.9x; wkv's split wide tiles at 448-511 rows took 95-108 us against
+    53-60 for its split square tiles, see SPLIT_PARTIAL_BYTES)."""
     bm, bn = _FP8_TILES[0][1:3]
     tiles = cdiv(m, bm) * cdiv(n, bn)
     split = _use_workspace(order, tiles, m, n, n * kb * FP8_BLOCK, sms,
