@@ -82,9 +82,9 @@ SPLIT_PROGRAMS_PER_SM = 3  # K ranges: ~2 resident programs per SM at M = 1, plu
 SPLIT_TRAFFIC_SHARE = 4  # split-K partials (written + read) <= 1/4 of the weight bytes,
 # or for fp8 weights at most SPLIT_PARTIAL_BYTES (H200, fp8_linear on the five V4.1 fp8 weights
 # together, e4m3 codes: M = 65 629 -> 240 us, 128: 797 -> 282, 256: 849 -> 497). 64 -> 96 MB
-# (H100, act_quant + GEMM, the same bits): wkv's 40 ranges split up to 614 rows instead of
-# 409, 448 / 511 rows 94.6 / 107.5 -> 53.0 / 59.7 us (the wide tiles' unsplit alternative),
-# 512 rows 62.9 -> 60.6; wq_a's 20 from 328 to 384 rows, 384 rows 82.2 -> 72.4 us. Past
+# (H100, act_quant + GEMM, the same bits): wkv's 40 ranges split on the square tiles up to
+# 614 rows instead of 409, 448 / 511 rows 94.6 / 107.5 (the wide tiles, split) -> 53.0 /
+# 59.7 us, 512 rows 62.9 -> 60.6; wq_a's 20 also at 328-384 rows, 384 rows 82.2 -> 72.4. Past
 # 96 MB the split lost: wq_a at 512 / 768 rows 65.2 / 69.0 -> 86.8 / 121.7 us, wkv at 768 /
 # 1024 65.4 / 68.2 -> 87.1 / 109.8 (256 MB)
 SPLIT_PARTIAL_BYTES = 96 << 20
