@@ -591,6 +591,21 @@ def test_wide_tiles_at_v41_shapes():
         assert len(orders) == 1, name
 
 
+def test_swap_split_by_rounds(monkeypatch):
+    """The Gluon swapped tiles' split rule (_swap_split) at wo_b's shape (40 weight tiles of
+    128 rows, 5 ranges) on 132 SMs: split while the tiles leave SMs idle (384 rows: 120
+    tiles); at 448 rows (160 tiles, 2 rounds of whole-K tiles) split only with
+    SWAP_SPLIT_ROUNDS (800 items: 7 rounds of a fifth of K); one range never splits."""
+    tiles = {m: 40 * -(-m // 128) for m in (256, 384, 448, 511, 1024)}
+    monkeypatch.setattr(T, "SWAP_SPLIT_ROUNDS", False)
+    assert [T._swap_split(tiles[m], 5, 132) for m in tiles] == [True, True, False, False, False]
+    monkeypatch.setattr(T, "SWAP_SPLIT_ROUNDS", True)
+    assert [T._swap_split(tiles[m], 5, 132) for m in tiles] == [True, True, True, True, True]
+    assert not T._swap_split(160, 1, 132) and not T._swap_split(10, 1, 132)
+    assert not T._swap_split(264, 5, 132)  # whole rounds already: 2 either way
+    assert T._swap_split(133, 2, 132) and not T._swap_split(199, 2, 132)
+
+
 PAIR_CASES = {"m1": 1, "m7": 7, "m16": 16, "m17": 17, "m70": 70}
 
 

@@ -1013,6 +1013,26 @@ SWAP_WS_MIN_BYTES = 16 << 20  # the weights (e4m3 bytes) they run for
 # 41.6 at 64, but 34.8 -> 38.2 at 32 (32-row tiles); wq_b (K = 1280) lost 13-14% at 17-64.
 SWAP_WS_LONG_K = 4096
 SWAP_WS_LONG_MIN_M = 33
+# The swapped tiles run K's ranges as programs of their own where the tiles leave SMs idle;
+# also where the tiles take more rounds of the SMs than their ranges as items would
+# (SWAP_SPLIT_ROUNDS, _swap_split). wo_b at 448-511 rows is the case: 160 tiles of 128 token
+# rows on 132 SMs run unsplit in 2 rounds of its whole K (H100, 2cd9d81: 182-188 us, against
+# 111 at 384 rows, whose 120 tiles split), where its 5 ranges as 800 items would take 7 rounds
+# of a fifth of K, plus the partials' sum. The same bits either way. Off until timed
+# (`bench --part gemm --rows 448,480,511 --variant base --variant
+# r:ops.linear.triton.SWAP_SPLIT_ROUNDS=1`).
+SWAP_SPLIT_ROUNDS = False
+
+
+def _swap_split(tiles: int, ranges: int, sms: int) -> bool:
+    """Whether the swapped tiles run K's ``ranges`` as programs of their own (fp32 partials,
+    summed after): where the ``tiles`` leave SMs idle, or (SWAP_SPLIT_ROUNDS) where the tiles
+    times the ranges as items fill the SMs in fewer rounds, counted in whole-K tiles, than the
+    tiles alone."""
+    if ranges <= 1:
+        return False
+    fewer_rounds = cdiv(tiles * ranges, sms) < ranges * cdiv(tiles, sms)
+    return tiles < sms or bool(SWAP_SPLIT_ROUNDS and fewer_rounds)
 
 
 def _swap_tiles(device: torch.device, n: int, k: int) -> bool:
@@ -1474,10 +1494,9 @@ def _run_fp8_gemm(plan: _GemmPlan, x_codes, x_scales, weight, weight_scale, out,
     order = plan.order
     if _swap_ws(plan, x_codes, weight, out):
         assert not rope_d  # (_linear_from_quant turns the heads after)
-        # K's ranges as programs of their own where the tiles leave SMs idle
         sms = sm_count(out.device)
         bt = swap_tile(m, n, sms)[0]
-        split = order.ranges > 1 and cdiv(n, SWAP_BN) * cdiv(m, bt) < sms
+        split = _swap_split(cdiv(n, SWAP_BN) * cdiv(m, bt), order.ranges, sms)
         parts = torch.empty(order.ranges, m, n, dtype=torch.float32, device=out.device) \
             if split else out
         fp8_swap_gemm_ws(x_codes, weight, weight_scale, parts, order.chunks, order.ranges,
