@@ -15,8 +15,8 @@ stage's bf16 tile (no pass over the weight per call). A launch runs one program 
 taking output tiles in turn with its ring running on across them (``PERSISTENT``), so a
 tile's first loads overlap the previous tile's stores: one program a tile paid the ring's
 fill and its epilogue alone (H100, 8K rows: wq_b 1768 -> 1616 us). Where K's ranges run as
-items of their own (split), programs may take those in turn too (``PERSISTENT_SPLIT``, off
-until timed). Every partition walks its items through ``_each_item``.
+items of their own (split), programs may take those in turn too (``PERSISTENT_SPLIT``, off:
+timed, no gain). Every partition walks its items through ``_each_item``.
 
 The second kernel below, the swapped tiles, serves decode steps past 64 rows (see there).
 

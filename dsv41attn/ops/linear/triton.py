@@ -1031,8 +1031,8 @@ def _swap_split(tiles: int, ranges: int, sms: int) -> bool:
     tiles alone."""
     if ranges <= 1:
         return False
-    fewer_rounds = cdiv(tiles * ranges, sms) < ranges * cdiv(tiles, sms)
-    return tiles < sms or bool(SWAP_SPLIT_ROUNDS and fewer_rounds)
+    return tiles < sms or bool(SWAP_SPLIT_ROUNDS) and \
+        cdiv(tiles * ranges, sms) < ranges * cdiv(tiles, sms)
 
 
 def _swap_tiles(device: torch.device, n: int, k: int) -> bool:
