@@ -586,9 +586,11 @@ def _finish_half(stage, acc, m_i, l_i, sink_ptr, o_ptr, ml_ptr, acc_ptr, t, sp, 
                  SPLITS, HALF: gl.constexpr, D: gl.constexpr, SPLIT: gl.constexpr,
                  STATS: gl.constexpr):
     """One consumer warp group's end of an item (SOFTMAX_WG): its half of the columns
-    (HALF 0 or 1) of o = acc / (l + e^(sink-m)) through its half of the item's last ring
-    stage, or SPLIT: its half of the fp32 partial acc (and, STATS, the item's m and l), as
-    _consumer_item stores them. m_i, l_i in SliceLayout(1, the half accumulator's layout)."""
+    (HALF 0 or 1) of o = acc / (l + e^(sink-m)), staged through half the bytes of the item's
+    last ring stage (the caller has waited until both groups' wgmmas are done with it: the
+    halves of the bytes are not the halves of the columns), or SPLIT: its half of the fp32
+    partial acc (and, STATS, the item's m and l), as _consumer_item stores them. m_i, l_i in
+    SliceLayout(1, the half accumulator's layout)."""
     DH: gl.constexpr = D // 2
     o_layout: gl.constexpr = _half_layouts(D)[1]
     heads = gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
@@ -603,14 +605,14 @@ def _finish_half(stage, acc, m_i, l_i, sink_ptr, o_ptr, ml_ptr, acc_ptr, t, sp, 
     else:
         l_o = l_i + gl.exp(gl.load(sink_ptr + heads, mask=heads < H, other=0.0) - m_i)
         o = (acc / gl.where(l_o > 0, l_o, 1.0)[:, None]).to(gl.bfloat16)
-        # through the half of the stage this group's P.V read (bytes [HALF, HALF + 1) x 32 KB
-        # of the swizzled [64, D] tile: its columns), 16 bytes a thread
+        # through the stage's bytes [HALF, HALF + 1) x HEADS x D: the other group writes the
+        # other half meanwhile; 16 bytes a thread
         lanes: gl.constexpr = min(32, DH // 8)
         st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // lanes, lanes], [4, 1], [1, 0])
         halves = _reinterpret(stage, gl.bfloat16, [2 * HEADS, DH],
                               gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
         buf = halves.slice(HALF * HEADS, HEADS, dim=0)
-        _thread_barrier()  # this group's wgmmas are done with the stage
+        _thread_barrier()
         buf.store(o)
         _thread_barrier()
         h_st = gl.arange(0, HEADS, layout=gl.SliceLayout(1, st_layout))
@@ -707,6 +709,8 @@ def _softmax_item(q_smem, kv_bufs, ready, empty, p_smem, a_smem, st_smem, hand, 
     st_smem.slice(HEADS, HEADS).store(l_i)
     mbarrier.arrive(hand.index(2), count=1)
     n0 += j_hi - j_lo
+    if not SPLIT:  # the output goes through the last stage: the second group's P.V is done
+        mbarrier.wait(hand.index(1), (n0 - 1) & 1)
     _finish_half(kv_bufs.index((n0 - 1) % STAGES), acc,
                  gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)),
                  gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), sink_ptr, o_ptr, ml_ptr,
@@ -757,7 +761,7 @@ def _pv_item(kv_bufs, ready, empty, p_smem, a_smem, st_smem, hand, sink_ptr, o_p
         mbarrier.arrive(hand.index(1), count=1)
         if SPLIT or i < j_hi - j_lo - 1:
             mbarrier.arrive(empty.index(stage), count=1)
-    mbarrier.wait(hand.index(2), k & 1)  # the item's m and l
+    mbarrier.wait(hand.index(2), k & 1)  # the item's m and l (the first's P.V is done)
     m_i = st_smem.slice(0, HEADS).load(gl.SliceLayout(1, o_layout))
     l_i = st_smem.slice(HEADS, HEADS).load(gl.SliceLayout(1, o_layout))
     mbarrier.arrive(hand.index(3), count=1)
