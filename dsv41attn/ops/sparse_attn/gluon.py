@@ -363,14 +363,10 @@ def _producer_item(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx
     page = _page_of(bt_base, cr, PAGES, PAGE_ROWS, PAGE_SHIFT)
     wr1, cr1 = _entry_ids(widx_ptr, cidx_ptr, t, e_lo + SUB + sub, WW, K, sw_t, sc_t)
     for p0 in gl.static_range(RAW - 1):  # the first sub-blocks' copies
-        if p0 < n_sub:
-            _copy_rows(raw_codes.index(p0), raw_extra.index(p0), ring_ptr, new_ptr, pool_ptr, wr,
-                       cr, page, N_RING, N_NEW, PAGE_ROWS, PAGE_SHIFT, D, SUB)
-        async_copy.commit_group()
-        page = _page_of(bt_base, cr1, PAGES, PAGE_ROWS, PAGE_SHIFT)
-        wr, cr = wr1, cr1
-        wr1, cr1 = _entry_ids(widx_ptr, cidx_ptr, t, e_lo + (p0 + 2) * SUB + sub, WW, K, sw_t,
-                              sc_t)
+        page, wr, cr, wr1, cr1 = _next_copies(
+            raw_codes, raw_extra, ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_base, cidx_ptr, t,
+            e_lo, p0, n_sub, wr, cr, page, cr1, wr1, sub, N_RING, N_NEW, WW, K, PAGES,
+            PAGE_ROWS, sw_t, sc_t, PAGE_SHIFT, D, SUB, RAW)
     for i in range(j_hi - j_lo):
         stage = (n0 + i) % STAGES
         mbarrier.wait(empty.index(stage), (((n0 + i) // STAGES) & 1) ^ 1)
