@@ -29,7 +29,6 @@ def _compile(d: int, stages: int, split: bool, persist: bool = True, fm: bool | 
     touch this process's Triton); its shared memory and (registers, stack, local ld/st, loop).
     fm, chain, late: the SOFTMAX_WG, STORE_CHAIN and LATE_COPIES settings (None: the
     module's); triton_dir: another Triton first on the path (sm90_compile.TRITONS)."""
-    import sm90_compile
     return sm90_compile.compile_probe(rf"""import re
 import dsv41attn.ops.sparse_attn.gluon as g
 fm = g.SOFTMAX_WG if {fm} is None else {fm}
