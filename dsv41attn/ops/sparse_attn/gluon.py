@@ -423,17 +423,31 @@ def _producer_item(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx
 
 
 @gluon.jit
-def _restage(stage, x, layout: gl.constexpr):
-    """x [HEADS, D] (the accumulator's layout) in ``layout``, through a ring stage's shared
-    memory (BLOCK_N x D, the same bytes; free once the block's wgmmas have read it): a
-    convert_layout would take its own scratch, which the kernel's shared memory has no room
-    for."""
-    VEC: gl.constexpr = 128 // x.dtype.primitive_bitwidth  # 16 bytes
-    buf = _reinterpret(stage, x.dtype, x.shape, gl.SwizzledSharedLayout(VEC, 1, 8, [1, 0]))
-    _thread_barrier()  # both warp groups' wgmmas are done with the stage
-    buf.store(x)
+def _store_output(stage, acc, m_o, l_o, sink_ptr, o_ptr, t, H, O_LAYOUT: gl.constexpr,
+                  D: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr,
+                  num_warps: gl.constexpr):
+    """An unsplit item's end: o = acc / (l + e^(sink-m)) in bf16 for columns [HALF, HALF + 1)
+    x D / HALVES (acc in O_LAYOUT, m_o and l_o in its rows' slice), stored 16 bytes a thread,
+    a warp on whole rows. In the accumulator's layout the stores would go 4 bytes a thread over
+    8 rows, and a convert_layout would take scratch the kernel's shared memory has no room for,
+    so o goes through the item's last ring stage (its bytes [HALF, HALF + 1) / HALVES; the
+    caller has waited until no wgmma reads the stage, and the producer waits for it)."""
+    DC: gl.constexpr = D // HALVES
+    heads = gl.arange(0, HEADS, layout=gl.SliceLayout(1, O_LAYOUT))
+    l_o = l_o + gl.exp(gl.load(sink_ptr + heads, mask=heads < H, other=0.0) - m_o)
+    o = (acc / gl.where(l_o > 0, l_o, 1.0)[:, None]).to(gl.bfloat16)
+    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    buf = _reinterpret(stage, gl.bfloat16, [HALVES * HEADS, DC],
+                       gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+    if HALVES > 1:
+        buf = buf.slice(HALF * HEADS, HEADS, dim=0)
     _thread_barrier()
-    return buf.load(layout)
+    buf.store(o)
+    _thread_barrier()
+    h_st = gl.arange(0, HEADS, layout=gl.SliceLayout(1, st_layout))
+    d_st = HALF * DC + gl.arange(0, DC, layout=gl.SliceLayout(0, st_layout))
+    gl.store(o_ptr + (t * H + h_st)[:, None] * D + d_st[None, :], buf.load(st_layout),
+             mask=(h_st < H)[:, None])
 
 
 @gluon.jit
@@ -550,18 +564,9 @@ def _consumer_item(q_smem, kv_bufs, ready, empty, q_ptr, widx_ptr, cidx_ptr, sin
         gl.store(acc_ptr + (part + heads)[:, None] * D + dcols[None, :], acc,
                  mask=(heads < H)[:, None])
     else:
-        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        l_o = l_o + gl.exp(gl.load(sink_ptr + heads, mask=heads < H, other=0.0) - m_o)
-        o = (acc / gl.where(l_o > 0, l_o, 1.0)[:, None]).to(gl.bfloat16)
-        # bf16 in the accumulator's layout would go 4 bytes a thread over 8 rows: through
-        # the item's last ring stage (the producer waits for it), 16 bytes a thread, a warp
-        # on whole rows
-        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-        h_st = gl.arange(0, HEADS, layout=gl.SliceLayout(1, st_layout))
-        d_st = gl.arange(0, D, layout=gl.SliceLayout(0, st_layout))
-        gl.store(o_ptr + (t * H + h_st)[:, None] * D + d_st[None, :],
-                 _restage(last, o, st_layout), mask=(h_st < H)[:, None])
+        _store_output(last, acc, gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)),
+                      gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), sink_ptr, o_ptr, t,
+                      H, o_layout, D, 0, 1, num_warps)  # (both groups' wgmmas are done)
         _thread_barrier()  # every thread has read its part back
         mbarrier.arrive(empty.index((n0 - 1) % STAGES), count=1)
     return n0
@@ -598,23 +603,8 @@ def _finish_half(stage, acc, m_i, l_i, sink_ptr, o_ptr, ml_ptr, acc_ptr, t, sp, 
             gl.store(ml_ptr + N_ITEMS * H + part + heads, l_i, mask=heads < H)
         gl.store(acc_ptr + (part + heads)[:, None] * D + dcols[None, :], acc,
                  mask=(heads < H)[:, None])
-    else:
-        l_o = l_i + gl.exp(gl.load(sink_ptr + heads, mask=heads < H, other=0.0) - m_i)
-        o = (acc / gl.where(l_o > 0, l_o, 1.0)[:, None]).to(gl.bfloat16)
-        # through the stage's bytes [HALF, HALF + 1) x HEADS x D: the other group writes the
-        # other half meanwhile; 16 bytes a thread
-        lanes: gl.constexpr = min(32, DH // 8)
-        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // lanes, lanes], [4, 1], [1, 0])
-        halves = _reinterpret(stage, gl.bfloat16, [2 * HEADS, DH],
-                              gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
-        buf = halves.slice(HALF * HEADS, HEADS, dim=0)
-        _thread_barrier()
-        buf.store(o)
-        _thread_barrier()
-        h_st = gl.arange(0, HEADS, layout=gl.SliceLayout(1, st_layout))
-        d_st = HALF * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, st_layout))
-        gl.store(o_ptr + (t * H + h_st)[:, None] * D + d_st[None, :], buf.load(st_layout),
-                 mask=(h_st < H)[:, None])
+    else:  # (the other group stages the other half of the stage's bytes meanwhile)
+        _store_output(stage, acc, m_i, l_i, sink_ptr, o_ptr, t, H, o_layout, D, HALF, 2, 4)
 
 
 @gluon.jit
