@@ -22,25 +22,19 @@ GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 \
 SHAPES = [(512, 2), (128, 3), (256, 2)]
 
 
-def _compile(d: int, stages: int, split: bool, persist: bool = True, fm: bool | None = None,
-             chain: bool | None = None, late: bool | None = None,
+def _compile(d: int, stages: int, split: bool, persist: bool = True,
              triton_dir: str | None = None) -> dict:
     """Compile _sparse_attn_ws_kernel for sm_90a in a fresh process (the stand-in driver must not
     touch this process's Triton); its shared memory and (registers, stack, local ld/st, loop).
-    fm, chain, late: the SOFTMAX_WG, STORE_CHAIN and LATE_COPIES settings (None: the
-    module's); triton_dir: another Triton first on the path (sm90_compile.TRITONS)."""
+    triton_dir: another Triton first on the path (sm90_compile.TRITONS)."""
     return sm90_compile.compile_probe(rf"""import re
 import dsv41attn.ops.sparse_attn.gluon as g
-fm = g.SOFTMAX_WG if {fm} is None else {fm}
-chain = g.STORE_CHAIN if {chain} is None else {chain}
-late = g.LATE_COPIES if {late} is None else {late}
 k = g._sparse_attn_ws_kernel.warmup(M(torch.bfloat16), M(torch.float32), M(torch.uint8),
     M(torch.uint8), M(torch.int32), M(torch.uint8), M(torch.int64), M(torch.int64),
     M(torch.int32), M(torch.bfloat16), M(torch.float32), M(torch.float32), 0.05, 64, 1000, 8,
     128, 512, 64, 256, 2 if {split} else 1, 4, 128, 512, 64, D={d}, PAGE_SHIFT=8,
     STAGES={stages}, RS=g.ROWS_PER_STORE, SUB=g.SUB_ROWS, RAW=g.RAW_STAGES, SPLIT={split},
-    PERSIST={persist}, PRODUCER_REGS=g.PRODUCER_REGS, FM=fm, PV_REGS=g.PV_REGS, CHAIN=chain,
-    LATE=late, num_warps=4 if fm else 8, grid=(1,))
+    PERSIST={persist}, PRODUCER_REGS=g.PRODUCER_REGS, num_warps=8, grid=(1,))
 ptx = k.asm["ptx"]
 sass = s._sass(k.asm["cubin"])
 part, size = None, {{}}  # SASS instructions by the partition's setmaxnreg register count
@@ -57,29 +51,20 @@ print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["
 """, triton_dir)
 
 
-_SWITCHED = [  # the switches, off by default, in the cuts the GPU would run them
-    (512, 2, True, True, {"fm": True}), (128, 3, False, True, {"fm": True}),
-    (512, 2, True, True, {"chain": True, "late": True}),
-    (512, 2, False, False, {"fm": True, "chain": True, "late": True})]
-
-
-@pytest.mark.parametrize("d,stages,split,persist,switches,triton_dir", [
-    (512, 2, True, True, {}, None), (512, 2, False, False, {}, None),
-    (128, 3, False, True, {}, None)] + [
-    case + (t,) for case in _SWITCHED for t in sm90_compile.TRITONS],
-    ids=lambda v: ("+".join(v) or "defaults") if isinstance(v, dict) else
-    "this" if v is None else os.path.basename(v) if isinstance(v, str) else None)
-def test_compiles_warp_specialized_for_sm90(d, stages, split, persist, switches, triton_dir):
-    """The kernel lowers for an H100/H200, a program taking one item or several, under each
-    setting of its switches (SOFTMAX_WG: two consumer roles; STORE_CHAIN, LATE_COPIES: the
-    producer's barriers): async wgmmas, mbarrier hand-overs between the partitions, register
-    budgets per partition, and shared memory within a block's 227 KB and within what the host
-    checks (smem_bytes)."""
+@pytest.mark.parametrize("triton_dir", sm90_compile.TRITONS,
+                         ids=lambda v: "this" if v is None else os.path.basename(v))
+@pytest.mark.parametrize("d,stages,split,persist", [(512, 2, True, True), (512, 2, False, False),
+                                                   (512, 2, False, True), (128, 3, False, True)])
+def test_compiles_warp_specialized_for_sm90(d, stages, split, persist, triton_dir):
+    """The kernel lowers for an H100/H200 under this Triton and the GPU image's, a program
+    taking one item or several: async wgmmas, mbarrier hand-overs between the partitions,
+    register budgets per partition, and shared memory within a block's 227 KB and within what
+    the host checks (smem_bytes)."""
     pytest.importorskip("triton.experimental.gluon")
-    from dsv41attn.ops.sparse_attn.gluon import SOFTMAX_WG, smem_bytes
-    r = _compile(d, stages, split, persist, **switches, triton_dir=triton_dir)
+    from dsv41attn.ops.sparse_attn.gluon import smem_bytes
+    r = _compile(d, stages, split, persist, triton_dir=triton_dir)
     assert r["shared"] <= 232448, r
-    assert r["shared"] <= smem_bytes(d, stages, switches.get("fm", SOFTMAX_WG)), r
+    assert r["shared"] <= smem_bytes(d, stages), r
     assert r["wgmma"] > 0 and r["setmaxnreg"] > 0 and r["mbarrier"] > 0, r
     # the producer's code within the instruction cache: unrolled over a block's sub-blocks it
     # was 6388 instructions (102 KB) at D = 512, and its warps stalled on instruction fetch
@@ -302,43 +287,3 @@ def test_the_backend_runs_the_gluon_kernel_on_hopper(invariant):
     err_tri = (tri.float().cpu() - ref.float()).abs().max().item()
     assert (got.float().cpu() - ref.float()).abs().max().item() <= max(2 * err_tri, 1e-2)
 
-
-@pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
-@pytest.mark.parametrize("switches", [
-    {"STORE_CHAIN": True}, {"STORE_CHAIN": True, "LATE_COPIES": True}, {"SOFTMAX_WG": True},
-    {"SOFTMAX_WG": True, "STORE_CHAIN": True, "LATE_COPIES": True}],
-    ids=lambda v: "+".join(n.lower() for n in v))
-@pytest.mark.parametrize("t,h,d,ww,k", [
-    (9, 64, 512, 128, 0),  # window only
-    (7, 64, 512, 70, 130),  # a block of both kinds, a token with no entries
-    (6, 17, 256, 128, 200),  # padded heads
-    (5, 64, 128, 0, 65),  # compressed only
-])
-@pytest.mark.parametrize("cut", [{"num_splits": 1}, {"split_blocks": 1}, {"split_blocks": 3}])
-def test_switches_against_the_defaults(monkeypatch, switches, t, h, d, ww, k, cut):
-    """The switches that are off by default. STORE_CHAIN and LATE_COPIES move only the
-    producer's copies and the barriers the compiler adds, not a value: the defaults' bits.
-    SOFTMAX_WG adds each row's p in another order (one warp holds a row's 64 logits): within
-    twice the defaults' distance to the reference. Either way every element is written and
-    every G (programs taking the items in turn, one an item) gives the same bits."""
-    from dsv41attn.ops.sparse_attn import gluon
-    q, sink, args = make_step(t, h, d, ww, k, 8, seed=t + ww + k + d)
-    want = gluon.sparse_attn_paged_ws(q, sink, 0.2, **args, **cut)
-    for name, value in switches.items():
-        monkeypatch.setattr(gluon, name, value)
-    outs = []
-    for g in (None, 1, 3, 10 ** 6):
-        out = torch.full_like(q, float("nan"))
-        outs.append(gluon.sparse_attn_paged_ws(q, sink, 0.2, **args, **cut, programs=g, out=out))
-    torch.cuda.synchronize()
-    assert not outs[0].isnan().any()
-    for got in outs[1:]:
-        assert torch.equal(got.view(torch.int16), outs[0].view(torch.int16)), switches
-    if "SOFTMAX_WG" not in switches:
-        assert torch.equal(outs[0].view(torch.int16), want.view(torch.int16))
-    else:
-        ref = ref_paged(q.cpu(), sink.cpu(), 0.2, **{n: v if v is None else v.cpu()
-                                                      for n, v in args.items()}).float()
-        err_want = (want.float().cpu() - ref).abs().max().item()
-        err = (outs[0].float().cpu() - ref).abs().max().item()
-        assert err <= max(2 * err_want, 1e-2), (err, err_want)

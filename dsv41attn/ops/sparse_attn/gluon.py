@@ -27,27 +27,6 @@ sub-block loop. That spill costs every item, so long items (more than
 ``PERSIST_MAX_BLOCKS`` blocks a split: the 640 rows of a ratio-2 layer's decode) keep a
 program an item, where the saved start is a small part of the item.
 
-Two consumer forms (SOFTMAX_WG, off until it has run on a GPU). _consumer: both warp groups
-run every block's logits on half its columns each, so every block exchanges the row maxima,
-the row sums and P between them through shared memory (eleven barriers of all 256 threads in
-its block loop's SASS), and each group's P.V waits for its own logits. _softmax_wg and _pv_wg
-give the groups their own roles, as FlashMLA's sparse decode does: the first runs a block's
-logits as one [64, 64] chain, the softmax within its warps (a row's 64 logits in one warp),
-hands P (bf16) and the rescale to the second through a [64, 64] shared buffer and two
-mbarriers, and runs P.V on the first half of the columns; the second runs P.V on the other
-half. So the second's P.V overlaps the first's next logits, and no barrier spans both
-groups inside the block loop. Registers: the producer 120, the second group PV_REGS (160),
-the first the rest (224); neither block loop spills under Triton 3.6.
-
-The producer's barriers (STORE_CHAIN, LATE_COPIES; off until timed): the compiler adds a
-partition barrier between two shared-memory accesses it cannot prove apart. Today a sub-block
-step has four (read from its sm_90a SASS): the explicit one after its copies' wait, one
-before the first piece's loads (the step's new copies write a raw stage picked at run time),
-and one before each piece's store (the stores sit under separate ifs, one per sub-block, so
-each looks like it may follow another). STORE_CHAIN puts the stores under one if/elif chain
-(exclusive paths): three. LATE_COPIES starts the next copies after the step's decode: two,
-but the copies start a step later (one sub-block's decode less ahead of their use).
-
 Code size: the producer walks a block's sub-blocks in a loop, not unrolled. Unrolled, its
 decode paths came to 100 KB of SASS, and its warps stalled on instruction fetch (Nsight
 Compute, thirty-first session); in a loop they are about 39 KB. The ring's row slice must be
@@ -90,8 +69,10 @@ SUB_ROWS = 16  # rows per raw stage: the producer's async-copy unit
 ROWS_PER_STORE = 8
 RAW_STAGES = 3  # raw stages: while one is decoded, the copies of the next two are in flight
 PRODUCER_WARPS = gl.constexpr(4)
-# the producer's registers a thread (setmaxnreg); the consumers get the rest
-PRODUCER_REGS = 120
+# the producer's registers a thread (setmaxnreg); the consumers get the rest. 136 against 120
+# (H100, alternating, the same bits): b = 256 decode over 640 rows 5% faster, an 8K prefill's
+# 14% (window only) and 6% (ratio 2), b = 1-64 within 2%; 144 gained less
+PRODUCER_REGS = 136
 SMEM_BYTES = 232448  # an sm_90 block's shared memory (227 KB)
 # a launch's programs: one an SM (a program's registers fill one), each taking the
 # (token, split) items in turn, so that an item's first blocks are decoded and its q copied in
@@ -102,32 +83,12 @@ PERSISTENT = True
 # 2-block items 22% faster (an SWA layer's 8K prefill), 8-21% in the invariant mode's 2-block
 # splits; 10-block items 11% slower (b = 256 decode over 640 rows), 0.5% (an 8K prefill's)
 PERSIST_MAX_BLOCKS = 4
-# the consumer as two warp groups with their own roles (_softmax_wg, _pv_wg): the first runs
-# every block's logits and softmax and half of P.V, handing P (and the rescale) to the second
-# through shared memory, which runs the other half of P.V; the two overlap (the next block's
-# logits beside this one's second half) and no block needs both groups at a barrier. Off (the
-# default until it has run on a GPU): both groups split the logits' columns and exchange row
-# maxima, row sums and P through shared memory every block (_consumer). On, the row sums of p
-# add in another order (one warp holds a row's 64 logits), so l's last bits may differ
-SOFTMAX_WG = False
-# the producer's shared-memory barriers (read from its sm_90a SASS): the compiler puts a
-# partition barrier wherever two accesses to one buffer might overlap, and cannot tell the raw
-# stage being decoded from the one being filled, nor the ring's static row slices apart when
-# the stores sit under separate `if`s. STORE_CHAIN: a piece's store under one if/elif chain
-# (the paths exclusive): 4 barriers a sub-block -> 3. LATE_COPIES too: a step starts the next
-# copies after its decode, not before it (a step less ahead): 2. Off until timed on a GPU
-STORE_CHAIN = False
-LATE_COPIES = False
-PV_REGS = 160  # the second group's registers a thread (its [64, D/2] accumulator, 128 at D = 512)
 
 
-def smem_bytes(d: int, stages: int, fm: bool | None = None) -> int:
-    """Shared memory the kernel takes at head dim d: q, the bf16 ring, the raw stages, and
-    (fm: SOFTMAX_WG if None) the handed-over P [64, 64] bf16 with the rescale, m, l and the
-    barriers (measured 9304 B beside the rest at d = 512), else 4 KB for the consumer's
-    reductions and layout changes (measured 4132 B)."""
-    rest = ROWS * ROWS * 2 + 1152 if (SOFTMAX_WG if fm is None else fm) else 4352
-    return (MAX_HEADS + stages * ROWS) * d * 2 + RAW_STAGES * SUB_ROWS * (d + d // 16) + rest
+def smem_bytes(d: int, stages: int) -> int:
+    """Shared memory the kernel takes at head dim d: q, the bf16 ring, the raw stages, and 4 KB
+    for the consumer's reductions and layout changes (measured 4132 B)."""
+    return (MAX_HEADS + stages * ROWS) * d * 2 + RAW_STAGES * SUB_ROWS * (d + d // 16) + 4352
 
 
 def unsupported(q: torch.Tensor, window_ring: torch.Tensor,
@@ -304,8 +265,7 @@ def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
               empty, raw_codes, raw_extra, N_ITEMS, SPLITS, BPS, NB, N_RING, N_NEW, WW, K,
               PAGES, PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, RS: gl.constexpr, SUB: gl.constexpr,
-              RAW: gl.constexpr, PERSIST: gl.constexpr, CHAIN: gl.constexpr,
-              LATE: gl.constexpr):
+              RAW: gl.constexpr, PERSIST: gl.constexpr):
     """Fill the ring with the program's items' list blocks in turn (_item), the program's
     n-th block into stage n % STAGES: the ring runs on across items, so the next item's first
     blocks are decoded while the consumer finishes the item before. PERSIST off: the
@@ -319,14 +279,14 @@ def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
             _producer_item(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
                            kv_bufs, ready, empty, raw_codes, raw_extra, t, j_lo, j_hi, n0,
                            N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t, sc_t, bt_r,
-                           PAGE_SHIFT, D, STAGES, RS, SUB, RAW, CHAIN, LATE)
+                           PAGE_SHIFT, D, STAGES, RS, SUB, RAW)
             n0 += j_hi - j_lo
     else:
         t, s, j_lo, j_hi = _item(gl.program_id(0), SPLITS, BPS, NB)
         _producer_item(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
                        kv_bufs, ready, empty, raw_codes, raw_extra, t, j_lo, j_hi, 0, N_RING,
                        N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT, D, STAGES,
-                       RS, SUB, RAW, CHAIN, LATE)
+                       RS, SUB, RAW)
 
 
 @gluon.jit
@@ -334,8 +294,7 @@ def _producer_item(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx
                    ready, empty, raw_codes, raw_extra, t, j_lo, j_hi, n0, N_RING, N_NEW, WW, K,
                    PAGES, PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT: gl.constexpr,
                    D: gl.constexpr, STAGES: gl.constexpr, RS: gl.constexpr,
-                   SUB: gl.constexpr, RAW: gl.constexpr, CHAIN: gl.constexpr,
-                   LATE: gl.constexpr):
+                   SUB: gl.constexpr, RAW: gl.constexpr):
     """Fill the ring with token t's list blocks j_lo..j_hi-1 (64 entries each: window entries,
     then compressed ones), the i-th block into stage (n0 + i) % STAGES.
 
@@ -346,10 +305,7 @@ def _producer_item(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx
     loaded two steps before its copies start and its pages one step before, so no index or
     page load waits in line. One barrier a step: after it, every thread's copies of
     sub-block u have landed and every thread has finished decoding u - 1, whose raw stage
-    sub-block w reuses. LATE (LATE_COPIES): sub-block w's copies start after the step's
-    decode instead (they may: u - 1's stage is free once the step's barrier has passed), and
-    CHAIN (STORE_CHAIN) stores each piece under one if/elif chain; the barriers
-    the compiler adds for the raw stages and the ring's slices go from 4 a step to 2."""
+    sub-block w reuses."""
     NSUB: gl.constexpr = BLOCK_N // SUB
     WORD_LAYOUT: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 1, [1, 0])  # raw codes as words
     LI: gl.constexpr = gl.SliceLayout(1, _gather_layout(D))  # the list entries' ids
@@ -376,11 +332,10 @@ def _producer_item(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx
             w = u + RAW - 1  # the sub-block whose copies start now
             async_copy.wait_group(RAW - 2)  # sub-block u's copies (this thread's) have landed
             _thread_barrier()
-            if not LATE:
-                page, wr, cr, wr1, cr1 = _next_copies(
-                    raw_codes, raw_extra, ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_base,
-                    cidx_ptr, t, e_lo, w, n_sub, wr, cr, page, cr1, wr1, sub, N_RING, N_NEW, WW,
-                    K, PAGES, PAGE_ROWS, sw_t, sc_t, PAGE_SHIFT, D, SUB, RAW)
+            page, wr, cr, wr1, cr1 = _next_copies(
+                raw_codes, raw_extra, ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_base, cidx_ptr,
+                t, e_lo, w, n_sub, wr, cr, page, cr1, wr1, sub, N_RING, N_NEW, WW, K, PAGES,
+                PAGE_ROWS, sw_t, sc_t, PAGE_SHIFT, D, SUB, RAW)
             codes = raw_codes.index(u % RAW)
             words = _reinterpret(codes, gl.int32, [SUB, D // 4], WORD_LAYOUT)
             extra = raw_extra.index(u % RAW)
@@ -398,25 +353,9 @@ def _producer_item(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx
                     v = gl.where(is_w[:, None],
                                  gl.convert_layout(_window_decode(c_rs, x_rs, RS, D), L2),
                                  gl.convert_layout(_compressed_decode(w_rs, x_rs, RS, D), L2))
-                if CHAIN:  # one if/elif chain, inline: a helper's call counts as one access
-                    gl.static_assert(NSUB == 4, "the chain has a branch per sub-block")
-                    if q == 0:
-                        buf.slice(r0, RS, dim=0).store(v.to(gl.bfloat16))
-                    elif q == 1:
-                        buf.slice(SUB + r0, RS, dim=0).store(v.to(gl.bfloat16))
-                    elif q == 2:
-                        buf.slice(2 * SUB + r0, RS, dim=0).store(v.to(gl.bfloat16))
-                    else:
-                        buf.slice(3 * SUB + r0, RS, dim=0).store(v.to(gl.bfloat16))
-                else:
-                    for qq in gl.static_range(NSUB):  # the ring's row slice must be static
-                        if q == qq:
-                            buf.slice(qq * SUB + r0, RS, dim=0).store(v.to(gl.bfloat16))
-            if LATE:
-                page, wr, cr, wr1, cr1 = _next_copies(
-                    raw_codes, raw_extra, ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_base,
-                    cidx_ptr, t, e_lo, w, n_sub, wr, cr, page, cr1, wr1, sub, N_RING, N_NEW, WW,
-                    K, PAGES, PAGE_ROWS, sw_t, sc_t, PAGE_SHIFT, D, SUB, RAW)
+                for qq in gl.static_range(NSUB):  # the ring's row slice must be static
+                    if q == qq:
+                        buf.slice(qq * SUB + r0, RS, dim=0).store(v.to(gl.bfloat16))
         fence_async_shared()
         mbarrier.arrive(ready.index(stage), count=1)
     async_copy.wait_group(0)
@@ -424,28 +363,23 @@ def _producer_item(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx
 
 @gluon.jit
 def _store_output(stage, acc, m_o, l_o, sink_ptr, o_ptr, t, H, O_LAYOUT: gl.constexpr,
-                  D: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr,
-                  num_warps: gl.constexpr):
-    """An unsplit item's end: o = acc / (l + e^(sink-m)) in bf16 for columns [HALF, HALF + 1)
-    x D / HALVES (acc in O_LAYOUT, m_o and l_o in its rows' slice), stored 16 bytes a thread,
-    a warp on whole rows. In the accumulator's layout the stores would go 4 bytes a thread over
-    8 rows, and a convert_layout would take scratch the kernel's shared memory has no room for,
-    so o goes through the item's last ring stage (its bytes [HALF, HALF + 1) / HALVES; the
-    caller has waited until no wgmma reads the stage, and the producer waits for it)."""
-    DC: gl.constexpr = D // HALVES
+                  D: gl.constexpr, num_warps: gl.constexpr):
+    """An unsplit item's end: o = acc / (l + e^(sink-m)) in bf16 (acc in O_LAYOUT, m_o and l_o
+    in its rows' slice), stored 16 bytes a thread, a warp on whole rows. In the accumulator's
+    layout the stores would go 4 bytes a thread over 8 rows, and a convert_layout would take
+    scratch the kernel's shared memory has no room for, so o goes through the item's last ring
+    stage (the caller has waited until no wgmma reads the stage, and the producer waits for
+    it)."""
     heads = gl.arange(0, HEADS, layout=gl.SliceLayout(1, O_LAYOUT))
     l_o = l_o + gl.exp(gl.load(sink_ptr + heads, mask=heads < H, other=0.0) - m_o)
     o = (acc / gl.where(l_o > 0, l_o, 1.0)[:, None]).to(gl.bfloat16)
     st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    buf = _reinterpret(stage, gl.bfloat16, [HALVES * HEADS, DC],
-                       gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
-    if HALVES > 1:
-        buf = buf.slice(HALF * HEADS, HEADS, dim=0)
+    buf = _reinterpret(stage, gl.bfloat16, [HEADS, D], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
     _thread_barrier()
     buf.store(o)
     _thread_barrier()
     h_st = gl.arange(0, HEADS, layout=gl.SliceLayout(1, st_layout))
-    d_st = HALF * DC + gl.arange(0, DC, layout=gl.SliceLayout(0, st_layout))
+    d_st = gl.arange(0, D, layout=gl.SliceLayout(0, st_layout))
     gl.store(o_ptr + (t * H + h_st)[:, None] * D + d_st[None, :], buf.load(st_layout),
              mask=(h_st < H)[:, None])
 
@@ -566,195 +500,8 @@ def _consumer_item(q_smem, kv_bufs, ready, empty, q_ptr, widx_ptr, cidx_ptr, sin
     else:
         _store_output(last, acc, gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)),
                       gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), sink_ptr, o_ptr, t,
-                      H, o_layout, D, 0, 1, num_warps)  # (both groups' wgmmas are done)
+                      H, o_layout, D, num_warps)  # (both groups' wgmmas are done)
         _thread_barrier()  # every thread has read its part back
-        mbarrier.arrive(empty.index((n0 - 1) % STAGES), count=1)
-    return n0
-
-
-@gluon.constexpr_function
-def _half_layouts(D):
-    """(logits, half accumulator) layouts of one consumer warp group (SOFTMAX_WG): [64, 64]
-    and [64, D/2] wgmma accumulators on its 4 warps."""
-    return (gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                      instr_shape=[16, 64, 16]),
-            gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                      instr_shape=[16, D // 2, 16]))
-
-
-@gluon.jit
-def _finish_half(stage, acc, m_i, l_i, sink_ptr, o_ptr, ml_ptr, acc_ptr, t, sp, H, N_ITEMS,
-                 SPLITS, HALF: gl.constexpr, D: gl.constexpr, SPLIT: gl.constexpr,
-                 STATS: gl.constexpr):
-    """One consumer warp group's end of an item (SOFTMAX_WG): its half of the columns
-    (HALF 0 or 1) of o = acc / (l + e^(sink-m)), staged through half the bytes of the item's
-    last ring stage (the caller has waited until both groups' wgmmas are done with it: the
-    halves of the bytes are not the halves of the columns), or SPLIT: its half of the fp32
-    partial acc (and, STATS, the item's m and l), as _consumer_item stores them. m_i, l_i in
-    SliceLayout(1, the half accumulator's layout)."""
-    DH: gl.constexpr = D // 2
-    o_layout: gl.constexpr = _half_layouts(D)[1]
-    heads = gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
-    dcols = HALF * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
-    if SPLIT:
-        part = (t * SPLITS + sp) * H
-        if STATS:
-            gl.store(ml_ptr + part + heads, m_i, mask=heads < H)
-            gl.store(ml_ptr + N_ITEMS * H + part + heads, l_i, mask=heads < H)
-        gl.store(acc_ptr + (part + heads)[:, None] * D + dcols[None, :], acc,
-                 mask=(heads < H)[:, None])
-    else:  # (the other group stages the other half of the stage's bytes meanwhile)
-        _store_output(stage, acc, m_i, l_i, sink_ptr, o_ptr, t, H, o_layout, D, HALF, 2, 4)
-
-
-@gluon.jit
-def _softmax_wg(q_smem, kv_bufs, ready, empty, p_smem, a_smem, st_smem, hand, q_ptr, widx_ptr,
-                cidx_ptr, sink_ptr, o_ptr, ml_ptr, acc_ptr, N_ITEMS, SPLITS, BPS, NB, H, WW, K,
-                sw_t, sc_t, scale, D: gl.constexpr, STAGES: gl.constexpr,
-                SPLIT: gl.constexpr, PERSIST: gl.constexpr):
-    """The first consumer warp group (SOFTMAX_WG), over the program's items in turn as
-    _consumer: each block's logits (one [64, 64] wgmma chain over D), the online softmax, P
-    (bf16) and the rescale alpha handed to the second group through p_smem / a_smem (hand[0]
-    ready, hand[1] free), its half of P.V (columns [0, D/2)); at an item's end m and l handed
-    over in st_smem (hand[2] ready, hand[3] free) for the second group's half of the output."""
-    G = gl.num_programs(0)
-    if PERSIST:
-        n0 = 0
-        k = 0
-        for w in range(gl.program_id(0), N_ITEMS, G):
-            n0 = _softmax_item(q_smem, kv_bufs, ready, empty, p_smem, a_smem, st_smem, hand,
-                               q_ptr, widx_ptr, cidx_ptr, sink_ptr, o_ptr, ml_ptr, acc_ptr, w, G,
-                               n0, k, N_ITEMS, SPLITS, BPS, NB, H, WW, K, sw_t, sc_t, scale, D,
-                               STAGES, SPLIT)
-            k += 1
-    else:
-        _softmax_item(q_smem, kv_bufs, ready, empty, p_smem, a_smem, st_smem, hand, q_ptr,
-                      widx_ptr, cidx_ptr, sink_ptr, o_ptr, ml_ptr, acc_ptr, gl.program_id(0), G,
-                      0, 0, N_ITEMS, SPLITS, BPS, NB, H, WW, K, sw_t, sc_t, scale, D, STAGES,
-                      SPLIT)
-
-
-@gluon.jit
-def _softmax_item(q_smem, kv_bufs, ready, empty, p_smem, a_smem, st_smem, hand, q_ptr, widx_ptr,
-                  cidx_ptr, sink_ptr, o_ptr, ml_ptr, acc_ptr, w, G, n0, k, N_ITEMS, SPLITS, BPS,
-                  NB, H, WW, K, sw_t, sc_t, scale, D: gl.constexpr, STAGES: gl.constexpr,
-                  SPLIT: gl.constexpr):
-    """_softmax_wg's item w (the program's k-th), its blocks the program's n0-th on; returns
-    n0 past them. The arithmetic of _consumer_item, the logits of a block in one chain."""
-    s_layout: gl.constexpr = _half_layouts(D)[0]
-    o_layout: gl.constexpr = _half_layouts(D)[1]
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    t, sp, j_lo, j_hi = _item(w, SPLITS, BPS, NB)
-    t_next = ((w + G) // SPLITS).to(gl.int64)
-    q_next = (w + G < N_ITEMS) & (t_next != t)
-    async_copy.wait_group(0)  # the q copied in during the item before
-    _thread_barrier()
-    fence_async_shared()
-    m_i = gl.full([HEADS], -1e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([HEADS, D // 2], gl.float32, layout=o_layout)
-    for i in range(j_hi - j_lo):
-        n = n0 + i
-        stage = n % STAGES
-        # the block's list entries, one load (a window id or a compressed row each): live
-        # across the wait and the logits' wgmmas, so half the registers of two loads
-        e_idx = (j_lo + i) * BLOCK_N + cols
-        ids = gl.load(gl.where(e_idx < WW, widx_ptr + t * sw_t + e_idx,
-                               cidx_ptr + t * sc_t + (e_idx - WW)),
-                      mask=e_idx < WW + K, other=-1)
-        mbarrier.wait(ready.index(stage), (n // STAGES) & 1)
-        kv = kv_bufs.index(stage)
-        s = warpgroup_mma(q_smem, kv.permute((1, 0)),
-                          gl.zeros([HEADS, BLOCK_N], gl.float32, layout=s_layout), is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-        s = gl.where((ids >= 0)[None, :], s, float("-inf")) * scale
-        m_new = gl.maximum(m_i, gl.max(s, 1))  # >= -1e30: no inf - inf
-        alpha = gl.exp(m_i - m_new)
-        p = gl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        pb = p.to(gl.bfloat16)
-        mbarrier.wait(hand.index(1), (n & 1) ^ 1)  # the second group is done with the last P
-        p_smem.store(pb)
-        a_smem.store(alpha)
-        fence_async_shared()
-        mbarrier.arrive(hand.index(0), count=1)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc = warpgroup_mma(gl.convert_layout(pb, p_layout), kv.slice(0, D // 2, dim=1), acc,
-                            is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        if SPLIT or i < j_hi - j_lo - 1:
-            mbarrier.arrive(empty.index(stage), count=1)
-    if q_next:  # the item's logits are done with q: the next item's comes in now
-        _thread_barrier()
-        _load_q(q_smem, q_ptr, t_next, H, D, 4)
-    # the item's m and l for the second group (which read the last item's)
-    mbarrier.wait(hand.index(3), (k & 1) ^ 1)
-    st_smem.slice(0, HEADS).store(m_i)
-    st_smem.slice(HEADS, HEADS).store(l_i)
-    mbarrier.arrive(hand.index(2), count=1)
-    n0 += j_hi - j_lo
-    if not SPLIT:  # the output goes through the last stage: the second group's P.V is done
-        mbarrier.wait(hand.index(1), (n0 - 1) & 1)
-    _finish_half(kv_bufs.index((n0 - 1) % STAGES), acc,
-                 gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)),
-                 gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), sink_ptr, o_ptr, ml_ptr,
-                 acc_ptr, t, sp, H, N_ITEMS, SPLITS, 0, D, SPLIT, True)
-    if not SPLIT:
-        mbarrier.arrive(empty.index((n0 - 1) % STAGES), count=1)
-    return n0
-
-
-@gluon.jit
-def _pv_wg(kv_bufs, ready, empty, p_smem, a_smem, st_smem, hand, sink_ptr, o_ptr, ml_ptr,
-           acc_ptr, N_ITEMS, SPLITS, BPS, NB, H, D: gl.constexpr, STAGES: gl.constexpr,
-           SPLIT: gl.constexpr, PERSIST: gl.constexpr):
-    """The second consumer warp group (SOFTMAX_WG): each block's half of P.V (columns [D/2,
-    D)) from the P and alpha the first group hands over, and its half of each item's output."""
-    G = gl.num_programs(0)
-    if PERSIST:
-        n0 = 0
-        k = 0
-        for w in range(gl.program_id(0), N_ITEMS, G):
-            n0 = _pv_item(kv_bufs, ready, empty, p_smem, a_smem, st_smem, hand, sink_ptr, o_ptr,
-                          ml_ptr, acc_ptr, w, n0, k, N_ITEMS, SPLITS, BPS, NB, H, D, STAGES,
-                          SPLIT)
-            k += 1
-    else:
-        _pv_item(kv_bufs, ready, empty, p_smem, a_smem, st_smem, hand, sink_ptr, o_ptr, ml_ptr,
-                 acc_ptr, gl.program_id(0), 0, 0, N_ITEMS, SPLITS, BPS, NB, H, D, STAGES, SPLIT)
-
-
-@gluon.jit
-def _pv_item(kv_bufs, ready, empty, p_smem, a_smem, st_smem, hand, sink_ptr, o_ptr, ml_ptr,
-             acc_ptr, w, n0, k, N_ITEMS, SPLITS, BPS, NB, H, D: gl.constexpr,
-             STAGES: gl.constexpr, SPLIT: gl.constexpr):
-    """_pv_wg's item w (the program's k-th), its blocks the program's n0-th on; returns n0
-    past them."""
-    o_layout: gl.constexpr = _half_layouts(D)[1]
-    t, sp, j_lo, j_hi = _item(w, SPLITS, BPS, NB)
-    acc = gl.zeros([HEADS, D // 2], gl.float32, layout=o_layout)
-    for i in range(j_hi - j_lo):
-        n = n0 + i
-        stage = n % STAGES
-        mbarrier.wait(ready.index(stage), (n // STAGES) & 1)
-        mbarrier.wait(hand.index(0), n & 1)  # this block's P and alpha
-        acc = acc * a_smem.load(gl.SliceLayout(1, o_layout))[:, None]
-        acc = warpgroup_mma(p_smem, kv_bufs.index(stage).slice(D // 2, D // 2, dim=1), acc,
-                            is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        mbarrier.arrive(hand.index(1), count=1)
-        if SPLIT or i < j_hi - j_lo - 1:
-            mbarrier.arrive(empty.index(stage), count=1)
-    mbarrier.wait(hand.index(2), k & 1)  # the item's m and l (the first's P.V is done)
-    m_i = st_smem.slice(0, HEADS).load(gl.SliceLayout(1, o_layout))
-    l_i = st_smem.slice(HEADS, HEADS).load(gl.SliceLayout(1, o_layout))
-    mbarrier.arrive(hand.index(3), count=1)
-    n0 += j_hi - j_lo
-    _finish_half(kv_bufs.index((n0 - 1) % STAGES), acc, m_i, l_i, sink_ptr, o_ptr, ml_ptr,
-                 acc_ptr, t, sp, H, N_ITEMS, SPLITS, 1, D, SPLIT, False)
-    if not SPLIT:
         mbarrier.arrive(empty.index((n0 - 1) % STAGES), count=1)
     return n0
 
@@ -766,17 +513,14 @@ def _sparse_attn_ws_kernel(q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, pool_pt
                            D: gl.constexpr, PAGE_SHIFT: gl.constexpr, STAGES: gl.constexpr,
                            RS: gl.constexpr, SUB: gl.constexpr, RAW: gl.constexpr,
                            SPLIT: gl.constexpr, PERSIST: gl.constexpr,
-                           PRODUCER_REGS: gl.constexpr, FM: gl.constexpr,
-                           PV_REGS: gl.constexpr, CHAIN: gl.constexpr, LATE: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Work items (token t, split s), item w = t * SPLITS + s, program p taking items p, p + G,
     p + 2G, ... (G programs; _item): q [T, H, D] bf16 (H <= 64, padded heads load 0); the
     token's list is widx [t, :WW] (ring rows [*, D + D/32] or the step's new rows, uint8) then
     cidx [t, :K] (rows of the pool [*, PAGE_ROWS, D/2 + D/16] through block-table row
     trow[t]), of which the item takes 64-blocks [s*BPS, (s+1)*BPS); o [T, H, D] bf16, or
     SPLIT: the partials ml, acc (see _consumer). Each item's sums are the same whichever
-    program runs it, so G changes no bit. FM (SOFTMAX_WG; num_warps 4): the consumer as
-    _softmax_wg and _pv_wg (PV_REGS registers), else _consumer (num_warps 8)."""
+    program runs it, so G changes no bit."""
     n_items = N_NEW * SPLITS
     nb = gl.cdiv(WW + K, BLOCK_N)
     t0 = (gl.program_id(0) // SPLITS).to(gl.int64)  # the first item's token
@@ -798,45 +542,17 @@ def _sparse_attn_ws_kernel(q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, pool_pt
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2 if FM else 1)  # FM: both consumer groups
-    if FM:
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, BLOCK_N],
-                                           gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N],
-                                                                                gl.bfloat16))
-        a_smem = gl.allocate_shared_memory(gl.float32, [HEADS],
-                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        st_smem = gl.allocate_shared_memory(gl.float32, [2 * HEADS],
-                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        hand = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(4):
-            mbarrier.init(hand.index(i), count=1)
-        fence_async_shared()
-        gl.warp_specialize([
-            (_softmax_wg, (q_smem, kv_bufs, ready, empty, p_smem, a_smem, st_smem, hand, q_ptr,
-                           widx_ptr, cidx_ptr, sink_ptr, o_ptr, ml_ptr, acc_ptr, n_items, SPLITS,
-                           BLOCKS_PER_SPLIT, nb, H, WW, K, sw_t, sc_t, scale, D, STAGES, SPLIT,
-                           PERSIST)),
-            (_pv_wg, (kv_bufs, ready, empty, p_smem, a_smem, st_smem, hand, sink_ptr, o_ptr,
-                      ml_ptr, acc_ptr, n_items, SPLITS, BLOCKS_PER_SPLIT, nb, H, D, STAGES,
-                      SPLIT, PERSIST)),
-            (_producer, (ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
-                         kv_bufs, ready, empty, raw_codes, raw_extra, n_items, SPLITS,
-                         BLOCKS_PER_SPLIT, nb, N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t,
-                         sc_t, bt_r, PAGE_SHIFT, D, STAGES, RS, SUB, RAW, PERSIST, CHAIN,
-                         LATE)),
-        ], [4, PRODUCER_WARPS], [PV_REGS, PRODUCER_REGS])
-    else:
-        fence_async_shared()
-        gl.warp_specialize([
-            (_consumer, (q_smem, kv_bufs, ready, empty, q_ptr, widx_ptr, cidx_ptr, sink_ptr,
-                         o_ptr, ml_ptr, acc_ptr, n_items, SPLITS, BLOCKS_PER_SPLIT, nb, H, WW, K,
-                         sw_t, sc_t, scale, D, STAGES, SPLIT, PERSIST, num_warps)),
-            (_producer, (ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
-                         kv_bufs, ready, empty, raw_codes, raw_extra, n_items, SPLITS,
-                         BLOCKS_PER_SPLIT, nb, N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t,
-                         sc_t, bt_r, PAGE_SHIFT, D, STAGES, RS, SUB, RAW, PERSIST, CHAIN,
-                         LATE)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer, (q_smem, kv_bufs, ready, empty, q_ptr, widx_ptr, cidx_ptr, sink_ptr,
+                     o_ptr, ml_ptr, acc_ptr, n_items, SPLITS, BLOCKS_PER_SPLIT, nb, H, WW, K,
+                     sw_t, sc_t, scale, D, STAGES, SPLIT, PERSIST, num_warps)),
+        (_producer, (ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
+                     kv_bufs, ready, empty, raw_codes, raw_extra, n_items, SPLITS,
+                     BLOCKS_PER_SPLIT, nb, N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t,
+                     sc_t, bt_r, PAGE_SHIFT, D, STAGES, RS, SUB, RAW, PERSIST)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
@@ -890,6 +606,5 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
         *(partials or (sink, sink)), float(scale), h, n_ring, t, ww, k, table.shape[1],
         pool.shape[1], s, per_split, widx.stride(0), cidx.stride(0), table.stride(0), D=d,
         PAGE_SHIFT=page_shift, STAGES=stages, RS=ROWS_PER_STORE, SUB=SUB_ROWS, RAW=RAW_STAGES,
-        SPLIT=s > 1, PERSIST=programs < t * s, PRODUCER_REGS=PRODUCER_REGS, FM=SOFTMAX_WG,
-        PV_REGS=PV_REGS, CHAIN=STORE_CHAIN, LATE=LATE_COPIES, num_warps=4 if SOFTMAX_WG else 8)
+        SPLIT=s > 1, PERSIST=programs < t * s, PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
     return finish_paged(out, partials, sink, out_rot, r2)
