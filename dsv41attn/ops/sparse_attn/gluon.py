@@ -30,9 +30,9 @@ program an item, where the saved start is a small part of the item.
 What bounds it: neither side alone. At b = 256 over 640 rows (H100) the producer alone (the
 consumer handing stages straight back) takes 81 of the 121 us, and the consumer with the
 producer only copying 90. The consumer's warp groups in FlashMLA's roles (one on the logits
-and the softmax, handing P to the other; three barriers a block less) timed no faster, and
-fewer producer barriers (the stores under one if/elif chain, the next copies after the
-decode) were slower; both were deleted (docs/benchmarks.md, forty-ninth session).
+and the softmax, handing P to the other; no barrier of both in the block loop) timed no
+faster, and fewer producer barriers (the stores under one if/elif chain, the next copies
+after the decode) were slower; both were deleted (docs/benchmarks.md, forty-ninth session).
 
 Code size: the producer walks a block's sub-blocks in a loop, not unrolled. Unrolled, its
 decode paths came to 100 KB of SASS, and its warps stalled on instruction fetch (Nsight
