@@ -286,4 +286,3 @@ def test_the_backend_runs_the_gluon_kernel_on_hopper(invariant):
     tri = tri_paged(q, sink, 0.1, **args, **cut)
     err_tri = (tri.float().cpu() - ref.float()).abs().max().item()
     assert (got.float().cpu() - ref.float()).abs().max().item() <= max(2 * err_tri, 1e-2)
-

@@ -94,7 +94,7 @@ PERSIST_MAX_BLOCKS = 4
 
 def smem_bytes(d: int, stages: int) -> int:
     """Shared memory the kernel takes at head dim d: q, the bf16 ring, the raw stages, and 4 KB
-    for the consumer's reductions and layout changes (measured 4132 B)."""
+    for the consumer's reductions and layout changes (measured 4132 B at d = 512)."""
     return (MAX_HEADS + stages * ROWS) * d * 2 + RAW_STAGES * SUB_ROWS * (d + d // 16) + 4352
 
 
@@ -552,13 +552,13 @@ def _sparse_attn_ws_kernel(q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, pool_pt
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
     gl.warp_specialize([
-        (_consumer, (q_smem, kv_bufs, ready, empty, q_ptr, widx_ptr, cidx_ptr, sink_ptr,
-                     o_ptr, ml_ptr, acc_ptr, n_items, SPLITS, BLOCKS_PER_SPLIT, nb, H, WW, K,
-                     sw_t, sc_t, scale, D, STAGES, SPLIT, PERSIST, num_warps)),
-        (_producer, (ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
-                     kv_bufs, ready, empty, raw_codes, raw_extra, n_items, SPLITS,
-                     BLOCKS_PER_SPLIT, nb, N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t,
-                     sc_t, bt_r, PAGE_SHIFT, D, STAGES, RS, SUB, RAW, PERSIST)),
+        (_consumer, (q_smem, kv_bufs, ready, empty, q_ptr, widx_ptr, cidx_ptr, sink_ptr, o_ptr,
+                     ml_ptr, acc_ptr, n_items, SPLITS, BLOCKS_PER_SPLIT, nb, H, WW, K, sw_t,
+                     sc_t, scale, D, STAGES, SPLIT, PERSIST, num_warps)),
+        (_producer, (ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr, kv_bufs,
+                     ready, empty, raw_codes, raw_extra, n_items, SPLITS, BLOCKS_PER_SPLIT, nb,
+                     N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT, D,
+                     STAGES, RS, SUB, RAW, PERSIST)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
