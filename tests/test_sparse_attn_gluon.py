@@ -23,7 +23,7 @@ SHAPES = [(512, 2), (128, 3), (256, 2)]
 
 
 def _compile(d: int, stages: int, split: bool, persist: bool = True,
-             triton_dir: str | None = None, wbf16: bool = False) -> dict:
+             triton_dir: str | None = None) -> dict:
     """Compile _sparse_attn_ws_kernel for sm_90a in a fresh process (the stand-in driver must not
     touch this process's Triton); its shared memory and (registers, stack, local ld/st, loop).
     triton_dir: another Triton first on the path (sm90_compile.TRITONS)."""
@@ -34,7 +34,7 @@ k = g._sparse_attn_ws_kernel.warmup(M(torch.bfloat16), M(torch.float32), M(torch
     M(torch.int32), M(torch.bfloat16), M(torch.float32), M(torch.float32), 0.05, 64, 1000, 8,
     128, 512, 64, 256, 2 if {split} else 1, 4, 128, 512, 64, D={d}, PAGE_SHIFT=8,
     STAGES={stages}, RS=g.ROWS_PER_STORE, SUB=g.SUB_ROWS, RAW=g.RAW_STAGES, SPLIT={split},
-    PERSIST={persist}, PRODUCER_REGS=g.PRODUCER_REGS, num_warps=8, grid=(1,), WBF16={wbf16})
+    PERSIST={persist}, PRODUCER_REGS=g.PRODUCER_REGS, num_warps=8, grid=(1,))
 ptx = k.asm["ptx"]
 sass = s._sass(k.asm["cubin"])
 part, size = None, {{}}  # SASS instructions by the partition's setmaxnreg register count
@@ -47,34 +47,30 @@ for line in sass.splitlines():
 print(json.dumps({{"shared": int(k.metadata.shared), "res": s._resources(k.asm["cubin"], True),
                   "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
                   "mbarrier": ptx.count("mbarrier.try_wait"),
-                  "producer": size.get(g.PRODUCER_REGS, 0),
-                  "window_bf16": "cvt.rn.bf16x2.f32 y, fb, fa; fma.rn.bf16x2" in ptx}}))
+                  "producer": size.get(g.PRODUCER_REGS, 0)}}))
 """, triton_dir)
 
 
 @pytest.mark.parametrize("triton_dir", sm90_compile.TRITONS,
                          ids=lambda v: "this" if v is None else os.path.basename(v))
-@pytest.mark.parametrize("d,stages,split,persist,wbf16", [
-    (512, 2, True, True, False), (512, 2, False, False, False), (512, 2, False, True, False),
-    (128, 3, False, True, False), (512, 2, False, False, True), (256, 2, True, True, True)])
-def test_compiles_warp_specialized_for_sm90(d, stages, split, persist, wbf16, triton_dir):
+@pytest.mark.parametrize("d,stages,split,persist", [(512, 2, True, True), (512, 2, False, False),
+                                                   (512, 2, False, True), (128, 3, False, True)])
+def test_compiles_warp_specialized_for_sm90(d, stages, split, persist, triton_dir):
     """The kernel lowers for an H100/H200 under this Triton and the GPU image's, a program
     taking one item or several: async wgmmas, mbarrier hand-overs between the partitions,
     register budgets per partition, and shared memory within a block's 227 KB and within what
     the host checks (smem_bytes)."""
     pytest.importorskip("triton.experimental.gluon")
     from dsv41attn.ops.sparse_attn.gluon import smem_bytes
-    r = _compile(d, stages, split, persist, triton_dir=triton_dir, wbf16=wbf16)
+    r = _compile(d, stages, split, persist, triton_dir=triton_dir)
     assert r["shared"] <= 232448, r
     assert r["shared"] <= smem_bytes(d, stages), r
     assert r["wgmma"] > 0 and r["setmaxnreg"] > 0 and r["mbarrier"] > 0, r
     # the producer's code within the instruction cache: unrolled over a block's sub-blocks it
     # was 6388 instructions (102 KB) at D = 512, and its warps stalled on instruction fetch
     # more than on anything else (Nsight Compute); as a loop, 2283-2416; with its async copies
-    # in their own layout (each thread's from one list entry), 1493-1592; with the window
-    # scale in bf16, 1645-1655
+    # in their own layout (each thread's from one list entry), 1493-1592
     assert 0 < r["producer"] <= 2048, r
-    assert r["window_bf16"] == wbf16, r  # the window rows' scale as a bf16x2 fma, or in fp32
 
 
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
@@ -200,8 +196,7 @@ def _decode_probe():
     import dsv41attn.ops.sparse_attn.gluon as g
 
     @gluon.jit
-    def probe(raw_ptr, out_ptr, D: gl.constexpr, SUB: gl.constexpr, RS: gl.constexpr,
-              BF16: gl.constexpr):
+    def probe(raw_ptr, out_ptr, D: gl.constexpr, SUB: gl.constexpr, RS: gl.constexpr):
         L: gl.constexpr = g._copy_layout(D)
         RB: gl.constexpr = D + D // 32
         rows = gl.program_id(0) * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, L))
@@ -216,7 +211,7 @@ def _decode_probe():
         g._thread_barrier()
         for r0 in gl.static_range(0, SUB, RS):
             v = gl.convert_layout(g._window_decode(codes.slice(r0, RS, dim=0),
-                                                   extra.slice(r0, RS, dim=0), RS, D, BF16), L)
+                                                   extra.slice(r0, RS, dim=0), RS, D), L)
             orow = gl.program_id(0) * SUB + r0 + gl.arange(0, RS, layout=gl.SliceLayout(1, L))
             gl.store(out_ptr + orow[:, None] * D + cols[None, :], v)
 
@@ -224,11 +219,10 @@ def _decode_probe():
 
 
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
-@pytest.mark.parametrize("bf16", [False, True])
-def test_window_decode_is_exact_for_every_code_and_exponent(bf16):
+def test_window_decode_is_exact_for_every_code_and_exponent():
     """Every e4m3 code (NaN and subnormal codes included) under every ue8m0 exponent byte (0:
-    scale 0; 255: inf), decoded by the producer's window decode in both forms (the scale in
-    fp32, or in bf16: WINDOW_BF16), gives the reference unpacking's bits, NaN where it has NaN."""
+    scale 0; 255: inf), decoded by the producer's window decode, gives the reference
+    unpacking's bits, NaN where it has NaN."""
     import dsv41attn.ops.sparse_attn.gluon as g
     from dsv41attn.ops.common.packing import unpack_window_rows
     d = 512
@@ -240,27 +234,12 @@ def test_window_decode_is_exact_for_every_code_and_exponent(bf16):
     want = unpack_window_rows(packed)
     out = torch.empty(128, d, dtype=torch.bfloat16, device="cuda")
     _decode_probe()[(128 // g.SUB_ROWS,)](packed.cuda(), out, D=d, SUB=g.SUB_ROWS,
-                                          RS=g.ROWS_PER_STORE, BF16=bf16, num_warps=4)
+                                          RS=g.ROWS_PER_STORE, num_warps=4)
     got = out.cpu()
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan)
     assert 0 < nan.sum() < nan.numel()
     assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
-
-
-@pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
-@pytest.mark.parametrize("t,ww,k", [(9, 128, 0), (7, 70, 130), (5, 128, 512)])
-def test_window_scale_in_bf16_gives_the_same_bits(t, ww, k, monkeypatch):
-    """WINDOW_BF16 (the window rows' scale as one bf16x2 fma a code pair) changes no output
-    bit: window lists, a block of both kinds, a decode's 128 + 512 rows, split and unsplit."""
-    import dsv41attn.ops.sparse_attn.gluon as g
-    q, sink, args = make_step(t, 64, 512, ww, k, 8, seed=t + ww + k)
-    for cut in ({"num_splits": 1}, {"split_blocks": 1}):
-        monkeypatch.setattr(g, "WINDOW_BF16", False)
-        want = g.sparse_attn_paged_ws(q, sink, 0.2, **args, **cut)
-        monkeypatch.setattr(g, "WINDOW_BF16", True)
-        got = g.sparse_attn_paged_ws(q, sink, 0.2, **args, **cut)
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cut
 
 
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU")

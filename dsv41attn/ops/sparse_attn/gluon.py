@@ -80,9 +80,6 @@ PRODUCER_WARPS = gl.constexpr(4)
 # (H100, alternating, the same bits): b = 256 decode over 640 rows 5% faster, an 8K prefill's
 # 14% (window only) and 6% (ratio 2), b = 1-64 within 2%; 144 gained less
 PRODUCER_REGS = 136
-# the window rows' scale applied in bf16 (_window_decode): the same bits, one instruction a
-# code pair fewer in the producer's decode
-WINDOW_BF16 = False
 SMEM_BYTES = 232448  # an sm_90 block's shared memory (227 KB)
 # a launch's programs: one an SM (a program's registers fill one), each taking the
 # (token, split) items in turn, so that an item's first blocks are decoded and its q copied in
@@ -226,39 +223,16 @@ def _copy_rows(codes, extra, ring_ptr, new_ptr, pool_ptr, wr, cr, page, N_RING, 
     _async_copy(extra, base[:, None] + ecol[None, :], mask=ok)
 
 
-# 4 e4m3 codes ($2) and their bf16 scale pairs ($3, $4) -> bf16 x4 ($0, $1): each code pair to
-# f16 (exact), to fp32 and packed to bf16 (exact: 3 mantissa bits), then one bf16x2 fma
-# x * s + (-0) (the sign of a zero product kept)
-_FP8_BF16_SCALE_ASM = gl.constexpr(
-    "{ .reg .b16 c01, c23, xa, xb; .reg .b32 x, y, z; .reg .f32 fa, fb; mov.b32 {c01, c23}, $2;"
-    " mov.b32 z, 0x80008000;"
-    + "".join(f" cvt.rn.f16x2.e4m3x2 x, {src}; mov.b32 {{xa, xb}}, x; cvt.f32.f16 fa, xa;"
-              f" cvt.f32.f16 fb, xb; cvt.rn.bf16x2.f32 y, fb, fa; fma.rn.bf16x2 {dst}, y, {sc}, z;"
-              for src, sc, dst in (("c01", "$3", "$0"), ("c23", "$4", "$1"))) + " }")
-
-
 @gluon.jit
-def _window_decode(codes, extra, RS: gl.constexpr, D: gl.constexpr, BF16: gl.constexpr):
+def _window_decode(codes, extra, RS: gl.constexpr, D: gl.constexpr):
     """RS window rows from a raw stage's slices, bf16 [RS, D]: e4m3 code x 2^(e-127) in fp32,
-    exact, then to bf16 (as the reference rounds it). BF16: the code to bf16 (exact: 3
-    mantissa bits), times 2^(e-127) in bf16 (its exponent bits e << 7; 0 -> 0) by one bf16x2
-    fma a pair: the product of a 4-bit significand and a power of two is the fp32 path's
-    value wherever bf16 holds it, and rounds as its conversion does in bf16's subnormals
-    (bf16 has fp32's exponent range), so the bits are the same, one instruction a pair
-    fewer (no fp32 multiply and no second pack)."""
+    exact, then to bf16 (as the reference rounds it)."""
     L4: gl.constexpr = _pair_layout(D)
     c = gl.convert_layout(gl.reshape(codes.load(_copy_layout(D)), [RS, D // 32, 2, 16]), L4)
     e = extra.slice(0, D // 32, dim=1).load(gl.SliceLayout(2, gl.SliceLayout(3, L4)))
-    if BF16:
-        scale = (e.to(gl.int16) << 7).to(gl.bfloat16, bitcast=True)  # 2^(e-127); 0 -> 0
-        v = gl.inline_asm_elementwise(_FP8_BF16_SCALE_ASM, "=r,=r,r,r,r",
-                                      [c, gl.broadcast(scale[:, :, None, None], c)[0]],
-                                      dtype=gl.bfloat16, is_pure=True, pack=4)
-        return gl.reshape(v, [RS, D])
-    else:
-        scale = (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)  # 2^(e-127); 0 -> 0
-        v = c.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, :, None, None]
-        return gl.reshape(v, [RS, D]).to(gl.bfloat16)  # exact
+    scale = (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)  # 2^(e-127); 0 -> 0
+    v = c.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, :, None, None]
+    return gl.reshape(v, [RS, D]).to(gl.bfloat16)  # exact
 
 
 @gluon.jit
@@ -304,7 +278,7 @@ def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
               empty, raw_codes, raw_extra, N_ITEMS, SPLITS, BPS, NB, N_RING, N_NEW, WW, K,
               PAGES, PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, RS: gl.constexpr, SUB: gl.constexpr,
-              RAW: gl.constexpr, PERSIST: gl.constexpr, WBF16: gl.constexpr):
+              RAW: gl.constexpr, PERSIST: gl.constexpr):
     """Fill the ring with the program's items' list blocks in turn (_item), the program's
     n-th block into stage n % STAGES: the ring runs on across items, so the next item's first
     blocks are decoded while the consumer finishes the item before. PERSIST off: the
@@ -318,14 +292,14 @@ def _producer(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
             _producer_item(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
                            kv_bufs, ready, empty, raw_codes, raw_extra, t, j_lo, j_hi, n0,
                            N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t, sc_t, bt_r,
-                           PAGE_SHIFT, D, STAGES, RS, SUB, RAW, WBF16)
+                           PAGE_SHIFT, D, STAGES, RS, SUB, RAW)
             n0 += j_hi - j_lo
     else:
         t, s, j_lo, j_hi = _item(gl.program_id(0), SPLITS, BPS, NB)
         _producer_item(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr,
                        kv_bufs, ready, empty, raw_codes, raw_extra, t, j_lo, j_hi, 0, N_RING,
                        N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT, D, STAGES,
-                       RS, SUB, RAW, WBF16)
+                       RS, SUB, RAW)
 
 
 @gluon.jit
@@ -333,7 +307,7 @@ def _producer_item(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx
                    ready, empty, raw_codes, raw_extra, t, j_lo, j_hi, n0, N_RING, N_NEW, WW, K,
                    PAGES, PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT: gl.constexpr,
                    D: gl.constexpr, STAGES: gl.constexpr, RS: gl.constexpr,
-                   SUB: gl.constexpr, RAW: gl.constexpr, WBF16: gl.constexpr):
+                   SUB: gl.constexpr, RAW: gl.constexpr):
     """Fill the ring with token t's list blocks j_lo..j_hi-1 (64 entries each: window entries,
     then compressed ones), the i-th block into stage (n0 + i) % STAGES.
 
@@ -384,13 +358,13 @@ def _producer_item(ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx
                 w_rs = words.slice(r0, RS, dim=0).slice(0, D // 8, dim=1)
                 x_rs = extra.slice(r0, RS, dim=0)
                 if e0 + r0 + RS <= WW:  # window rows only
-                    v = gl.convert_layout(_window_decode(c_rs, x_rs, RS, D, WBF16), L2)
+                    v = gl.convert_layout(_window_decode(c_rs, x_rs, RS, D), L2)
                 elif e0 + r0 >= WW:  # compressed rows only
                     v = gl.convert_layout(_compressed_decode(w_rs, x_rs, RS, D), L2)
                 else:  # the rows where the window part ends: each one or the other
                     is_w = e0 + r0 + rows < WW
                     v = gl.where(is_w[:, None],
-                                 gl.convert_layout(_window_decode(c_rs, x_rs, RS, D, WBF16), L2),
+                                 gl.convert_layout(_window_decode(c_rs, x_rs, RS, D), L2),
                                  gl.convert_layout(_compressed_decode(w_rs, x_rs, RS, D), L2))
                 for qq in gl.static_range(NSUB):  # the ring's row slice must be static
                     if q == qq:
@@ -552,8 +526,7 @@ def _sparse_attn_ws_kernel(q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, pool_pt
                            D: gl.constexpr, PAGE_SHIFT: gl.constexpr, STAGES: gl.constexpr,
                            RS: gl.constexpr, SUB: gl.constexpr, RAW: gl.constexpr,
                            SPLIT: gl.constexpr, PERSIST: gl.constexpr,
-                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                           WBF16: gl.constexpr = False):
+                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Work items (token t, split s), item w = t * SPLITS + s, program p taking items p, p + G,
     p + 2G, ... (G programs; _item): q [T, H, D] bf16 (H <= 64, padded heads load 0); the
     token's list is widx [t, :WW] (ring rows [*, D + D/32] or the step's new rows, uint8) then
@@ -590,7 +563,7 @@ def _sparse_attn_ws_kernel(q_ptr, sink_ptr, ring_ptr, new_ptr, widx_ptr, pool_pt
         (_producer, (ring_ptr, new_ptr, widx_ptr, pool_ptr, bt_ptr, trow_ptr, cidx_ptr, kv_bufs,
                      ready, empty, raw_codes, raw_extra, n_items, SPLITS, BLOCKS_PER_SPLIT, nb,
                      N_RING, N_NEW, WW, K, PAGES, PAGE_ROWS, sw_t, sc_t, bt_r, PAGE_SHIFT, D,
-                     STAGES, RS, SUB, RAW, PERSIST, WBF16)),
+                     STAGES, RS, SUB, RAW, PERSIST)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -645,6 +618,5 @@ def sparse_attn_paged_ws(q: torch.Tensor, sink: torch.Tensor, scale: float,
         *(partials or (sink, sink)), float(scale), h, n_ring, t, ww, k, table.shape[1],
         pool.shape[1], s, per_split, widx.stride(0), cidx.stride(0), table.stride(0), D=d,
         PAGE_SHIFT=page_shift, STAGES=stages, RS=ROWS_PER_STORE, SUB=SUB_ROWS, RAW=RAW_STAGES,
-        SPLIT=s > 1, PERSIST=programs < t * s, PRODUCER_REGS=PRODUCER_REGS, num_warps=8,
-        WBF16=WINDOW_BF16)
+        SPLIT=s > 1, PERSIST=programs < t * s, PRODUCER_REGS=PRODUCER_REGS, num_warps=8)
     return finish_paged(out, partials, sink, out_rot, r2)
