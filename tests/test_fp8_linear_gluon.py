@@ -448,7 +448,8 @@ SWAP_CASES = {
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
 @pytest.mark.parametrize("case", list(SWAP_CASES), ids=list(SWAP_CASES))
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("variant", ["default", "narrowed-inflight", "split-rounds"])
+@pytest.mark.parametrize("variant", ["default", "narrowed-inflight", "split-rounds",
+                                     "rounds-off"])
 def test_swap_tiles_equal_triton_tiles(case, out_dtype, variant, monkeypatch):
     """fp8_linear with the Gluon swapped tiles against the Triton decode kernel's tiles they
     replace (at 1-16 rows those read x's fp16 values, these its bf16 values): the same bits,
@@ -456,12 +457,12 @@ def test_swap_tiles_equal_triton_tiles(case, out_dtype, variant, monkeypatch):
     block), weight scales over a wide range. The default tiles (the widest token tile, one
     block dot per wait), the variants SWAP_NARROW (narrower token tiles where the widest
     would leave SMs idle: other cases sum K's ranges in the program) with SWAP_INFLIGHT
-    (several block dots per wait), and SWAP_SPLIT_ROUNDS on a 64-SM count (m200's 80 tiles
-    then split their 3 ranges as items, which the default sums in the program)."""
+    (several block dots per wait), and SWAP_SPLIT_ROUNDS on a 64-SM count, on (m200's 80 tiles
+    then split their 3 ranges as items) and off (they sum them in the program)."""
     from dsv41attn.ops.linear import gluon as G
     m, n, k, splits = SWAP_CASES[case]
-    if variant == "split-rounds":
-        monkeypatch.setattr(T, "SWAP_SPLIT_ROUNDS", True)
+    if variant in ("split-rounds", "rounds-off"):
+        monkeypatch.setattr(T, "SWAP_SPLIT_ROUNDS", variant == "split-rounds")
         monkeypatch.setattr(T, "sm_count", lambda device: 64)
     monkeypatch.setattr(T, "SWAP_WS_MIN_M", 1)  # every case on them, whatever the default
     monkeypatch.setattr(T, "SWAP_WS_LONG_MIN_M", 1)

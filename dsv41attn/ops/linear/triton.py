@@ -1016,12 +1016,12 @@ SWAP_WS_LONG_MIN_M = 33
 # The swapped tiles run K's ranges as programs of their own where the tiles leave SMs idle;
 # also where the tiles take more rounds of the SMs than their ranges as items would
 # (SWAP_SPLIT_ROUNDS, _swap_split). wo_b at 448-511 rows is the case: 160 tiles of 128 token
-# rows on 132 SMs run unsplit in 2 rounds of its whole K (H100, 2cd9d81: 182-188 us, against
-# 111 at 384 rows, whose 120 tiles split), where its 5 ranges as 800 items would take 7 rounds
-# of a fifth of K, plus the partials' sum. The same bits either way. Off until timed
-# (`bench --part gemm --rows 448,480,511 --variant base --variant
-# r:ops.linear.triton.SWAP_SPLIT_ROUNDS=1`).
-SWAP_SPLIT_ROUNDS = False
+# rows on 132 SMs ran unsplit in 2 rounds of its whole K, where its 5 ranges as 800 items take
+# 7 rounds of a fifth of K, plus the partials' sum. The same bits either way. H100, 51fc670's
+# tree, act_quant + GEMM in a CUDA graph (`bench --part gemm --rows 448,480,511 --variant base
+# --variant r:ops.linear.triton.SWAP_SPLIT_ROUNDS=1`): wo_b 180.3 / 184.8 / 187.3 -> 147.0 /
+# 152.1 / 151.2 us; the layer at b = 480: SWA 540 -> 507 us, Full r=2 964 -> 936
+SWAP_SPLIT_ROUNDS = True
 
 
 def _swap_split(tiles: int, ranges: int, sms: int) -> bool:
