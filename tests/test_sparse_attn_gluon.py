@@ -218,6 +218,22 @@ def _decode_probe():
     return probe
 
 
+@pytest.mark.parametrize("triton_dir", sm90_compile.TRITONS,
+                         ids=lambda v: "this" if v is None else os.path.basename(v))
+def test_decode_probe_compiles_for_sm90(triton_dir):
+    """The window decode's probe kernel (below, GPU only) lowers for sm_90a under this Triton
+    and the GPU image's, so the probe cannot rot between GPU sessions."""
+    pytest.importorskip("triton.experimental.gluon")
+    r = sm90_compile.compile_probe(r"""
+import test_sparse_attn_gluon as t
+import dsv41attn.ops.sparse_attn.gluon as g
+k = t._decode_probe().warmup(M(torch.uint8), M(torch.bfloat16), D=512, SUB=g.SUB_ROWS,
+                             RS=g.ROWS_PER_STORE, num_warps=4, grid=(1,))
+print(json.dumps({"f2fp": s._sass(k.asm["cubin"]).count("F2FP")}))
+""", triton_dir)
+    assert r["f2fp"] > 0, r  # the e4m3 unpacks and bf16 packs of the decode
+
+
 @pytest.mark.skipif(not GPU, reason="needs a Hopper GPU (Gluon does not run under the interpreter)")
 def test_window_decode_is_exact_for_every_code_and_exponent():
     """Every e4m3 code (NaN and subnormal codes included) under every ue8m0 exponent byte (0:
