@@ -2,10 +2,14 @@
 (ops/common/triton.rms_norm) against the reference ops and an fp64 oracle; a row's bits never
 depend on how many rows share the call. Runs under TRITON_INTERPRET=1 on the CPU, and on a GPU
 when there is one."""
+import os
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+import sm90_compile  # noqa: E402
 
 import dsv41attn.ops.linear.triton as T
 from dsv41attn.ops.common.norm import rms_norm as ref_rms_norm
@@ -233,3 +237,91 @@ def test_rms_norm_vs_reference():
         rms_norm(x.float().to(DEV), w.to(DEV), 1e-6)
     with pytest.raises(ValueError):
         rms_norm(x.to(DEV), w[:10].to(DEV), 1e-6)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_codes_by_their_bits_give_the_conversion_units_bits(m, monkeypatch):
+    """A weight holding every e4m3 code but the NaNs (zeros of both signs, subnormals, +-448)
+    under block scales 2^-27 .. 2^12: dense_fp8_linear's rescaled tiles reading the codes by
+    their bits (DENSE_CODE_BITS; on a GPU E4M3_BF16_BITS_ASM, under the interpreter its exact
+    path) give dense_linear's bits on the dequantised weight, as the conversion units do; a
+    weight with a NaN code never takes the bits (its column NaN, the others unchanged)."""
+    from dsv41attn.checkpoint import Fp8Weight
+    n, k, groups = 64, 256, 2
+    g = torch.Generator().manual_seed(40 + m)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    weight = codes[torch.randint(0, codes.numel(), (groups * n, k), generator=g)]
+    weight[0, :codes.numel()] = codes  # each code at least once in one row
+    scale = torch.randint(100, 140, (groups * n // 32, k // 32), generator=g).to(torch.uint8)
+    w = Fp8Weight(weight.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu))
+    x = torch.randn(m, groups * k, generator=g).bfloat16().to(DEV)
+    x[-1, :7] = 0
+
+    def run(w8, bits):
+        monkeypatch.setattr(T, "DENSE_CODE_BITS", bits)
+        assert T._dense_code_bits(True, w8) == (bits and DEV == "cuda" and T.nan_free_codes(w8))
+        assert not T._dense_code_bits(False, w8)  # the scaled tiles never take them
+        s8 = w.scale.to(DEV)
+        assert T.rescalable_scales(s8)
+        out = torch.full((m, groups * n), float("nan"), dtype=torch.bfloat16, device=DEV)
+        got = T.dense_fp8_linear(x, w8, s8, groups, num_splits=2, tma=True, rescaled=True,
+                                 out=out)
+        assert got.data_ptr() == out.data_ptr()
+        return got
+
+    w8 = w.weight.to(DEV)
+    want = dense_linear(x, w.dequantize().to(DEV), groups, num_splits=2)
+    assert not torch.isnan(want).any()
+    for bits in (False, True):
+        assert _same(run(w8, bits), want), bits
+    bad = w8.clone()
+    bad.view(torch.uint8)[7, 100] = 0xFF
+    bad_w = Fp8Weight(bad.cpu(), w.scale)
+    want = dense_linear(x, bad_w.dequantize().to(DEV), groups, num_splits=2)
+    assert want[:, 7].isnan().all() and not want[:, 8].isnan().any()
+    for bits in (False, True):  # NaN where dense_linear has NaN (its payload aside)
+        got = run(bad, bits)
+        assert torch.equal(got.isnan(), want.isnan()), bits
+        assert _same(got.nan_to_num(0.0), want.nan_to_num(0.0)), bits
+
+
+def _compile_wo_a_codes(bits: bool, triton_dir: str | None) -> dict:
+    """Compile _dense_fp8_kernel as V4.1-Flash's wo_a runs it at one decode row (8 groups of
+    [1024, 4096] e4m3 codes through [64, 32] TMA boxes, 4 K ranges as programs, rescaled)
+    for sm_90a: (registers, stack, local ld/st, main loop) and its SASS's opcode counts."""
+    return sm90_compile.compile_probe(rf"""
+import re, collections
+from triton.tools.tensor_descriptor import TensorDescriptor
+import dsv41attn.ops.linear.triton as T
+d = TensorDescriptor(torch.empty(16, dtype=torch.uint8), [8192, 4096], [4096, 1], [64, 32],
+                     "zero")
+k = T._dense_fp8_kernel.warmup(M(torch.bfloat16), M(torch.uint8), M(torch.uint8), d,
+    M(torch.bfloat16), M(torch.float32), M(torch.int32), 1, 1024, 4096, 32768, 8192, 128, 64,
+    4, BLOCK_M=16, BLOCK_N=64, SPLITS=4, ALL_RANGES=False, TMA=True, RESCALED=True,
+    INTERPRET=False, CODE_BITS={bits}, num_warps=4, num_stages=3, grid=(1,))
+sass = s._sass(k.asm["cubin"])
+ops = collections.Counter(re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass))
+print(json.dumps({{"res": s._resources(k.asm["cubin"], True), "ops": ops}}))
+""", triton_dir)
+
+
+@pytest.mark.parametrize("triton_dir", sm90_compile.TRITONS,
+                         ids=lambda d: "this" if d is None else os.path.basename(d))
+def test_codes_by_their_bits_compile_for_sm90(triton_dir):
+    """wo_a's decode tiles with CODE_BITS lower for an H100/H200 without spills and without
+    the conversion units in their K steps (no e4m3 unpack, no f16 -> bf16 conversion, no bf16
+    packs but the output's: bf16 FMAs instead), in no more instructions a K step than the
+    conversions' form. (Without a GPU the suite's own launches never take CODE_BITS, so this
+    is what compiles that branch.)"""
+    off, on = (_compile_wo_a_codes(b, triton_dir) for b in (False, True))
+    if off["res"] is None:
+        pytest.skip("this Triton's wheel has no cuobjdump")
+    regs, stack, local, loop = on["res"]
+    assert stack == 0 and local == 0 and regs <= 255, on["res"]
+    unpack, pack = "F2FP.F16.E4M3.UNPACK_B", "F2FP.BF16.F32.PACK_AB"
+    assert off["ops"].get(unpack, 0) > 0  # what the bits replace
+    assert not on["ops"].get(unpack) and not [op for op in on["ops"] if op.startswith("F2F.")]
+    assert on["ops"].get(pack, 0) <= off["ops"][pack] - off["ops"][unpack], (on["ops"], off["ops"])
+    assert on["ops"].get("HMUL2.BF16_V2", 0) + on["ops"].get("HFMA2.BF16_V2", 0) > 0
+    assert 0 < loop <= off["res"][3], (on["res"], off["res"])

@@ -1854,7 +1854,7 @@ def _pow2(d):
 
 @triton.jit
 def _rescaled_steps(acc, w_desc, x_row, s_row, row0, lo, hi, KG, n_mask, m_mask, offs_n,
-                    INTERPRET: tl.constexpr):
+                    INTERPRET: tl.constexpr, CODE_BITS: tl.constexpr = False):
     """K steps lo .. hi - 1 of _dense_fp8_kernel (RESCALED: one range; acc: [BLOCK_N,
     BLOCK_M] fp32 zeros) from the weight's unscaled e4m3 values: each 32-block's dot runs on
     the codes as they are, and the accumulator holds the sum so far times 2^-s (s: the scale
@@ -1865,6 +1865,10 @@ def _rescaled_steps(acc, w_desc, x_row, s_row, row0, lo, hi, KG, n_mask, m_mask,
     bits as the scaled operands' chain. Why: the operand then reaches the wgmma straight from
     its shared-memory load, with no per-element scale select and no layout change through shared
     memory (H100, V4.1-Flash wo_a at 1-16 rows: 20.5 -> 18.2 us). w_desc: [BLOCK_N, 32] boxes.
+    CODE_BITS (a weight without NaN codes: the caller checked): the codes become bf16 by their
+    bits (E4M3_BF16_BITS_ASM: integer ops and one bf16 FMA a pair) instead of through the
+    conversion units (an e4m3 -> f16 unpack a pair and an f16 -> bf16 conversion an element,
+    16 results a clock an SM, which bound this kernel at 1-16 rows): the same bf16 values.
     Under the interpreter: each step's exact sum in fp64 of the scaled values, as the other
     branch makes it."""
     half = tl.arange(0, 32)
@@ -1886,7 +1890,12 @@ def _rescaled_steps(acc, w_desc, x_row, s_row, row0, lo, hi, KG, n_mask, m_mask,
                                    out_dtype=tl.float64)
             else:
                 acc = acc * _pow2(e_prev - e)[:, None]
-                acc = tl.dot(e4m3_to_fp32(codes).to(tl.bfloat16), tl.trans(x), acc)
+                if CODE_BITS:  # exact but for NaN codes (none: the caller checked)
+                    w = tl.inline_asm_elementwise(_E4M3_BF16_ASM, "=r,h", [codes],
+                                                  dtype=tl.bfloat16, is_pure=True, pack=2)
+                else:
+                    w = e4m3_to_fp32(codes).to(tl.bfloat16)
+                acc = tl.dot(w, tl.trans(x), acc)
             e_prev = e
         if INTERPRET:
             acc += step_sum.to(tl.float32)
@@ -1899,7 +1908,8 @@ def _rescaled_steps(acc, w_desc, x_row, s_row, row0, lo, hi, KG, n_mask, m_mask,
 def _dense_fp8_kernel(x_ptr, w_ptr, s_ptr, w_desc, out_ptr, part_ptr, cnt_ptr, M, NG, KG, XK,
                       CN, SK, CHUNKS, RANGES, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLITS: tl.constexpr, ALL_RANGES: tl.constexpr, TMA: tl.constexpr,
-                      RESCALED: tl.constexpr, INTERPRET: tl.constexpr):
+                      RESCALED: tl.constexpr, INTERPRET: tl.constexpr,
+                      CODE_BITS: tl.constexpr = False):
     """_dense_gemm_kernel's bf16 GEMM (the same K steps of 64, the same fp32 chain, the same
     ranges) for a weight held as e4m3 codes with e8m0 32x32 block scales, read as its bytes:
     each step's [BLOCK_N, 64] codes times their two block scales are the weight's bf16 values
@@ -1912,7 +1922,8 @@ def _dense_fp8_kernel(x_ptr, w_ptr, s_ptr, w_desc, out_ptr, part_ptr, cnt_ptr, M
     range z (S = SPLITS = RANGES: its fp32 partial into part [S, M, CN], and the tile's last
     program to finish, by the counter in cnt, adds them in range order, writes out and resets
     the counter) or every range in turn (ALL_RANGES, S = 1). RESCALED (TMA with [BLOCK_N, 32]
-    boxes, not ALL_RANGES): the steps as _rescaled_steps runs them."""
+    boxes, not ALL_RANGES): the steps as _rescaled_steps runs them, CODE_BITS its codes by
+    their bits."""
     BLOCK_K: tl.constexpr = 64
     n_tiles = tl.cdiv(NG, BLOCK_N)
     pid_n = tl.program_id(0)
@@ -1943,7 +1954,7 @@ def _dense_fp8_kernel(x_ptr, w_ptr, s_ptr, w_desc, out_ptr, part_ptr, cnt_ptr, M
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if RESCALED:
         acc = _rescaled_steps(acc, w_desc, x_row, s_row, g * NG + n0, lo, hi, KG, n_mask,
-                              m_mask, offs_n, INTERPRET)
+                              m_mask, offs_n, INTERPRET, CODE_BITS)
     else:
         for step in range(lo, hi):
             k = step * BLOCK_K + offs_k
@@ -2125,6 +2136,21 @@ def _run_dense(plan: _DensePlan, x: torch.Tensor, weight: torch.Tensor, groups: 
 # 21.0, 6 21.8 / 22.0; 128 weight rows 21.4-23.1); at M = 64, 64 x 64 tiles, plain loads 28.2
 # (TMA 35.1; 128 weight rows on 8 warps, TMA, 29.3). The same bits in every one.
 DENSE_FP8_TILES = ((16, 16, 64, 4, 3, True), (None, 64, 64, 4, 3, False))
+# The rescaled tiles turn the codes into bf16 by their bits (_rescaled_steps' CODE_BITS) on a
+# weight without NaN codes (nan_free_codes): the same bf16 values, with integer ops and one bf16
+# FMA a pair instead of the conversion units, which bound wo_a's codes at 1-16 rows (about 19
+# us on an H100 or an H200 for 34 MB, 11 us of bytes). Compiled, not yet timed: off until a GPU
+# times it (bench --part gemm --rows 1,8,16 --variant base --variant
+# bits:ops.linear.triton.DENSE_CODE_BITS=1) and its GPU test passes.
+DENSE_CODE_BITS = False
+
+
+def _dense_code_bits(rescaled: bool, weight: torch.Tensor) -> bool:
+    """Whether dense_fp8_linear's tiles turn this weight's codes into bf16 by their bits: its
+    rescaled tiles run, DENSE_CODE_BITS, on a GPU, no NaN code in the weight (nan_free_codes:
+    a host sync the first time a weight is asked). The same bits either way."""
+    return bool(rescaled and DENSE_CODE_BITS and not interpreting()
+                and weight.device.type == "cuda" and nan_free_codes(weight))
 
 
 def rescalable_scales(scale: torch.Tensor) -> bool:
@@ -2155,7 +2181,8 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     so TMA tiles whose ranges run as separate programs take the weight's unscaled codes and
     keep their accumulator in the current block's scale (_rescaled_steps: the same bits while
     every product and partial sum stays in fp32's normal range, about 11% faster at 1-16 rows
-    on wo_a); out: a contiguous bf16 [rows of x, groups * Ng] to write into.
+    on wo_a; with DENSE_CODE_BITS, on a GPU and a weight without NaN codes, they turn the
+    codes into bf16 by their bits); out: a contiguous bf16 [rows of x, groups * Ng] to write into.
     The ranges run as separate programs while the tiles leave SMs idle, the last to finish
     adding them. Returns [..., groups * Ng] bf16.
     """
@@ -2194,6 +2221,7 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     tma = tma_ok and tma_tile if tma is None else tma
     w8 = w.view(torch.uint8)
     resc = bool(rescaled) and bool(tma) and (split or order.ranges == 1)
+    bits = _dense_code_bits(resc, w)
     w_desc = TensorDescriptor.from_tensor(w8, [bn, 32 if resc else 64]) if tma else w8
     part = torch.empty(s, m, rows, dtype=torch.float32, device=x.device) if split else out
     counters = _tile_counters(out.device, grid_n * grid_m) if split else out
@@ -2201,7 +2229,7 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         x2, w8, scale.contiguous().view(torch.uint8), w_desc, out, part, counters, m, ng, kg,
         x2.shape[1], rows, want[1], order.chunks, order.ranges, BLOCK_M=bm, BLOCK_N=bn,
         SPLITS=s, ALL_RANGES=order.ranges > 1 and not split, TMA=bool(tma), RESCALED=resc,
-        INTERPRET=interpreting(), num_warps=warps, num_stages=stages)
+        INTERPRET=interpreting(), CODE_BITS=bits, num_warps=warps, num_stages=stages)
     return out.reshape(*lead, rows)
 
 
