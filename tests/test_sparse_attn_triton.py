@@ -555,3 +555,24 @@ def test_one_token_step_takes_16_head_tiles(monkeypatch):
     q2, sink2, args2 = make_step(2, 64, 64, 70, 100, 8, "mixed", seed=4)
     tri_paged(q2, sink2, 64 ** -0.5, **args2, split_blocks=0)
     assert seen[-1] == 64  # two tokens: the default tile
+
+
+@pytest.mark.parametrize("block_d,stages", [(32, 8), (64, 1)])
+def test_merge_tiles_and_depth_change_no_bit(block_d, stages, monkeypatch):
+    """The split merge's tile width (MERGE_BLOCK_D) and its loop's pipeline depth
+    (MERGE_STAGES) are launch choices only: with and without out_rot (the tail turned back
+    inside a tile narrower than the rotated dims, and across tiles), 7 splits of a list, the
+    same bits as the defaults'."""
+    import dsv41attn.ops.sparse_attn.triton as AT
+    t, h, d, r2 = 3, 16, 256, 32
+    q, sink, args = make_step(t, h, d, 300, 140, 8, seed=11)
+    g = torch.Generator().manual_seed(12)
+    rot = torch.polar(torch.ones(t, r2), torch.rand(t, r2, generator=g) * 6.3).to(DEV)
+    want = [tri_paged(q, sink, d ** -0.5, **args, num_splits=7, out_rot=r)
+            for r in (None, rot)]
+    monkeypatch.setattr(AT, "MERGE_BLOCK_D", block_d)
+    monkeypatch.setattr(AT, "MERGE_STAGES", stages)
+    for r, w in zip((None, rot), want):
+        out = torch.full_like(q, float("nan"))
+        got = tri_paged(q, sink, d ** -0.5, **args, num_splits=7, out=out, out_rot=r)
+        assert got.data_ptr() == out.data_ptr() and torch.equal(got, w)

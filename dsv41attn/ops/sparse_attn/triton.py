@@ -559,11 +559,12 @@ def _sparse_attn_paged_kernel(
 @triton.jit
 def _combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, cs_ptr, H, S, D: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr,
-                    R2: tl.constexpr, INTERPRET: tl.constexpr):
+                    R2: tl.constexpr, INTERPRET: tl.constexpr, STAGES: tl.constexpr = 3):
     """Merge S partials: M = max m_s, l = sum l_s e^(m_s-M), acc = sum acc_s e^(m_s-M), the
     sums in split order. Grid: (T, cdiv(H, BLOCK_H), D / BLOCK_D); then the sink and the
     division as unsplit. S_PAD >= S, a power of two: all m_s load at once, and the loop's
-    loads are software-pipelined (a decode merge is a few latency-bound loads per split).
+    loads are software-pipelined STAGES deep (a decode merge is a few latency-bound loads per
+    split).
     R2 > 0: each head's last 2 R2 dims are then turned back by the conjugate rotation of the
     token's row of cs [T, R2, 2] (cos, sin), as rope_heads(inverse=True) turns them: the same
     products and roundings (rope_rotate), so the same bits, and no launch of its own.
@@ -575,7 +576,7 @@ def _combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, cs_ptr, H, S, D: tl.conste
                     mask=(offs_s[:, None] < S) & h_mask[None, :], other=-1e30)
     m_max = tl.max(m_all, 0)  # [BLOCK_H], >= -1e30 as the running max from -1e30 was
     l_i, acc = tl.zeros([BLOCK_H], tl.float32), tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s in tl.range(0, S, num_stages=3):
+    for s in tl.range(0, S, num_stages=STAGES):
         part = (bi * S + s) * H + offs_h
         w = tl.exp(tl.load(ml_ptr + part, mask=h_mask, other=-1e30) - m_max)
         l_i += tl.load(ml_ptr + tl.num_programs(0) * S * H + part, mask=h_mask, other=0.) * w
@@ -595,6 +596,18 @@ def _combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, cs_ptr, H, S, D: tl.conste
                                tl.where(tail[None, :], im, odd)), (BLOCK_H, BLOCK_D))
         tl.store(o_ptr + bi * H * D + offs_h[:, None] * D + offs_d[None, :],
                  o.to(tl.bfloat16), mask=h_mask[:, None])
+
+
+# The split merge's tiles: BLOCK_H heads x MERGE_BLOCK_D columns a program (a power of two
+# dividing D), its loop over the splits' partials pipelined MERGE_STAGES deep. At b = 1 over
+# 640 rows (10 splits) that is 16 programs, each with 2 of its 10 loads of 8 KB in flight:
+# 4.4 us of a decode layer (H100, the thirty-sixth session's timeline). Narrower tiles and a
+# deeper pipeline put more of the 1.3 MB of partials in flight at once. Each output's
+# arithmetic is the same at any tile or depth: no bit depends on them. Not yet timed:
+# bench --part sparse_attn --variant base --variant
+# m:ops.sparse_attn.triton.MERGE_BLOCK_D=32,ops.sparse_attn.triton.MERGE_STAGES=8
+MERGE_BLOCK_D = 128
+MERGE_STAGES = 3
 
 
 def _pick_splits(n_blocks: int, split_blocks: int | None = None) -> tuple[int, int]:
@@ -663,11 +676,11 @@ def finish_paged(out: torch.Tensor, partials: tuple | None, sink: torch.Tensor,
         return out if out_rot is None else rope_heads(out, out_rot, inverse=True, in_place=True)
     ml, acc = partials
     t_all, s, h, d = acc.shape
-    bd = min(d, 128)  # small merge tiles: enough programs to read the partials fast
+    bd = min(d, MERGE_BLOCK_D)  # small merge tiles: enough programs to read the partials fast
     _combine_kernel[(t_all, cdiv(h, BLOCK_H), d // bd)](
         ml, acc, sink, out, sink if out_rot is None else cos_sin(out_rot), h, s, D=d,
         BLOCK_H=BLOCK_H, BLOCK_D=bd, S_PAD=next_pow2(s), R2=r2,
-        INTERPRET=interpreting())
+        INTERPRET=interpreting(), STAGES=MERGE_STAGES)
     return out
 
 
