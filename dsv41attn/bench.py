@@ -1238,14 +1238,17 @@ def main(args) -> int:
         print("wo_a alone (the grouped GEMM, 8 groups): its fp8 codes (rescaled where the "
               "scales allow, as the layer runs them, and with scaled operands), its bf16 copy "
               "on torch and on dense_linear; floor counts the fp8 bytes; same bits: codes = "
-              "dense_linear")
-        print(f"{'form':<15}{'rows':>6}{'us':>9}{'floor':>8}{'ratio':>7}  same bits")
-        with tuned(variants[0][1]):
-            wo_a_rows = bench_wo_a(copy_bw)
-        for r in wo_a_rows:
-            same = "" if r["same_bits"] is None else str(r["same_bits"])
-            print(f"{r['form']:<15}{r['rows']:>6}{r['us']:>9.1f}{r['floor_us']:>8.1f}"
-                  f"{r['ratio']:>7.2f}  {same}")
+              "dense_linear" + ("; under each variant in turn" if compare else ""))
+        print(f"{'form':<15}{'rows':>6}" + (f"  {'variant':<{vwidth}}" if compare else "") +
+              f"{'us':>9}{'floor':>8}{'ratio':>7}  same bits")
+        for name, settings in variants:
+            with tuned(settings):
+                wo_a_rows = bench_wo_a(copy_bw)
+            for r in wo_a_rows:
+                same = "" if r["same_bits"] is None else str(r["same_bits"])
+                print(f"{r['form']:<15}{r['rows']:>6}" +
+                      (f"  {name:<{vwidth}}" if compare else "") +
+                      f"{r['us']:>9.1f}{r['floor_us']:>8.1f}{r['ratio']:>7.2f}  {same}")
         if args.part == "gemm":
             if args.csv:
                 _write_csv(args.csv, gemm_rows, GEMM_FIELDS)
