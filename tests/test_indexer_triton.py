@@ -411,13 +411,15 @@ def test_selection_above_and_at_the_threshold(path, selection):
         assert (above >= k).any() and (above < k).any() and (t == 0x7F).any()
 
 
-@pytest.mark.parametrize("n, k", [(5, 7), (7, 7), (64, 7), (64, 1), (64, 64)])
-def test_one_program_selection_bitwise_search(n, k):
-    """The one-program top-k (_select_one_kernel: u by a binary search over its 16 bits)
-    against the reference on keys built to walk every bit: scores that differ only in their
-    lowest bits (adjacent bf16 values), a run of equal scores across the k-th place, all equal,
-    -inf below finite ones, fewer entries than k (every entry taken), k = 1 and k = n. Nothing
-    is written past a query's min(n, k) entries."""
+@pytest.mark.parametrize("digit", [1, 2], ids=["bit", "two-bits"])
+@pytest.mark.parametrize("n, k", [(5, 7), (7, 7), (64, 7), (64, 1), (64, 64), (300, 37)])
+def test_one_program_selection_bitwise_search(n, k, digit, monkeypatch):
+    """The one-program top-k (_select_one_kernel: u by a search over its 16 bits, one or two
+    a step: SEARCH_DIGIT_BITS) against the reference on keys built to walk every bit: scores
+    that differ only in their lowest bits (adjacent bf16 values), a run of equal scores across
+    the k-th place, all equal, -inf below finite ones, fewer entries than k (every entry
+    taken), k = 1 and k = n. Nothing is written past a query's min(n, k) entries."""
+    monkeypatch.setattr(tri, "SEARCH_DIGIT_BITS", digit)
     g = torch.Generator().manual_seed(n * 100 + k)
     base = torch.tensor(1.0).bfloat16().view(torch.int16)
     adjacent = (base + torch.randperm(n, generator=g).to(torch.int16)).view(torch.bfloat16)

@@ -110,6 +110,13 @@ SELECT_CHUNK = 4096  # rows per selection program
 # contexts (V4.1-Flash up to 8K: the ratio-1 rows, up to 16K the ratio-2 rows, up to 64K the
 # candidate blocks) pays one launch instead of four per selection
 SELECT_ONE_PROGRAM = 8192
+# _select_one_kernel's search for the k-th largest key: bits a step (1 or 2). Each step is a
+# block-wide sum, whose shuffles and barriers bound a one-query selection (H100: 5.8 us over
+# 2048 rows, 10.7 us in Full r=2's b = 1 timeline); 2 halves the steps for three compares a
+# key a step instead of one (the same selection). Not yet timed: bench --part layers --roles
+# "Full r=2" --decode 1x4096,256x4096 --prefill "" --variant base --variant
+# d2:ops.indexer.triton.SEARCH_DIGIT_BITS=2
+SEARCH_DIGIT_BITS = 1
 BLOCK_KEYS = 128  # candidate blocks per block-key program
 LIST_CHUNK = 4096  # candidate blocks per list-compaction program
 # A candidate consumer scores over compact lists only past this many rows (below it, at
@@ -630,16 +637,32 @@ def _hist_kernel(src_ptr, hist_hi_ptr, hist_lo_ptr, nvalid_ptr, vis_ptr, tile_to
 
 
 @triton.jit
-def _kth_key(key, m, k):
+def _kth_key(key, m, k, DIGIT: tl.constexpr = 1):
     """(u, need) of the 16-bit keys where m holds: u the k-th largest of them, need how many
-    keys equal to u the top-k takes (k minus the keys above u), by a binary search over u's
-    bits, high to low: u is the largest t with at least k keys >= t. The same u and need as
-    the two radix levels of _threshold_of (with fewer than k keys, every key is taken either
-    way)."""
+    keys equal to u the top-k takes (k minus the keys above u), by a search over u's bits,
+    high to low: u is the largest t with at least k keys >= t. The same u and need as the two
+    radix levels of _threshold_of (with fewer than k keys, every key is taken either way).
+    DIGIT = 1: one bit a step, one count (a block-wide sum) each. DIGIT = 2: two bits a step,
+    the counts of the keys >= each of the digit's three candidates packed 16 bits apart in
+    one int64 sum (at most 8192 keys a program, so no count reaches 2^16), half the steps and
+    their reductions; the counts fall as the candidate grows, so the digit is how many of
+    them reach k: the same u."""
     u = 0
-    for bit in tl.static_range(15, -1, -1):
-        t = u | (1 << bit)
-        u = tl.where(tl.sum((m & (key >= t)).to(tl.int32), 0) >= k, t, u)
+    if DIGIT == 1:
+        for bit in tl.static_range(15, -1, -1):
+            t = u | (1 << bit)
+            u = tl.where(tl.sum((m & (key >= t)).to(tl.int32), 0) >= k, t, u)
+    else:
+        tl.static_assert(DIGIT == 2)
+        tl.static_assert(key.shape[0] < 65536)
+        for bit in tl.static_range(14, -1, -2):
+            packed = ((key >= (u | (1 << bit))).to(tl.int64)
+                      + ((key >= (u | (2 << bit))).to(tl.int64) << 16)
+                      + ((key >= (u | (3 << bit))).to(tl.int64) << 32))
+            c = tl.sum(tl.where(m, packed, 0), 0)
+            d = ((c & 0xFFFF) >= k).to(tl.int32) + (((c >> 16) & 0xFFFF) >= k).to(tl.int32) \
+                + ((c >> 32) >= k).to(tl.int32)
+            u = u | (d << bit)
     return u, k - tl.sum((m & (key > u)).to(tl.int32), 0)
 
 
@@ -747,7 +770,7 @@ def _select_one_kernel(src_ptr, out_ptr, vis_ptr, tile_tok_ptr, tile_cnt_ptr, ti
                        slot_base, N, k, out_stride, n_rows, CH: tl.constexpr,
                        TILE: tl.constexpr, HAS_TILES: tl.constexpr, FROM_SCORES: tl.constexpr,
                        MASK_OUT: tl.constexpr, CLIP: tl.constexpr, UNIT: tl.constexpr,
-                       BLOCKS: tl.constexpr):
+                       BLOCKS: tl.constexpr, DIGIT: tl.constexpr = 1):
     """_select for a source of N <= CH entries a slot, in one program a slot: the k-th largest
     key u and the ties it takes (_kth_key: the same u and count as the radix passes' two
     histograms), then the selection written as _select_kernel writes it (the whole source is
@@ -767,7 +790,7 @@ def _select_one_kernel(src_ptr, out_ptr, vis_ptr, tile_tok_ptr, tile_cnt_ptr, ti
                                   tl.load(vis_ptr + tok), UNIT, UNIT, True, CLIP, True)
         else:
             offs, m, key = _chunk_keys(src_ptr, slot, 0, n, N, CH, FROM_SCORES)
-        u, need = _kth_key(key, m, k)
+        u, need = _kth_key(key, m, k, DIGIT)
         take, pos, _, _ = _take(key, m, u, need, 0, 0)
         if MASK_OUT:  # past n: not taken, so 0
             tl.store(out_ptr + tok * out_stride + offs, (take & (key > KEY_NINF)).to(tl.uint8),
@@ -881,7 +904,7 @@ def _select(src, k: int, out, visible, tiles, tile_base: int, slot_base: int, sl
             src, out, visible, tile_tok, tile_cnt, tile_base, slot_base, n, k, out.stride(0), 0,
             CH=_one_program_ch(n), TILE=tile, HAS_TILES=tile_tok is not None,
             FROM_SCORES=from_scores, MASK_OUT=mask_out, CLIP=clip, UNIT=unit, BLOCKS=False,
-            num_warps=_one_program_warps(n))
+            DIGIT=SEARCH_DIGIT_BITS, num_warps=_one_program_warps(n))
         return
     ch = SELECT_CHUNK if ch is None else ch  # rows per program
     if hist is None:
@@ -916,7 +939,8 @@ def _candidate_blocks(scores, kb: int, keep, visible, tiles, tile_base: int, slo
             scores, keep, visible, tile_tok, tiles[1], tile_base, slot_base, nblk, kb,
             keep.stride(0), n_rows, CH=_one_program_ch(nblk), TILE=tile,
             HAS_TILES=tile_tok is not None, FROM_SCORES=False, MASK_OUT=True, CLIP=clip,
-            UNIT=block_size, BLOCKS=True, num_warps=_one_program_warps(nblk))
+            UNIT=block_size, BLOCKS=True, DIGIT=SEARCH_DIGIT_BITS,
+            num_warps=_one_program_warps(nblk))
         return
     bkeys = torch.empty(slots, nblk, dtype=torch.int32, device=scores.device)
     _block_key_kernel[(slots, cdiv(nblk, BLOCK_KEYS))](
