@@ -239,13 +239,15 @@ def test_rms_norm_vs_reference():
         rms_norm(x.to(DEV), w[:10].to(DEV), 1e-6)
 
 
-@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("m", [1, 16, 40])
 def test_codes_by_their_bits_give_the_conversion_units_bits(m, monkeypatch):
     """A weight holding every e4m3 code but the NaNs (zeros of both signs, subnormals, +-448)
-    under block scales 2^-27 .. 2^12: dense_fp8_linear's rescaled tiles reading the codes by
-    their bits (DENSE_CODE_BITS; on a GPU E4M3_BF16_BITS_ASM, under the interpreter its exact
-    path) give dense_linear's bits on the dequantised weight, as the conversion units do; a
-    weight with a NaN code never takes the bits (its column NaN, the others unchanged)."""
+    under block scales 2^-27 .. 2^12: dense_fp8_linear's rescaled tiles (16 token rows, and 64
+    where DENSE_FP8_TMA_MAX_M lets them read through TMA) reading the codes by their bits
+    (DENSE_CODE_BITS; on a GPU E4M3_BF16_BITS_ASM, under the interpreter its exact path) give
+    dense_linear's bits on the dequantised weight, as the conversion units do; a weight with a
+    NaN code never takes the bits (its column NaN, the others unchanged)."""
+    monkeypatch.setattr(T, "DENSE_FP8_TMA_MAX_M", 64)
     from dsv41attn.checkpoint import Fp8Weight
     n, k, groups = 64, 256, 2
     g = torch.Generator().manual_seed(40 + m)
@@ -265,10 +267,14 @@ def test_codes_by_their_bits_give_the_conversion_units_bits(m, monkeypatch):
         s8 = w.scale.to(DEV)
         assert T.rescalable_scales(s8)
         out = torch.full((m, groups * n), float("nan"), dtype=torch.bfloat16, device=DEV)
-        got = T.dense_fp8_linear(x, w8, s8, groups, num_splits=2, tma=True, rescaled=True,
-                                 out=out)
-        assert got.data_ptr() == out.data_ptr()
+        seen = []  # the kernel's form: its rescaled tiles, as the call asked
+        monkeypatch.setattr(T, "_dense_code_bits", lambda r, w_: seen.append(r) or real(r, w_))
+        got = T.dense_fp8_linear(x, w8, s8, groups, num_splits=2, rescaled=True, out=out)
+        monkeypatch.setattr(T, "_dense_code_bits", real)
+        assert got.data_ptr() == out.data_ptr() and seen == [True]
         return got
+
+    real = T._dense_code_bits
 
     w8 = w.weight.to(DEV)
     want = dense_linear(x, w.dequantize().to(DEV), groups, num_splits=2)

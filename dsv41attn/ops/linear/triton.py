@@ -2130,12 +2130,18 @@ def _run_dense(plan: _DensePlan, x: torch.Tensor, weight: torch.Tensor, groups: 
     return out
 
 
-# dense_fp8_linear's tiles by M: (largest M, BLOCK_M, BLOCK_N, warps, stages, TMA where the
-# weight allows it). H100, V4.1-Flash wo_a ([8192, 4096], 8 groups), CUDA graphs, us at M = 1 /
-# 16 (64): 16 x 64 tiles, 3 stages, TMA 19.8 / 20.5 (2 stages 25.7 / 26.7 without TMA, 4 20.6 /
-# 21.0, 6 21.8 / 22.0; 128 weight rows 21.4-23.1); at M = 64, 64 x 64 tiles, plain loads 28.2
-# (TMA 35.1; 128 weight rows on 8 warps, TMA, 29.3). The same bits in every one.
-DENSE_FP8_TILES = ((16, 16, 64, 4, 3, True), (None, 64, 64, 4, 3, False))
+# dense_fp8_linear's tiles by M: (largest M, BLOCK_M, BLOCK_N, warps, stages); the codes through
+# TMA (where the weight allows it) up to DENSE_FP8_TMA_MAX_M rows, which also lets the rescaled
+# tiles (and so DENSE_CODE_BITS) run. H100, V4.1-Flash wo_a ([8192, 4096], 8 groups), CUDA
+# graphs, us at M = 1 / 16 (64): 16 x 64 tiles, 3 stages, TMA 19.8 / 20.5 (2 stages 25.7 / 26.7
+# without TMA, 4 20.6 / 21.0, 6 21.8 / 22.0; 128 weight rows 21.4-23.1); at M = 64, 64 x 64
+# tiles, plain loads 28.2 (TMA 35.1, before the rescaled tiles; 128 weight rows on 8 warps,
+# TMA, 29.3). The same bits in every one. Past 16 rows the step-sized mode runs torch's bf16
+# GEMM instead (WO_A_STEP_CODES_MAX_ROWS: 25.5-28 us at 17-64 rows on the H100); the rescaled
+# tiles by their bits at 64 rows are not yet timed (bench --part gemm's wo_a rows with
+# ops.linear.triton.DENSE_FP8_TMA_MAX_M=64,ops.linear.triton.DENSE_CODE_BITS=1).
+DENSE_FP8_TILES = ((16, 16, 64, 4, 3), (None, 64, 64, 4, 3))
+DENSE_FP8_TMA_MAX_M = 16
 # The rescaled tiles turn the codes into bf16 by their bits (_rescaled_steps' CODE_BITS) on a
 # weight without NaN codes (nan_free_codes): the same bf16 values, with integer ops and one bf16
 # FMA a pair instead of the conversion units, which bound wo_a's codes at 1-16 rows (about 19
@@ -2176,8 +2182,8 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     x: [..., groups * Kg] (cast to bf16); weight: float8_e4m3fn [groups * Ng, Kg]; scale:
     float8_e8m0fnu [cdiv(groups * Ng, 32), cdiv(Kg, 32)]. num_splits: dense_linear's. tiles:
     (BLOCK_M, BLOCK_N, warps, stages), None = DENSE_FP8_TILES by M (for tuning; the same bits
-    at any); tma: read the codes through a TMA descriptor (None: as DENSE_FP8_TILES says,
-    where _tma_weight allows); rescaled: the caller checked the scales (rescalable_scales),
+    at any); tma: read the codes through a TMA descriptor (None: up to DENSE_FP8_TMA_MAX_M
+    rows, where _tma_weight allows); rescaled: the caller checked the scales (rescalable_scales),
     so TMA tiles whose ranges run as separate programs take the weight's unscaled codes and
     keep their accumulator in the current block's scale (_rescaled_steps: the same bits while
     every product and partial sum stays in fp32's normal range, about 11% faster at 1-16 rows
@@ -2207,7 +2213,8 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     _check_splits(num_splits, kg, torch.bfloat16)
     sms = sm_count(x.device)
     order = _dense_order(ng, kg, groups, torch.bfloat16, sms, num_splits)
-    bm, bn, warps, stages, tma_tile = _tile_row(DENSE_FP8_TILES, m)
+    bm, bn, warps, stages = _tile_row(DENSE_FP8_TILES, m)
+    tma_tile = m <= DENSE_FP8_TMA_MAX_M
     if tiles is not None:
         bm, bn, warps, stages = tiles
     grid_n, grid_m = groups * cdiv(ng, bn), cdiv(m, bm)
