@@ -231,11 +231,12 @@ class AttentionLayer:
             trace(self, {"plan": plan, "board": board, "q": q, "new_rows": new_rows,
                          "window_ring": layer_state.window, "pool": pool, "selected": selected,
                          "block_table": state.block_table, "o": o})
-        u = ops.inverse_rope_wo_a(o, None if turned else rot, w.wo_a, self.groups,
-                                  **self.wo_a_kw)  # [T, G * Rk]
-        if self.tp is None:
-            y = ops.fp8_linear(u, w.wo_b.weight, w.wo_b.scale)
-        else:  # this rank's fp32 partial, all-reduced in fp32, then bf16
+        if self.tp is None:  # and wo_b: [T, dim]
+            y = ops.output_projection(o, None if turned else rot, w.wo_a, self.groups,
+                                      w.wo_b.weight, w.wo_b.scale, **self.wo_a_kw)
+        else:  # this rank's fp32 wo_b partial, all-reduced in fp32, then bf16
+            u = ops.inverse_rope_wo_a(o, None if turned else rot, w.wo_a, self.groups,
+                                      **self.wo_a_kw)  # [T, G * Rk]
             y = self.tp.wo_b(ops, u, w.wo_b)
 
         if not decode:

@@ -157,7 +157,7 @@ def soak(seconds: float = 10.0, seed: int = 0, backend: str = "reference",
 
             def boom(*a, **k):
                 raise RuntimeError("injected")
-            stack.layers[fail_at].ops = dataclasses.replace(good, inverse_rope_wo_a=boom)
+            stack.layers[fail_at].ops = dataclasses.replace(good, output_projection=boom)
             try:
                 stack.run(step, packed)
                 raise AssertionError("the injected failure did not raise")

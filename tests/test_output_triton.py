@@ -22,6 +22,7 @@ SHAPES = {
     "rope64": (4, 128, 64, 2, 40, "v41-flash"),
     "tiny": (8, 32, 8, 2, 16, "tiny"),
     "odd": (6, 80, 64, 2, 37, "v41-flash"),
+    "rk64": (4, 128, 64, 2, 64, "v41-flash"),  # Rk a multiple of 32: wo_b's blocks in a group
 }
 
 
@@ -297,3 +298,58 @@ def test_bad_inputs(impl):
     if DEV == "cuda":
         with pytest.raises(ValueError):
             fn(o, rot.cpu(), w, groups)
+
+
+@pytest.mark.parametrize("fixed_order", [True, False], ids=["fixed", "step-sized"])
+def test_output_projection_quantises_for_wo_b_inside_wo_a(fixed_order, monkeypatch):
+    """output_projection = fp8_linear(inverse_rope_wo_a(...), wo_b), bit for bit, with
+    QUANT_IN_WO_A on and off, and as the reference composes it. On: where wo_a runs from its
+    codes and wo_b reads act_quant's f16 form, wo_a's kernel hands wo_b its input quantised
+    (fp8_linear never runs; spied), including a row whose wo_a output holds an infinity (its
+    wo_b row NaN, as fp8_linear's); past the codes' rows (or with the fused kernel) the two
+    ops as before. inverse_rope_wo_a refuses quant_out where it would not fill it."""
+    from dsv41attn.ops.linear import reference as LR
+    from dsv41attn.ops.linear import triton as LT
+    o, rot, groups, rk = _inputs("rk64", 7, seed=31)
+    o[6, 0, :4] = 3e38  # its wo_a outputs overflow to infinities: a NaN scale for wo_b
+    g = torch.Generator().manual_seed(32)
+    w16 = _weight("rk64", "fp8", seed=33).dequantize()
+    wo_b = quantize_fp8(torch.randn(96, groups * rk, generator=g))
+    o, rot, w16 = o.to(DEV), rot.to(DEV), w16.to(DEV)
+    wb, sb = wo_b.weight.to(DEV), wo_b.scale.to(DEV)
+    kw = dict(T.prepare_wo_a(w16), fixed_order=fixed_order)
+    limit = T.WO_A_CODES_MAX_ROWS if fixed_order else T.WO_A_STEP_CODES_MAX_ROWS
+    plain = []
+    real = T.fp8_linear
+    monkeypatch.setattr(T, "fp8_linear", lambda *a, **k: plain.append(1) or real(*a, **k))
+    for n in (1, 5, 7):
+        u = T.inverse_rope_wo_a(o[:n], rot[:n], w16, groups, **kw)
+        want = LT.fp8_linear(u, wb, sb)
+        assert LT.fp8_input_form(n, wb) == "f16" and n <= limit
+        for on in (False, True):
+            monkeypatch.setattr(T, "QUANT_IN_WO_A", on)
+            before = len(plain)
+            got = T.output_projection(o[:n], rot[:n], w16, groups, wb, sb, **kw)
+            assert len(plain) - before == (0 if on else 1), (n, on)
+            assert torch.equal(got.isnan(), want.isnan()), (n, on)
+            assert torch.equal(got.nan_to_num().view(torch.int16),
+                               want.nan_to_num().view(torch.int16)), (n, on)
+        if n == 7:
+            assert want[6].isnan().all() and not want[:6].isnan().any()
+    ref = R.output_projection(o[:5].cpu(), rot[:5].cpu(), w16.cpu(), groups, wo_b.weight,
+                              wo_b.scale)
+    assert torch.equal(ref, LR.fp8_linear(R.inverse_rope_wo_a(o[:5].cpu(), rot[:5].cpu(),
+                                                               w16.cpu(), groups),
+                                           wo_b.weight, wo_b.scale))
+    monkeypatch.setattr(T, "QUANT_IN_WO_A", True)
+    monkeypatch.setattr(T, "WO_A_CODES_MAX_ROWS" if fixed_order else "WO_A_STEP_CODES_MAX_ROWS",
+                        4)
+    before = len(plain)
+    got = T.output_projection(o[:5], rot[:5], w16, groups, wb, sb, **kw)  # past the codes
+    assert len(plain) - before == 1
+    assert torch.equal(got, LT.fp8_linear(T.inverse_rope_wo_a(o[:5], rot[:5], w16, groups,
+                                                               **kw), wb, sb))
+    q = (torch.empty(5, groups * rk, dtype=torch.float16, device=DEV),
+         torch.empty(5, groups * rk // 32, device=DEV))
+    with pytest.raises(ValueError, match="quant_out"):
+        T.inverse_rope_wo_a(o[:5], rot[:5], w16, groups, quant_out=q, **kw)

@@ -70,8 +70,8 @@ def _stack_and_base(cfg, weights, backend):
 
 
 @pytest.mark.parametrize("backend,op_name", [
-    ("reference", "sparse_attn_paged"), ("reference", "inverse_rope_wo_a"),
-    pytest.param("triton", "inverse_rope_wo_a", marks=[pytest.mark.triton, pytest.mark.skipif(
+    ("reference", "sparse_attn_paged"), ("reference", "output_projection"),
+    pytest.param("triton", "output_projection", marks=[pytest.mark.triton, pytest.mark.skipif(
         torch.cuda.is_available(), reason="CPU tensors: runs under the interpreter only")])])
 def test_a_layer_that_raises_undoes_the_whole_step(cfg, weights, backend, op_name):
     """At every layer of a mixed step (a chunk across a group and page boundary, and a decode):
@@ -99,7 +99,7 @@ def test_a_layer_that_raises_undoes_the_whole_step(cfg, weights, backend, op_nam
 
 @pytest.mark.parametrize("backend,op_name", [
     ("reference", "sparse_attn_paged"), ("reference", "index_topk"),
-    pytest.param("triton", "inverse_rope_wo_a", marks=[pytest.mark.triton, pytest.mark.skipif(
+    pytest.param("triton", "output_projection", marks=[pytest.mark.triton, pytest.mark.skipif(
         torch.cuda.is_available(), reason="CPU tensors: runs under the interpreter only")])])
 def test_a_decode_plan_layer_that_raises_undoes_the_step(cfg, weights, backend, op_name):
     """A decode plan writes a layer's ring rows and positions, and a ratio > 1 source's recent

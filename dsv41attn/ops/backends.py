@@ -45,6 +45,7 @@ class Ops:
     recent_gather_write: Callable  # r > 1 decode: the groups' projections, the recent-ring write
     pool_norm_rope_pack: Callable  # compressor epilogue: rows and index keys into the pools
     inverse_rope_wo_a: Callable  # inverse RoPE + block-diagonal wo_a
+    output_projection: Callable  # step 6 whole: inverse_rope_wo_a, then the fp8 wo_b
     wo_a_prepare: Callable  # wo_a -> inverse_rope_wo_a's extra keyword arguments, built once
     # per layer
     index_topk: Callable  # the lightning indexer: scores, candidate blocks, top-k
@@ -65,7 +66,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
         from .index_query.reference import rope_fp4_heads
         from .indexer.reference import index_topk
         from .linear.reference import fp8_linear, fp8_linear_pair, linear
-        from .output.reference import inverse_rope_wo_a
+        from .output.reference import inverse_rope_wo_a, output_projection
         from .output.reference import prepare_wo_a as wo_a_prepare
         from .sparse_attn.reference import sparse_attn_paged
         from .window_kv.reference import norm_rope_pack
@@ -91,10 +92,12 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
             raise ValueError(f"backend 'triton' needs the triton package: {e}") from e
         if batch_invariant:
             linear, inverse_rope_wo_a = fixed_linears.linear, output.inverse_rope_wo_a
+            output_projection = output.output_projection
             compressor_prepare = compressor_reference.prepare_project  # dense_linear: fp32
         else:  # the step-sized forms where the fixed order costs
             linear = torch_linears.linear
             inverse_rope_wo_a = partial(output.inverse_rope_wo_a, fixed_order=False)
+            output_projection = partial(output.output_projection, fixed_order=False)
             sparse_attn_paged = partial(sparse_attn_paged, split_blocks=0)
             compressor_project = partial(compressor_project, fixed_order=False)
             compressor_prepare = prepare_project  # a float64 copy of the weights
@@ -103,5 +106,6 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
     # the reference ops write through boolean masks (host syncs): not capturable
     return Ops(backend, sparse_attn_paged, fp8_linear, fp8_linear_pair, norm_rope_pack,
                compressor_project, compressor_prepare, recent_gather_write,
-               pool_norm_rope_pack, inverse_rope_wo_a, wo_a_prepare, index_topk, rope_fp4_heads,
+               pool_norm_rope_pack, inverse_rope_wo_a, output_projection, wo_a_prepare,
+               index_topk, rope_fp4_heads,
                linear, backend == "triton", batch_invariant)

@@ -201,6 +201,20 @@ def nan_free_codes(weight: torch.Tensor) -> bool:
 
 
 @triton.jit
+def _quant_blocks(x, inv_max):
+    """act_quant's rounding of 32-blocks: x [R, 32] fp32 (bf16 values) -> (their e4m3 codes
+    [R, 32] as int32, the blocks' scales [R] fp32): s = 2^ceil(log2(max|x| / 448)) (ue8m0),
+    codes = x / s rounded to e4m3. A block holding a NaN or an infinity gets a NaN scale (and
+    NaN values), so that every output it feeds is NaN, as the reference's (its codes hold the
+    NaN), never finite."""
+    e = ue8m0_exponent(tl.max(tl.abs(x), 1), inv_max)
+    s = (e << 23).to(tl.float32, bitcast=True)
+    inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s, exact and normal
+    code = e4m3_code(x * inv_s[:, None])  # x * (1/s) == x / s exactly
+    return code, tl.where(any_nan(x, 1, INF=True), float("nan"), s)
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, nw_ptr, K, KB, inv_max, eps, QB: tl.constexpr,
                       F16: tl.constexpr = False, DEQUANT: tl.constexpr = False,
                       NORM_K: tl.constexpr = 0, NORM_BLOCK: tl.constexpr = 1,
@@ -223,13 +237,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, nw_ptr, K, KB, inv_max, eps, QB: tl.c
         r = rms_row_scale(x_ptr, row, NORM_K, eps, NORM_BLOCK)
         nw = tl.load(nw_ptr + offs_k, mask=b_mask[:, None], other=0.0).to(tl.float32)
         x = round_bf16(nw * (x * r), INTERPRET)
-    e = ue8m0_exponent(tl.max(tl.abs(x), 1), inv_max)
-    s = (e << 23).to(tl.float32, bitcast=True)
-    inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s, exact and normal
-    code = e4m3_code(x * inv_s[:, None])  # x * (1/s) == x / s exactly
-    # a block holding a NaN or an infinity gets a NaN scale (and NaN values), so that every
-    # output it feeds is NaN, as the reference's (its codes hold the NaN), never finite
-    s = tl.where(any_nan(x, 1, INF=True), float("nan"), s)
+    code, s = _quant_blocks(x, inv_max)
     if F16:
         tl.store(q_ptr + offs, _e4m3_value(code).to(tl.float16), mask=b_mask[:, None])
     elif DEQUANT:  # 4 significant bits times a power of two >= 2^-23: exact in bf16
@@ -1692,6 +1700,27 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return y.reshape(*lead, weight.shape[0])
 
 
+def fp8_input_form(m: int, weight: torch.Tensor) -> str:
+    """The form fp8_linear quantises an [m, K] input of ``weight`` to (its plan's _x_form):
+    "f16" (act_quant's f16 codes: the decode tiles up to 16 rows), "codes" or "values"."""
+    return _x_form(_linear_plan(m, weight, None, True, weight.device))
+
+
+def fp8_linear_quantized(x_q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor,
+                         weight_scale: torch.Tensor) -> torch.Tensor:
+    """fp8_linear's GEMM on an input quantised already: x_q [M, K], s [M, K / 32] as
+    act_quant(x, f16=True) makes them, where fp8_input_form(M, weight) is "f16" (elsewhere a
+    ValueError): fp8_linear(x, weight, weight_scale)'s bf16 [M, N], bit for bit, one launch
+    fewer."""
+    _check_linear(x_q, weight, weight_scale)
+    require(x_q.dim() == 2, f"x_q must be [M, K], got {tuple(x_q.shape)}")
+    plan = _linear_plan(x_q.shape[0], weight, None, True, x_q.device)
+    form = _x_form(plan)
+    require(form == "f16", f"fp8_linear_quantized runs act_quant's f16 form, but {x_q.shape[0]} "
+            f"rows of a {tuple(weight.shape)} weight read its {form!r} form")
+    return _linear_from_quant(x_q, s, plan, weight, weight_scale, None, True, torch.bfloat16)
+
+
 def fp8_linear_pair(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor,
                     s2: torch.Tensor, *, precise_dot: bool = True,
                     out_dtype: torch.dtype = torch.bfloat16,
@@ -1905,11 +1934,36 @@ def _rescaled_steps(acc, w_desc, x_row, s_row, row0, lo, hi, KG, n_mask, m_mask,
 
 
 @triton.jit
+def _store_out_tile(out_ptr, q_ptr, qs_ptr, y, mn, mask, rows, m_mask, col0, cols_left, CN,
+                    inv_max, QUANT: tl.constexpr, INTERPRET: tl.constexpr):
+    """_dense_fp8_kernel's output tile y [BLOCK_N columns, BLOCK_M rows] fp32 (at mn, masked)
+    rounded to bf16 into out [M, CN]; QUANT: also act_quant's F16 form of those bf16 values
+    (_quant_blocks on each row's 32-column blocks: their e4m3 codes' values as fp16 into q
+    [M, CN], their scales into qs [M, CN / 32]), the input of the fp8 linear that reads out
+    next, with act_quant's bits. The tile's first column col0 and its blocks are 32-aligned
+    (the caller checked); cols_left: its columns in range."""
+    yb = to_bf16(y, INTERPRET)
+    tl.store(out_ptr + mn, yb.to(tl.bfloat16), mask=mask)
+    if QUANT:
+        bn: tl.constexpr = y.shape[0]
+        bm: tl.constexpr = y.shape[1]
+        v = tl.reshape(tl.trans(yb.to(tl.float32)), (bm * bn // 32, 32))  # a row's blocks
+        code, sc = _quant_blocks(v, inv_max)
+        tl.store(q_ptr + tl.trans(mn), tl.reshape(_e4m3_value(code), (bm, bn)).to(tl.float16),
+                 mask=tl.trans(mask))
+        blk = tl.arange(0, bn // 32)
+        tl.store(qs_ptr + rows[:, None] * (CN // 32) + (col0 // 32 + blk)[None, :],
+                 tl.reshape(sc, (bm, bn // 32)),
+                 mask=m_mask[:, None] & (blk * 32 < cols_left)[None, :])
+
+
+@triton.jit
 def _dense_fp8_kernel(x_ptr, w_ptr, s_ptr, w_desc, out_ptr, part_ptr, cnt_ptr, M, NG, KG, XK,
                       CN, SK, CHUNKS, RANGES, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLITS: tl.constexpr, ALL_RANGES: tl.constexpr, TMA: tl.constexpr,
                       RESCALED: tl.constexpr, INTERPRET: tl.constexpr,
-                      CODE_BITS: tl.constexpr = False):
+                      CODE_BITS: tl.constexpr = False, q_ptr=None, qs_ptr=None, inv_max=1.0,
+                      QUANT: tl.constexpr = False):
     """_dense_gemm_kernel's bf16 GEMM (the same K steps of 64, the same fp32 chain, the same
     ranges) for a weight held as e4m3 codes with e8m0 32x32 block scales, read as its bytes:
     each step's [BLOCK_N, 64] codes times their two block scales are the weight's bf16 values
@@ -1923,7 +1977,8 @@ def _dense_fp8_kernel(x_ptr, w_ptr, s_ptr, w_desc, out_ptr, part_ptr, cnt_ptr, M
     program to finish, by the counter in cnt, adds them in range order, writes out and resets
     the counter) or every range in turn (ALL_RANGES, S = 1). RESCALED (TMA with [BLOCK_N, 32]
     boxes, not ALL_RANGES): the steps as _rescaled_steps runs them, CODE_BITS its codes by
-    their bits."""
+    their bits. QUANT: the output also act-quantised for the next fp8 linear (_store_out_tile:
+    q [M, CN] fp16, qs [M, CN / 32] fp32, inv_max 1/448)."""
     BLOCK_K: tl.constexpr = 64
     n_tiles = tl.cdiv(NG, BLOCK_N)
     pid_n = tl.program_id(0)
@@ -1990,9 +2045,11 @@ def _dense_fp8_kernel(x_ptr, w_ptr, s_ptr, w_desc, out_ptr, part_ptr, cnt_ptr, M
         last, y = _last_range_sum(part_ptr, acc, mn, mask, split, M * CN,
                                   cnt_ptr + pid_m * tl.num_programs(0) + pid_n, SPLITS)
         if last:  # the ranges in order, as _dense_sum_kernel
-            tl.store(out_ptr + mn, to_bf16(y, INTERPRET).to(tl.bfloat16), mask=mask)
+            _store_out_tile(out_ptr, q_ptr, qs_ptr, y, mn, mask, rows, m_mask, g * NG + n0,
+                            NG - n0, CN, inv_max, QUANT, INTERPRET)
     else:
-        tl.store(out_ptr + mn, to_bf16(acc, INTERPRET).to(tl.bfloat16), mask=mask)
+        _store_out_tile(out_ptr, q_ptr, qs_ptr, acc, mn, mask, rows, m_mask, g * NG + n0,
+                        NG - n0, CN, inv_max, QUANT, INTERPRET)
 
 
 @dataclass(frozen=True)
@@ -2173,7 +2230,8 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                      groups: int = 1, *, num_splits: int | None = None,
                      tiles: tuple | None = None, tma: bool | None = None,
                      rescaled: bool = False,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None,
+                     quant_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``dense_linear(x, Fp8Weight(weight, scale).dequantize(), groups)``, the same bits,
     reading the weight's e4m3 bytes and e8m0 block scales instead of its bf16 copy: half the
     weight bytes, for the sizes a weight's bytes bound (decode). The K steps, ranges and fp32
@@ -2188,7 +2246,11 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     keep their accumulator in the current block's scale (_rescaled_steps: the same bits while
     every product and partial sum stays in fp32's normal range, about 11% faster at 1-16 rows
     on wo_a; with DENSE_CODE_BITS, on a GPU and a weight without NaN codes, they turn the
-    codes into bf16 by their bits); out: a contiguous bf16 [rows of x, groups * Ng] to write into.
+    codes into bf16 by their bits); out: a contiguous bf16 [rows of x, groups * Ng] to write into;
+    quant_out: (q, s), contiguous fp16 [rows of x, groups * Ng] and fp32 [rows of x, groups *
+    Ng / 32] (Ng a multiple of 32): the kernel also writes act_quant(output, f16=True) into
+    them, act_quant's bits, so the fp8 linear that reads this output next needs no launch to
+    quantise it.
     The ranges run as separate programs while the tiles leave SMs idle, the last to finish
     adding them. Returns [..., groups * Ng] bf16.
     """
@@ -2232,12 +2294,33 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     w_desc = TensorDescriptor.from_tensor(w8, [bn, 32 if resc else 64]) if tma else w8
     part = torch.empty(s, m, rows, dtype=torch.float32, device=x.device) if split else out
     counters = _tile_counters(out.device, grid_n * grid_m) if split else out
+    q, qs = (out, out) if quant_out is None else _check_quant_out(quant_out, m, rows, ng, out)
     _dense_fp8_kernel[(grid_n, s, grid_m)](
         x2, w8, scale.contiguous().view(torch.uint8), w_desc, out, part, counters, m, ng, kg,
         x2.shape[1], rows, want[1], order.chunks, order.ranges, BLOCK_M=bm, BLOCK_N=bn,
         SPLITS=s, ALL_RANGES=order.ranges > 1 and not split, TMA=bool(tma), RESCALED=resc,
-        INTERPRET=interpreting(), CODE_BITS=bits, num_warps=warps, num_stages=stages)
+        INTERPRET=interpreting(), CODE_BITS=bits, q_ptr=q, qs_ptr=qs, inv_max=INV_FP8_MAX,
+        QUANT=quant_out is not None, num_warps=warps, num_stages=stages)
     return out.reshape(*lead, rows)
+
+
+def _check_quant_out(quant_out, m: int, n: int, ng: int, out: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """dense_fp8_linear's quant_out, checked: (q fp16 [m, n], s fp32 [m, n / 32]), both
+    contiguous on out's device, for groups of ng (a multiple of 32) output columns."""
+    require(isinstance(quant_out, tuple) and len(quant_out) == 2
+            and all(isinstance(t, torch.Tensor) for t in quant_out),
+            f"quant_out must be a (q, s) pair of tensors, got {type(quant_out).__name__}")
+    q, s = quant_out
+    require(ng % FP8_BLOCK == 0, f"quant_out needs output groups of a multiple of "
+            f"{FP8_BLOCK} columns, got {ng}")
+    for name, t, dtype, shape in (("q", q, torch.float16, (m, n)),
+                                  ("s", s, torch.float32, (m, n // FP8_BLOCK))):
+        require(t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous()
+                and t.device == out.device,
+                f"quant_out's {name} must be a contiguous {dtype} {list(shape)} on "
+                f"{out.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    return q, s
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

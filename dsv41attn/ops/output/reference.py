@@ -14,6 +14,7 @@ from ...checkpoint import Fp8Weight
 from ..common.buffers import out_buffer
 from ..common.cpu_kernels import torch_bf16_matmul
 from ..common.rope import apply_rope
+from ..linear.reference import fp8_linear
 
 
 def check_inputs(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Tensor | Fp8Weight,
@@ -85,3 +86,12 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Ten
         u = torch.einsum("ngd,grd->ngr", o.reshape(n, groups, k), weight.view(groups, rk, k))
     u = u.flatten(1)  # [N, groups*Rk] bf16
     return u if out is None else out.copy_(u)
+
+
+def output_projection(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Tensor | Fp8Weight,
+                      groups: int, wo_b: torch.Tensor, wo_b_scale: torch.Tensor,
+                      **wo_a_kw) -> torch.Tensor:
+    """Step 6 whole for a layer without tensor parallelism: the inverse RoPE, the grouped wo_a
+    (``inverse_rope_wo_a``, with its keyword arguments) and the fp8 wo_b [dim, groups * Rk]
+    (block scales wo_b_scale): [N, dim] bf16."""
+    return fp8_linear(inverse_rope_wo_a(o, rot, wo_a, groups, **wo_a_kw), wo_b, wo_b_scale)

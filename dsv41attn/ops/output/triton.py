@@ -40,8 +40,9 @@ import triton.language as tl
 from ...checkpoint import Fp8Weight, exact_fp8
 from ..common.buffers import out_buffer
 from ..common.triton import (FP8_BLOCK, cdiv, check_device, cos_sin, e4m3_to_fp32, e8m0_to_fp32,
-                             interpreting, neg, rope_heads, sm_count, to_bf16)
-from ..linear.triton import dense_fp8_linear, dense_linear, rescalable_scales
+                             interpreting, neg, require, rope_heads, sm_count, to_bf16)
+from ..linear.triton import (dense_fp8_linear, dense_linear, fp8_input_form, fp8_linear,
+                             fp8_linear_quantized, rescalable_scales)
 from .reference import check_inputs
 
 # Calls of up to this many rows read wo_a's e4m3 codes (dense_fp8_linear) where the op has
@@ -58,6 +59,12 @@ from .reference import check_inputs
 # help), so in the step-sized mode they win on an H100 and tie on an H200 at up to 16 rows.
 WO_A_CODES_MAX_ROWS = 64
 WO_A_STEP_CODES_MAX_ROWS = 16
+# output_projection: where wo_a runs from its codes and wo_b's fp8_linear reads act_quant's f16
+# form (up to 16 rows), wo_a's kernel also quantises its output for wo_b (dense_fp8_linear's
+# quant_out): one launch of a decode step fewer (act_quant, 1.3 us of Full r=2's b = 1 step on
+# the H100 timeline), the same bits. Not yet timed: bench --part layers --decode 1x4096,16x4096
+# --variant base --variant q:ops.output.triton.QUANT_IN_WO_A=1
+QUANT_IN_WO_A = False
 
 
 @triton.jit
@@ -237,11 +244,51 @@ def prepare_wo_a(wo_a: torch.Tensor | Fp8Weight, previous: WoACodes | None = Non
     return {}
 
 
+def _codes_form(n: int, rot, wo_a, codes, fixed_order: bool, num_splits, fused_max_rows: int
+                ) -> Fp8Weight | None:
+    """The fp8 form of wo_a that inverse_rope_wo_a's call of n rows runs dense_fp8_linear on
+    (the Fp8Weight wo_a, or the prepared codes where they serve it), or None where the call
+    runs another kernel: the unfused path (the fused kernel only where num_splits is given or n
+    <= fused_max_rows, and never without rot), up to WO_A_CODES_MAX_ROWS rows
+    (WO_A_STEP_CODES_MAX_ROWS unless fixed_order)."""
+    fp8_form = wo_a if isinstance(wo_a, Fp8Weight) else \
+        codes.fp8 if codes is not None and codes.serves(wo_a) else None
+    unfused = (n > fused_max_rows and num_splits is None) or rot is None
+    limit = WO_A_CODES_MAX_ROWS if fixed_order else WO_A_STEP_CODES_MAX_ROWS
+    return fp8_form if unfused and n <= limit else None
+
+
+def output_projection(o: torch.Tensor, rot: torch.Tensor | None,
+                      wo_a: torch.Tensor | Fp8Weight, groups: int, wo_b: torch.Tensor,
+                      wo_b_scale: torch.Tensor, **wo_a_kw) -> torch.Tensor:
+    """``reference.output_projection`` on the triton backend: fp8_linear(inverse_rope_wo_a(o,
+    rot, wo_a, groups, **wo_a_kw), wo_b, wo_b_scale), [N, dim] bf16. With QUANT_IN_WO_A, where
+    the call runs wo_a's codes kernel and wo_b reads act_quant's f16 form, that kernel
+    quantises its output for wo_b itself: the same bits, one launch fewer."""
+    n = o.shape[0] if isinstance(o, torch.Tensor) and o.dim() == 3 else -1
+    quant = None
+    if QUANT_IN_WO_A and n > 0 and isinstance(wo_b, torch.Tensor) and wo_b.dim() == 2 \
+            and wo_b.dtype == torch.float8_e4m3fn and \
+            _codes_form(n, rot, wo_a, wo_a_kw.get("codes"), wo_a_kw.get("fixed_order", True),
+                        wo_a_kw.get("num_splits"), wo_a_kw.get("fused_max_rows", 0)) is not None:
+        gr = wo_b.shape[1]  # wo_a's outputs: wo_b's K (checked by both ops)
+        groups_ok = isinstance(groups, int) and groups > 0 and gr % groups == 0 \
+            and (gr // groups) % 32 == 0
+        if groups_ok and fp8_input_form(n, wo_b) == "f16":
+            quant = (torch.empty(n, gr, dtype=torch.float16, device=o.device),
+                     torch.empty(n, gr // 32, dtype=torch.float32, device=o.device))
+    u = inverse_rope_wo_a(o, rot, wo_a, groups, quant_out=quant, **wo_a_kw)
+    if quant is not None:
+        return fp8_linear_quantized(*quant, wo_b, wo_b_scale)
+    return fp8_linear(u, wo_b, wo_b_scale)
+
+
 def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Tensor | Fp8Weight,
                       groups: int, *, out: torch.Tensor | None = None,
                       num_splits: int | None = None, fused_max_rows: int = 0,
                       fixed_order: bool = True, in_place: bool = False,
-                      codes: WoACodes | None = None) -> torch.Tensor:
+                      codes: WoACodes | None = None,
+                      quant_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``reference.inverse_rope_wo_a`` as one Triton kernel (plus a split-K sum for decode).
 
     o: [N, H, D] bf16; rot: [N, R/2] complex64 (the last R dims of each head are rotated by
@@ -263,7 +310,8 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Ten
     WoACodes (prepare_wo_a; ignored unless it ``serves`` this wo_a). Unfused, a call of at
     most WO_A_CODES_MAX_ROWS rows (WO_A_STEP_CODES_MAX_ROWS unless fixed_order) with codes,
     or with an Fp8Weight wo_a, runs dense_fp8_linear on the e4m3 codes: dense_linear's bits,
-    on half the weight bytes.
+    on half the weight bytes. quant_out: dense_fp8_linear's (the output's act_quant for wo_b,
+    in the same launch), only for a call that runs it (``_codes_form``; else a ValueError).
     """
     kg, rk = check_inputs(o, rot, wo_a, groups)
     n, h, d = o.shape
@@ -280,8 +328,9 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Ten
     if codes is not None and not isinstance(codes, WoACodes):
         raise TypeError(f"codes must be a WoACodes (prepare_wo_a) or None, got "
                         f"{type(codes).__name__}")
-    # wo_a's fp8 form for the codes' kernel, where the op has one that is current
-    fp8_form = wo_a if fp8 else codes.fp8 if codes is not None and codes.serves(wo_a) else None
+    fp8_form = _codes_form(n, rot, wo_a, codes, fixed_order, num_splits, fused_max_rows)
+    require(quant_out is None or fp8_form is not None,
+            f"quant_out: this call ({n} rows) does not run wo_a's codes kernel")
     out = out_buffer(out, (n, gr), torch.bfloat16, o.device)
     if out.numel() == 0:
         return out
@@ -289,12 +338,11 @@ def inverse_rope_wo_a(o: torch.Tensor, rot: torch.Tensor | None, wo_a: torch.Ten
         # the rotation kernel, then the grouped GEMM (in its fixed summation order)
         rotated = (o.contiguous() if rot is None else
                    rope_heads(o, rot, inverse=True, in_place=in_place)).view(n, h * d)
-        limit = WO_A_CODES_MAX_ROWS if fixed_order else WO_A_STEP_CODES_MAX_ROWS
-        if fp8_form is not None and n <= limit:  # dense_linear's bits on the fp8 bytes
+        if fp8_form is not None:  # dense_linear's bits on the fp8 bytes
             if not fp8:
                 codes.reads += 1
             return dense_fp8_linear(rotated, fp8_form.weight, fp8_form.scale, groups, out=out,
-                                    rescaled=not fp8 and codes.rescaled)
+                                    rescaled=not fp8 and codes.rescaled, quant_out=quant_out)
         w16 = wo_a.dequantize() if fp8 else weight
         if not fixed_order:  # torch's batched GEMM writes straight into out's [G, N, Rk] view
             torch.bmm(rotated.view(n, groups, kg).transpose(0, 1),
