@@ -216,6 +216,21 @@ def test_fp8_codes_bad_inputs():
         T.dense_fp8_linear(x, w8, s8, tma=True)  # 200-byte rows
     with pytest.raises(ValueError, match="out must be"):
         T.dense_fp8_linear(x, w8, s8, out=torch.empty(4, 31, dtype=torch.bfloat16, device=DEV))
+    q = torch.empty(4, 32, dtype=torch.float16, device=DEV)
+    qs = torch.empty(4, 1, device=DEV)
+    for bad, match in (((q.float(), qs), "quant_out's q"), ((q, qs[:3]), "quant_out's s"),
+                       ((q,), "pair")):
+        with pytest.raises(ValueError, match=match):
+            T.dense_fp8_linear(x, w8, s8, quant_out=bad)
+    with pytest.raises(ValueError, match="multiple of 32"):  # 16 columns a group
+        T.dense_fp8_linear(x.repeat(1, 2), w8, s8, 2, quant_out=(q, qs))
+    empty_k = torch.empty(32, 0, dtype=torch.float8_e4m3fn, device=DEV)
+    empty_s = torch.empty(1, 0, dtype=torch.float8_e8m0fnu, device=DEV)
+    q.fill_(float("nan"))
+    qs.fill_(float("nan"))
+    assert not T.dense_fp8_linear(x[:, :0], empty_k, empty_s, quant_out=(q, qs)).any()
+    want_q, want_s = T.act_quant(torch.zeros(4, 32, dtype=torch.bfloat16, device=DEV), f16=True)
+    assert torch.equal(q, want_q) and torch.equal(qs, want_s)  # K = 0: zeros, quantised
 
 
 def test_rms_norm_vs_reference():

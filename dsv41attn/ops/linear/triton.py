@@ -2268,10 +2268,15 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     check_device(x, weight, scale)
     m = x2.shape[0]
     out = out_buffer(out, (m, rows), torch.bfloat16, x.device)
+    q, qs = (out, out) if quant_out is None else _check_quant_out(quant_out, m, rows, ng, out)
     if out.numel() == 0:
         return out.reshape(*lead, rows)
-    if kg == 0:
-        return out.zero_().reshape(*lead, rows)
+    if kg == 0:  # zeros, and their quantisation where asked
+        out.zero_()
+        if quant_out is not None:
+            for buf, made in zip(quant_out, act_quant(out, f16=True)):
+                buf.copy_(made)
+        return out.reshape(*lead, rows)
     _check_splits(num_splits, kg, torch.bfloat16)
     sms = sm_count(x.device)
     order = _dense_order(ng, kg, groups, torch.bfloat16, sms, num_splits)
@@ -2294,7 +2299,6 @@ def dense_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     w_desc = TensorDescriptor.from_tensor(w8, [bn, 32 if resc else 64]) if tma else w8
     part = torch.empty(s, m, rows, dtype=torch.float32, device=x.device) if split else out
     counters = _tile_counters(out.device, grid_n * grid_m) if split else out
-    q, qs = (out, out) if quant_out is None else _check_quant_out(quant_out, m, rows, ng, out)
     _dense_fp8_kernel[(grid_n, s, grid_m)](
         x2, w8, scale.contiguous().view(torch.uint8), w_desc, out, part, counters, m, ng, kg,
         x2.shape[1], rows, want[1], order.chunks, order.ranges, BLOCK_M=bm, BLOCK_N=bn,

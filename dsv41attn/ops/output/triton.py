@@ -271,10 +271,10 @@ def output_projection(o: torch.Tensor, rot: torch.Tensor | None,
             and wo_b.dtype == torch.float8_e4m3fn and \
             _codes_form(n, rot, wo_a, wo_a_kw.get("codes"), wo_a_kw.get("fixed_order", True),
                         wo_a_kw.get("num_splits"), wo_a_kw.get("fused_max_rows", 0)) is not None:
-        gr = wo_b.shape[1]  # wo_a's outputs: wo_b's K (checked by both ops)
-        groups_ok = isinstance(groups, int) and groups > 0 and gr % groups == 0 \
-            and (gr // groups) % 32 == 0
-        if groups_ok and fp8_input_form(n, wo_b) == "f16":
+        gr = (wo_a.weight if isinstance(wo_a, Fp8Weight) else wo_a).shape[0]  # wo_a's outputs
+        fits = wo_b.shape[1] == gr and isinstance(groups, int) and groups > 0 \
+            and gr % groups == 0 and (gr // groups) % 32 == 0  # else the two ops (and errors)
+        if fits and fp8_input_form(n, wo_b) == "f16":
             quant = (torch.empty(n, gr, dtype=torch.float16, device=o.device),
                      torch.empty(n, gr // 32, dtype=torch.float32, device=o.device))
     u = inverse_rope_wo_a(o, rot, wo_a, groups, quant_out=quant, **wo_a_kw)
