@@ -353,3 +353,42 @@ def test_output_projection_quantises_for_wo_b_inside_wo_a(fixed_order, monkeypat
          torch.empty(5, groups * rk // 32, device=DEV))
     with pytest.raises(ValueError, match="quant_out"):
         T.inverse_rope_wo_a(o[:5], rot[:5], w16, groups, quant_out=q, **kw)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["step-sized", "invariant"])
+def test_layers_quantise_wo_bs_input_inside_wo_a_with_the_same_bits(batch_invariant,
+                                                                    monkeypatch):
+    """A triton-backend stack of tiny layers (wo_a's 32-row groups, so wo_b's 32-blocks fit a
+    group) through a prefill and decode steps: with QUANT_IN_WO_A every output and every cache
+    byte is the bits of the two-op path, and the fused path ran (spied) in the decode steps
+    only (the prefill's 21 rows are past wo_b's f16 form, and in the step-sized mode past
+    wo_a's codes)."""
+    from dsv41attn import AttentionStack, random_layer_weights
+    from dsv41attn.ops.linear import triton as LT
+    cfg = preset("tiny").replace(o_lora_rank=32)
+    layers = [0, 1, 2]  # SWA, the r = 2 source and its reuser
+    weights = {L: random_layer_weights(cfg, L, seed=41).to(DEV) for L in layers}
+    stack = AttentionStack(cfg, weights, "triton", batch_invariant=batch_invariant)
+    g = torch.Generator().manual_seed(42)
+    xs = [{L: torch.randn(3, m, cfg.dim, generator=g).bfloat16().to(DEV) for L in layers}
+          for m in (7, 1, 1)]
+    fused = []
+    real = LT.fp8_linear_quantized
+    monkeypatch.setattr(T, "fp8_linear_quantized", lambda *a: fused.append(1) or real(*a))
+
+    def go(on):
+        monkeypatch.setattr(T, "QUANT_IN_WO_A", on)
+        state = stack.new_state(3, capacity=16)
+        outs = [stack.forward(x, state) for x in xs]
+        return outs, state
+
+    want, s0 = go(False)
+    assert not fused
+    got, s1 = go(True)
+    assert len(fused) == 2 * len(layers)
+    for w, o in zip(want, got):
+        for L in layers:
+            assert torch.equal(w[L].view(torch.int16), o[L].view(torch.int16)), L
+    for L in layers:
+        assert torch.equal(s0.layers[L].window.view(torch.uint8),
+                           s1.layers[L].window.view(torch.uint8))
