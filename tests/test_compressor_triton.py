@@ -313,10 +313,16 @@ PROJECT_CASES = [(1, 24, 96), (3, 17, 700), (8, 9, 129), (9, 40, 1100), (37, 16,
                  (20, 5, 1)]
 
 
+@pytest.mark.parametrize("last_sum", [False, True], ids=["sum-launch", "last-program"])
 @pytest.mark.parametrize("m,n,k", PROJECT_CASES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in PROJECT_CASES])
-def test_project_rows_matches_reference_bits(m, n, k):
-    """Every output the correctly rounded fp32 of its dot product, as reference.project."""
+def test_project_rows_matches_reference_bits(m, n, k, last_sum, monkeypatch):
+    """Every output the correctly rounded fp32 of its dot product, as reference.project, with
+    the ranges' partials added by a second launch or by each tile's last program
+    (PROJECT_LAST_SUM; one range at K <= 512, several above). Twice in a row: the last
+    program leaves its counters at zero for the next launch."""
+    monkeypatch.setattr(T, "PROJECT_LAST_SUM", last_sum)
     x, wkv, wgate = _project_inputs(m, n, k, seed=m * 100 + n)
+    T.project_rows(x, wkv, wgate)
     kv, score = T.project_rows(x, wkv, wgate)
     want_kv, want_score = R.project(x, wkv, wgate)
     assert kv.dtype == score.dtype == torch.float32 and kv.shape == score.shape == (m, n)

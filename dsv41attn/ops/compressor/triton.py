@@ -38,7 +38,7 @@ import triton.language as tl
 from ..common.triton import (any_nan, cdiv, check_device, cos_sin, e4m3_code, e4m3_to_fp32,
                              interpreting, next_pow2, pow2_ceil_exponent, require, rms_scale,
                              rope_rotate, round_bf16, to_bf16)
-from ..linear.triton import _dense_sum_kernel, dense_linear
+from ..linear.triton import _dense_sum_kernel, _last_range_sum, _tile_counters, dense_linear
 from . import reference
 
 BLOCK_G = 16  # groups per program: tl.dot needs M >= 16
@@ -309,6 +309,12 @@ PROJECT_RANGE_K = 512  # K range per partial: the ranges' sums are added in orde
 PROJECT_SMALL_M = 16  # project_rows / torch float64 crossover of the step-sized mode when
 # each call converts the weights: H200, V4.1-Flash's 2 x [512, 5120], CUDA graph, us for
 # (project_rows, torch): 15 / 43 at T = 1, 22 / 58 at 8, 46 / 58 at 16, 156 / 64 at 64
+# project_rows: the ranges' partials added by each tile's last program (the decode GEMMs'
+# counter pattern) instead of a second launch (_dense_sum_kernel, 4.0-6.4 us of Full r=2's b = 1
+# compressor branch on the H100 and H200 timelines): the same additions in the same order, so
+# the same bits. Not yet run on a GPU: bench --part layers --roles "Full r=2" --decode 1x4096
+# --variant base --variant ls:ops.compressor.triton.PROJECT_LAST_SUM=1
+PROJECT_LAST_SUM = False
 PROJECT_SMALL_M_PREPARED = 8  # the same crossover against one float64 GEMM on ProjectWeights:
 # H200, 2 x [512, 5120], CUDA graph, us (project_rows, prepared): 16.0 / 17.9 at T = 1,
 # 24.9 / 26.1 at 8, 57.6 / 26.1 at 12, 197.5 / 31.9 at 64, - / 65.3 at 256 (torch with its
@@ -345,10 +351,13 @@ def _project_range(x_row, w_row, m_ok, n_ok, k_lo, K, BM: tl.constexpr, BN: tl.c
 
 @triton.jit
 def _project_kernel(x_ptr, wkv_ptr, wgate_ptr, part_ptr, M, N, K, BM: tl.constexpr,
-                    BN: tl.constexpr, LANES: tl.constexpr, RANGE_K: tl.constexpr):
+                    BN: tl.constexpr, LANES: tl.constexpr, RANGE_K: tl.constexpr,
+                    out_ptr=None, cnt_ptr=None, RANGES: tl.constexpr = 0):
     """x: [M, K] bf16; wkv, wgate: [N, K] fp32, contiguous; part: [cdiv(K, RANGE_K), 2, M, N]
     fp64, range r's sums of kv (0) and score (1). Grid (2 * cdiv(N, BN), cdiv(M, BM), K
-    ranges): axis 0 walks the N tiles of wkv, then of wgate."""
+    ranges): axis 0 walks the N tiles of wkv, then of wgate. RANGES > 0 (= the K ranges): the
+    tile's last program to finish (by its zeroed counter in cnt) adds the ranges' partials in
+    range order, as _dense_sum_kernel does, and writes out [2, M, N] fp32 itself."""
     tiles = tl.cdiv(N, BN)
     pid = tl.program_id(0)
     which = (pid >= tiles).to(tl.int64)
@@ -364,8 +373,15 @@ def _project_kernel(x_ptr, wkv_ptr, wgate_ptr, part_ptr, M, N, K, BM: tl.constex
     part = _project_range(x_ptr + offs_m.to(tl.int64)[:, None] * K,
                           w_ptr + offs_n.to(tl.int64)[:, None] * K, m_ok, n_ok, r * RANGE_K, K,
                           BM, BN, LANES, RANGE_K)
-    tl.store(part_ptr + ((r * 2 + which) * M + offs_m.to(tl.int64)[:, None]) * N
-             + offs_n[None, :], part, mask=m_ok[:, None] & n_ok[None, :])
+    mn = (which * M + offs_m.to(tl.int64)[:, None]) * N + offs_n[None, :]  # in a [2, M, N]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if RANGES > 0:
+        last, y = _last_range_sum(part_ptr, part, mn, mask, r, 2 * M * N,
+                                  cnt_ptr + tl.program_id(1) * tl.num_programs(0) + pid, RANGES)
+        if last:
+            tl.store(out_ptr + mn, y.to(tl.float32), mask=mask)
+    else:
+        tl.store(part_ptr + r * (2 * M * N) + mn, part, mask=mask)
 
 
 def _check_project(x, wkv, wgate) -> None:
@@ -409,9 +425,14 @@ def _project_rows(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor
     ranges = cdiv(k, PROJECT_RANGE_K)
     bm, bn, warps = (next_pow2(m), 8, 4) if m <= 8 else (8, 8, 8)
     part = torch.empty(ranges, 2, m, n, dtype=torch.float64, device=x.device)
-    _project_kernel[(2 * cdiv(n, bn), cdiv(m, bm), ranges)](
+    grid = (2 * cdiv(n, bn), cdiv(m, bm), ranges)
+    last_sum = {} if not PROJECT_LAST_SUM else dict(
+        out_ptr=out, cnt_ptr=_tile_counters(x.device, grid[0] * grid[1]), RANGES=ranges)
+    _project_kernel[grid](
         x.contiguous(), wkv.contiguous(), wgate.contiguous(), part, m, n, k, BM=bm, BN=bn,
-        LANES=PROJECT_LANES, RANGE_K=PROJECT_RANGE_K, num_warps=warps)
+        LANES=PROJECT_LANES, RANGE_K=PROJECT_RANGE_K, num_warps=warps, **last_sum)
+    if last_sum:
+        return out[0], out[1]
     block = 1024  # the ranges' partials added in range order, rounded once to fp32
     _dense_sum_kernel[(cdiv(out.numel(), block),)](
         part, out, out.numel(), ranges, FP64=True, BLOCK=block, INTERPRET=interpreting())
