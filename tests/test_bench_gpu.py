@@ -240,13 +240,15 @@ def test_sparse_attn_variants_time_each_and_count_differing_bits():
 def test_the_fifty_first_sessions_settings_keep_every_bit():
     """The settings prepared without a GPU, all on (wo_a's codes by their bits and through TMA
     up to 64 rows, the merge's narrow deep tiles, the two-bit top-k search, wo_b's input
-    quantised inside wo_a): each promises the same bits, so the layer's output differs in no
-    element from the defaults', in a decode step (2 and 16 sequences) of SWA and Full r=2."""
+    quantised inside wo_a, the compressor's range sum in its last program): each promises the
+    same bits, so the layer's output differs in no element from the defaults', in a decode
+    step (2 and 16 sequences) of SWA and Full r=2."""
     from dsv41attn.bench import bench_layers
     from dsv41attn.tuning import parse_variant
     on = ("ops.linear.triton.DENSE_CODE_BITS=1,ops.linear.triton.DENSE_FP8_TMA_MAX_M=64,"
           "ops.sparse_attn.triton.MERGE_BLOCK_D=32,ops.sparse_attn.triton.MERGE_STAGES=8,"
-          "ops.indexer.triton.SEARCH_DIGIT_BITS=2,ops.output.triton.QUANT_IN_WO_A=1")
+          "ops.indexer.triton.SEARCH_DIGIT_BITS=2,ops.output.triton.QUANT_IN_WO_A=1,"
+          "ops.compressor.triton.PROJECT_LAST_SUM=1")
     variants = [parse_variant("base"), parse_variant("new:" + on)]
     rows, _ = bench_layers(decode=[(2, 640), (16, 640)], prefill=[], roles=("SWA", "Full r=2"),
                            reference_cases=(), log=lambda *a: None, variants=variants, rounds=1)
