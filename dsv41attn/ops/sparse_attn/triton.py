@@ -601,7 +601,7 @@ def _combine_kernel(ml_ptr, acc_ptr, sink_ptr, o_ptr, cs_ptr, H, S, D: tl.conste
 # The split merge's tiles: BLOCK_H heads x MERGE_BLOCK_D columns a program (a power of two
 # dividing D), its loop over the splits' partials pipelined MERGE_STAGES deep. At b = 1 over
 # 640 rows (10 splits) that is 16 programs, each with 2 of its 10 loads of 8 KB in flight:
-# 4.4 us of a decode layer (H100, the thirty-sixth session's timeline). Narrower tiles and a
+# 4.4 us of a decode layer (H100, the thirty-fourth session's timeline). Narrower tiles and a
 # deeper pipeline put more of the 1.3 MB of partials in flight at once. Each output's
 # arithmetic is the same at any tile or depth: no bit depends on them. Not yet timed:
 # bench --part sparse_attn --variant base --variant
