@@ -4,6 +4,7 @@
     make test                                   # the suite records its launches, then this
     python tests/sm90_compile.py LAUNCHES [-j N] [--only NAME]
     python tests/sm90_compile.py --layer v41-flash [--prefill 4096] [--batches 1,8,64,256]
+    python tests/sm90_compile.py --layer v41-flash --count [--set PATH.NAME=VALUE ...]
 
 Why: without a GPU the suite runs the kernels under Triton's CPU interpreter, which never
 lowers them to PTX. A kernel the GPU backend rejects (a type or layout it cannot lower, a
@@ -31,6 +32,11 @@ launch: the registers, spills and shared memory of the tiles the GPU would run a
 and the instructions a warp issues per iteration of the kernel's main loop (``_main_loop``; a
 kernel bound by issuing instructions costs that much per K step, so a change's count can be
 compared without a GPU).
+
+``--layer PRESET --count`` records the same steps and, compiling nothing, prints per step and
+layer how many Triton kernels it launches and which, in order, with ``--set`` fast-path
+settings in force (``bench --variant``'s form): a decode step's launch count per role without
+a GPU.
 
 Limits: the specialisations are the ones the interpreter tests pick (their tiles can be
 smaller than a GPU run's); pointers are taken as 16-byte aligned; ``--layer``'s decode steps
@@ -101,10 +107,12 @@ def _constexpr(param) -> bool:
     return "constexpr" in (ann if isinstance(ann, str) else getattr(ann, "__name__", ""))
 
 
-def record_launches(path: str, execute: bool = True, tag: dict | None = None) -> None:
+def record_launches(path: str, execute: bool = True, tag: dict | None = None,
+                    each: list | None = None) -> None:
     """Append each distinct interpreted launch of this process to ``path`` (JSON lines).
     execute False: record only, run nothing (the outputs stay as allocated). tag: a dict whose
-    "tag" entry, when set, goes into each record (what the caller was doing)."""
+    "tag" entry, when set, goes into each record (what the caller was doing). each: every
+    launch, distinct or not, appended as (a copy of tag, the kernel's name)."""
     from triton.runtime import interpreter
     seen: set[str] = set()
     constexpr: dict = {}  # kernel -> which positional parameters are constexprs
@@ -112,6 +120,8 @@ def record_launches(path: str, execute: bool = True, tag: dict | None = None) ->
 
     def recording_run(self, *args, grid, warmup, **kwargs):
         fn = self.fn
+        if each is not None:
+            each.append((dict(tag or {}), fn.__qualname__))
         rec = {"module": fn.__module__, "name": fn.__qualname__,
                "args": [_describe(a) for a in args],
                "kwargs": {k: _describe(v) for k, v in kwargs.items()}}
@@ -137,18 +147,29 @@ def record_launches(path: str, execute: bool = True, tag: dict | None = None) ->
     interpreter.InterpretedFunction.run = recording_run
 
 
-def record_layer_steps(preset_name: str, path: str, prefill: int, batches: list[int]) -> None:
+def record_layer_steps(preset_name: str, path: str, prefill: int, batches: list[int],
+                       each: list | None = None) -> None:
     """Record, running none, the kernel launches of a triton-backend stack of the first
     layer of each role of the preset (and its sources: tpcheck.check_layers) at the preset's shapes: a prefill of ``prefill``
     tokens of one sequence, then a first decode step of each batch size. Under the interpreter
     (the caller sets TRITON_INTERPRET=1 before triton is imported); nothing is computed, so it
-    takes seconds at V4.1-Flash shapes."""
+    takes seconds at V4.1-Flash shapes. each: record_launches' (each launch with its step in
+    "tag" and its layer in "layer")."""
     import torch
 
-    from dsv41attn import AttentionStack, preset, random_layer_weights
+    from dsv41attn import AttentionLayer, AttentionStack, preset, random_layer_weights
     from dsv41attn.tpcheck import check_layers
     tag: dict = {}
-    record_launches(path, execute=False, tag=tag)
+    record_launches(path, execute=False, tag=tag, each=each)
+    run = AttentionLayer.run
+
+    def layer_run(self, *args, **kwargs):  # the launches inside it are this layer's
+        tag["layer"] = self.spec.layer
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            tag.pop("layer", None)
+    AttentionLayer.run = layer_run
     cfg = preset(preset_name)
     _, layers = check_layers(cfg)  # the first layer of each role and the sources it reads
     print(f"{preset_name}: layers {', '.join(map(str, layers))}", flush=True)
@@ -396,6 +417,32 @@ def _layer_report(a) -> int:
     return 1 if failed else 0
 
 
+def count_layer_steps(preset_name: str, prefill: int, batches: list[int],
+                      settings: list[str]) -> None:
+    """--layer --count (under the interpreter; the caller sets TRITON_INTERPRET=1): record_layer_steps'
+    steps with ``settings`` ('PATH.NAME=VALUE', tuning.parse_setting) in force, and print per
+    step and layer its role, how many Triton kernels it launches and which, in order (the
+    torch ops that launch kernels of their own are not counted)."""
+    from dsv41attn import preset
+    from dsv41attn.tuning import parse_setting, tuned
+    cfg = preset(preset_name)
+    each: list = []
+    with tempfile.TemporaryDirectory() as tmp, tuned([parse_setting(x) for x in settings]):
+        record_layer_steps(preset_name, str(Path(tmp) / "launches.jsonl"), prefill, batches,
+                           each=each)
+    steps: dict = {}
+    for tag, name in each:
+        if "layer" in tag:
+            steps.setdefault((tag.get("tag", ""), tag["layer"]), []).append(name)
+    print(f"{'step':18s} {'layer':>5s} {'role':12s} {'launches':>8s}  kernels, in order"
+          + (f" (with {', '.join(settings)})" if settings else ""))
+    for (step, layer), names in steps.items():
+        spec = cfg.layer(layer)
+        role = spec.role.name + (f"/r{spec.ratio}" if spec.ratio else "")
+        print(f"{step:18s} {layer:5d} {role:12s} {len(names):8d}  "
+              + " ".join(n.lstrip("_").removesuffix("_kernel") for n in names))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("launches", nargs="?", help="the JSON lines the suite recorded")
@@ -409,7 +456,20 @@ def main(argv=None) -> int:
                          "running it (record_layer_steps), compile it, one row per launch")
     ap.add_argument("--prefill", type=int, default=2048, help="--layer: prefill tokens")
     ap.add_argument("--batches", default="1,64", help="--layer: decode batch sizes")
+    ap.add_argument("--count", action="store_true",
+                    help="--layer: count each layer's Triton launches a step instead of "
+                         "compiling them (count_layer_steps)")
+    ap.add_argument("--set", action="append", default=[], metavar="PATH.NAME=VALUE",
+                    help="--count: a fast-path setting in force (bench --variant's form)")
     a = ap.parse_args(argv)
+    if a.count or a.set:
+        if not a.layer:
+            ap.error("--count and --set go with --layer PRESET")
+        code = (f"import sys; sys.path[:0] = {[str(TESTS.parent), str(TESTS)]!r}; "
+                f"import sm90_compile as s; s.count_layer_steps({a.layer!r}, {a.prefill}, "
+                f"{[int(b) for b in a.batches.split(',') if b]!r}, {a.set!r})")
+        return subprocess.run([sys.executable, "-c", code],
+                              env=dict(os.environ, TRITON_INTERPRET="1")).returncode
     if a.layer:
         return _layer_report(a)
     if not a.launches:

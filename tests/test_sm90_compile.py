@@ -186,3 +186,29 @@ print(json.dumps({"neg": ptx.count("0f80000000") + ptx.count("-2147483648"),
 """, triton_dir)
     assert got["neg"] >= 1 and got["pos"] == 0, got
     assert got["sub"] == 0 and got["flip"] >= 1, got
+
+
+def test_layer_launches_are_counted_per_step_and_layer(capfd):
+    """--layer --count: each layer's Triton launches a step, in order, with no kernel run; a
+    setting given with --set is in force (the compressor's range sum in its projections' last
+    program: one launch fewer, at the r = 2 source only, where its projections run)."""
+    import sm90_compile
+
+    def counts(*sets):
+        args = ["--layer", "tiny", "--prefill", "8", "--batches", "2", "--count"]
+        assert sm90_compile.main(args + [x for s in sets for x in ("--set", s)]) == 0
+        rows = [line.split() for line in capfd.readouterr().out.splitlines()
+                if line.startswith(("prefill", "decode"))]
+        return {(r[0], int(r[2 if r[0] == "prefill" else 3])): r for r in rows}
+
+    base = counts()
+    assert len(base) == 12  # 6 layers, a prefill and a decode step
+    last = counts("ops.compressor.triton.PROJECT_LAST_SUM=1")
+    for (step, layer), row in base.items():
+        i = 4 if step == "prefill" else 5  # the launch count's column
+        got = last[step, layer]
+        if layer == 1:  # the r = 2 source
+            assert row[i - 1] == "FULL/r2" and "dense_sum" in row[i + 1:]
+            assert int(got[i]) == int(row[i]) - 1 and "dense_sum" not in got[i + 1:]
+        else:
+            assert got == row
