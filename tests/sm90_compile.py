@@ -419,10 +419,10 @@ def _layer_report(a) -> int:
 
 def count_layer_steps(preset_name: str, prefill: int, batches: list[int],
                       settings: list[str]) -> None:
-    """--layer --count (under the interpreter; the caller sets TRITON_INTERPRET=1): record_layer_steps'
-    steps with ``settings`` ('PATH.NAME=VALUE', tuning.parse_setting) in force, and print per
-    step and layer its role, how many Triton kernels it launches and which, in order (the
-    torch ops that launch kernels of their own are not counted)."""
+    """--layer --count (under the interpreter; the caller sets TRITON_INTERPRET=1):
+    record_layer_steps' steps with ``settings`` ('PATH.NAME=VALUE', tuning.parse_setting) in
+    force, and print per step and layer its role, how many Triton kernels it launches and
+    which, in order (the torch ops that launch kernels of their own are not counted)."""
     from dsv41attn import preset
     from dsv41attn.tuning import parse_setting, tuned
     cfg = preset(preset_name)

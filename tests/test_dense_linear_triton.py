@@ -313,10 +313,9 @@ def _compile_wo_a_codes(bits: bool, triton_dir: str | None) -> dict:
     for sm_90a: (registers, stack, local ld/st, main loop) and its SASS's opcode counts."""
     return sm90_compile.compile_probe(rf"""
 import re, collections
-from triton.tools.tensor_descriptor import TensorDescriptor
 import dsv41attn.ops.linear.triton as T
-d = TensorDescriptor(torch.empty(16, dtype=torch.uint8), [8192, 4096], [4096, 1], [64, 32],
-                     "zero")
+d = s._argument({{"descriptor": "uint8", "shape": [8192, 4096], "strides": [4096, 1],
+                 "block": [64, 32], "padding": "zero"}})
 k = T._dense_fp8_kernel.warmup(M(torch.bfloat16), M(torch.uint8), M(torch.uint8), d,
     M(torch.bfloat16), M(torch.float32), M(torch.int32), 1, 1024, 4096, 32768, 8192, 128, 64,
     4, BLOCK_M=16, BLOCK_N=64, SPLITS=4, ALL_RANGES=False, TMA=True, RESCALED=True,
